@@ -1,0 +1,49 @@
+"""Paged attention dispatch: the model calls `attention`, which picks a Pallas kernel or the jnp reference.
+
+The metadata pytree is built by the runner once per step and passed explicitly through the model
+(no hidden global context). Shapes are fixed per compiled step; padding rows/tokens are marked by
+seq_lens == 0 and slot_mapping == -1.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+from jaxserve.kv_cache import KVCache
+from pallas_kernels import paged_attention as pa
+
+
+@struct.dataclass
+class AttentionMetadata:
+    positions: jax.Array  # i32[B, T]   absolute position of each new token
+    slot_mapping: jax.Array  # i32[B, T]   flat KV slot of each new token, -1 = padding
+    page_table: jax.Array  # i32[B, W]   pages of each row's sequence (W = pages visible this step)
+    seq_lens: jax.Array  # i32[B]      KV length after this step's writes, 0 = inactive row
+
+
+def resolve_impl(impl: str) -> str:
+    """'auto' -> 'pallas' on GPU, 'reference' elsewhere."""
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return impl
+
+
+def attention(
+    q: jax.Array, cache: KVCache, layer: jax.Array, meta: AttentionMetadata, impl: str
+) -> jax.Array:
+    """q: [B, T, H, D] -> [B, T, H, D]. The new tokens' K/V must already be written to `cache`."""
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return pa.paged_attention_reference(
+            q,
+            cache.k,
+            cache.v,
+            meta.positions,
+            meta.seq_lens,
+            meta.page_table,
+            layer,
+            cache.k_scale,
+            cache.v_scale,
+        )
+    raise ValueError(f"attention impl {impl!r} is not available")

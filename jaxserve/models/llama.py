@@ -1,0 +1,158 @@
+"""A functional Llama-family transformer (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+    forward(params, tokens, meta, cache, config, attn_impl) -> (hidden, cache)
+    compute_logits(params, hidden, config) -> f32 logits
+
+Params are a plain pytree passed into jit (never closed over). Per-layer weights are stacked on a
+leading layer axis and the layers run under `lax.scan`, so compile time does not depend on depth:
+
+    embed        [V, D]
+    layers/
+      attn_norm  [L, D]
+      wq         [L, D, H*Dh]     (+ bq [L, H*Dh] when config.attention_bias, Qwen2)
+      wk, wv     [L, D, KVH*Dh]   (+ bk, bv [L, KVH*Dh])
+      wo         [L, H*Dh, D]
+      mlp_norm   [L, D]
+      w_gate     [L, D, I]
+      w_up       [L, D, I]
+      w_down     [L, I, D]
+    final_norm   [D]
+    lm_head      [D, V]           absent when config.tie_word_embeddings (logits use embed^T)
+
+Linear weights are `[in, out]` arrays or quantized-weight pytrees (see `jaxserve.quant`) with the
+same logical shape; `layers.linear.linear` multiplies either. Norms and softmax run in f32; matmuls
+in the params' dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import kv_cache as kvc
+from jaxserve.config import ModelConfig
+from jaxserve.layers.attention import AttentionMetadata, attention
+from jaxserve.layers.linear import linear
+from jaxserve.layers.norm import rms_norm
+from jaxserve.layers.rope import apply_rope
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """The logical shape of every parameter, as a nested dict of tuples (the name map's contract)."""
+    c = config
+    L, D, I, V = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layers = {
+        "attn_norm": (L, D),
+        "wq": (L, D, qd),
+        "wk": (L, D, kd),
+        "wv": (L, D, kd),
+        "wo": (L, qd, D),
+        "mlp_norm": (L, D),
+        "w_gate": (L, D, I),
+        "w_up": (L, D, I),
+        "w_down": (L, I, D),
+    }
+    if c.attention_bias:
+        layers.update({"bq": (L, qd), "bk": (L, kd), "bv": (L, kd)})
+    shapes = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def check_params(params: dict, config: ModelConfig) -> None:
+    """Raises ValueError naming any missing, unexpected or mis-shaped parameter."""
+    want = param_shapes(config)
+
+    def walk(w, p, prefix):
+        missing = sorted(set(w) - set(p))
+        extra = sorted(set(p) - set(w))
+        if missing:
+            raise ValueError(f"missing parameter(s): {[prefix + m for m in missing]}")
+        if extra:
+            raise ValueError(f"unexpected parameter(s): {[prefix + e for e in extra]}")
+        for k, shape in w.items():
+            if isinstance(shape, dict):
+                walk(shape, p[k], prefix + k + "/")
+            elif tuple(p[k].shape) != tuple(shape):
+                raise ValueError(
+                    f"parameter {prefix + k} has shape {tuple(p[k].shape)}, expected {tuple(shape)}"
+                )
+
+    walk(want, params, "")
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
+    """Random weights (normal, std 0.02; norms at 1): tests and the `dummy` load format."""
+    shapes = param_shapes(config)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for (path, shape), k in zip(flat, keys):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            leaves.append(jnp.ones(shape, dtype))
+        else:
+            leaves.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def forward(
+    params: dict,
+    tokens: jax.Array,
+    meta: AttentionMetadata,
+    cache: kvc.KVCache,
+    config: ModelConfig,
+    attn_impl: str = "reference",
+) -> tuple[jax.Array, kvc.KVCache]:
+    """Runs the new tokens through every layer, writing their K/V into the paged cache.
+
+    tokens: i32[B, T]; meta: positions/slot_mapping [B, T], page_table [B, W], seq_lens [B].
+    Returns the final-norm hidden states [B, T, D] (params dtype) and the updated cache.
+    """
+    c = config
+    b, t = tokens.shape
+    h, kvh, dh = c.num_heads, c.num_kv_heads, c.head_dim
+    inv_freq = c.inv_freq()
+    x = params["embed"][tokens]  # (B, T, D)
+    dtype = x.dtype
+
+    def layer(carry, xs):
+        x, cache = carry
+        lp, li = xs
+        y = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
+        q = linear(y, lp["wq"])
+        k = linear(y, lp["wk"])
+        v = linear(y, lp["wv"])
+        if c.attention_bias:
+            q = q + lp["bq"].astype(dtype)
+            k = k + lp["bk"].astype(dtype)
+            v = v + lp["bv"].astype(dtype)
+        q = apply_rope(q.reshape(b, t, h, dh), meta.positions, inv_freq)  # (B, T, H, Dh)
+        k = apply_rope(k.reshape(b, t, kvh, dh), meta.positions, inv_freq)  # (B, T, KVH, Dh)
+        v = v.reshape(b, t, kvh, dh)
+        cache = kvc.write(cache, li, k, v, meta.slot_mapping)
+        o = attention(q, cache, li, meta, attn_impl)  # (B, T, H, Dh)
+        x = x + linear(o.reshape(b, t, h * dh), lp["wo"])
+        y = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
+        gate = jax.nn.silu(linear(y, lp["w_gate"]).astype(jnp.float32)).astype(dtype)
+        x = x + linear(gate * linear(y, lp["w_up"]), lp["w_down"])
+        return (x, cache), None
+
+    (x, cache), _ = jax.lax.scan(
+        layer, (x, cache), (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32))
+    )
+    return rms_norm(x, params["final_norm"], c.rms_norm_eps), cache
+
+
+def compute_logits(params: dict, hidden: jax.Array, config: ModelConfig) -> jax.Array:
+    """hidden[..., D] -> f32 logits[..., V]."""
+    if config.tie_word_embeddings:
+        w = params["embed"]  # (V, D)
+        return jnp.einsum(
+            "...d,vd->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32
+        )
+    return linear(hidden, params["lm_head"]).astype(jnp.float32)

@@ -1,0 +1,1 @@
+"""Pallas kernels, one per file, each with its pure-jnp reference at the end of the same file."""
