@@ -1,13 +1,397 @@
-"""Paged attention over the KV page pool (see `jaxserve/kv_cache.py` for the layout).
+"""Paged decode attention: one new query token per row against that row's KV pages (flash-decoding).
 
-This file ends with the pure-jnp reference that the model uses on CPU and that the kernels are
-tested against.
+Dataflow of `paged_attention` (B rows, H = KVH * G query heads, pool of P pages of ps tokens):
+
+    q [B, H, D] -> [B, KVH, Gp, D]          the G heads of one KV head, padded to Gp >= 16 rows
+    grid (B, KVH, S): program (b, h, s) walks pages [s * pps, (s + 1) * pps) of row b in blocks of
+        block_k keys: gathers K/V tiles [block_k, D] of layer `layer`, KV head h straight from the
+        whole pool [L * KVH * P, ps, D] through the page table (each page read once per KV head),
+        and keeps an online softmax: partial out f32[Gp, D], running max m and sum l f32[Gp]
+    combine over S (log-sum-exp) -> [B, KVH, Gp, D] -> [B, H, D]
+
+The kernel takes the whole stacked pool plus a traced `layer` index, so the model can call it inside
+`lax.scan` without slicing (and copying) a layer out of the cache. Rows with seq_len 0 run no
+iterations and come out as zeros. Int8/fp8 pages are loaded as stored; K's per-token scale multiplies
+the logits and V's the probabilities inside the loop, so no dequantized page is ever written.
+
+Lowered through Triton (`pallas_call` with `triton.CompilerParams`; jax 0.11 deprecates this backend
+in favour of Mosaic GPU and warns on each call). A Mosaic GPU variant would
+replace the gathered `ref[pages]` loads with TMA copies of whole pages into a multi-buffered SMEM
+ring driven by `plgpu.emit_pipeline` (the page table read as scalars per step), run the 16-row
+Q.K^T / P.V products on wgmma from SMEM with a warpgroup per KV head, and could drop the padding of
+the head group to 16 rows by packing several KV heads' groups into one 64-row wgmma tile.
+
+`paged_attention_reference` at the end of the file is the pure-jnp definition (gather + einsum) for
+decode and prefill alike; the engine's CPU path and every kernel test use it.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.tuning import H200_DECODE, DecodeConfig
+
+# Finite, so fully masked tiles never produce inf - inf = NaN in the online softmax.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# ------------------------------------------------------------------------------------------------
+# Input checks shared with `paged_prefill.py`.
+
+
+def _is_concrete(x) -> bool:
+    return x is not None and not isinstance(x, jax.core.Tracer)
+
+
+def check_kv_inputs(
+    num_q_heads: int,
+    head_dim: int,
+    k_pages,
+    v_pages,
+    seq_lens,
+    page_table,
+    layer,
+    k_scale,
+    v_scale,
+    batch: int,
+) -> None:
+    """Raises ValueError naming the bad argument and the shape it should have."""
+    if k_pages.ndim != 5:
+        raise ValueError(
+            f"k_pages must be [L, KVH, P, page_size, D], got shape {tuple(k_pages.shape)}"
+        )
+    n_layers, kvh, n_pages, ps, d = k_pages.shape
+    if tuple(v_pages.shape) != tuple(k_pages.shape) or v_pages.dtype != k_pages.dtype:
+        raise ValueError(
+            f"v_pages must match k_pages: expected {k_pages.dtype}{list(k_pages.shape)}, "
+            f"got {v_pages.dtype}{list(v_pages.shape)}"
+        )
+    if d != head_dim:
+        raise ValueError(f"q head_dim {head_dim} does not match k_pages head_dim {d}")
+    if num_q_heads % kvh:
+        raise ValueError(
+            f"q heads ({num_q_heads}) must be a multiple of the KV heads of k_pages ({kvh})"
+        )
+    for name, v in (("page_size", ps), ("head_dim", d)):
+        if v & (v - 1):
+            raise ValueError(f"k_pages {name} must be a power of two (Triton tiles), got {v}")
+    if tuple(seq_lens.shape) != (batch,) or seq_lens.dtype != jnp.int32:
+        raise ValueError(
+            f"seq_lens must be i32[{batch}], got {seq_lens.dtype}{list(seq_lens.shape)}"
+        )
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+        raise ValueError(
+            f"page_table must be i32[{batch}, W], got {page_table.dtype}{list(page_table.shape)}"
+        )
+    if jnp.shape(layer) not in ((), (1,)) or not jnp.issubdtype(
+        jnp.result_type(layer), jnp.integer
+    ):
+        raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+    quantized = jnp.dtype(k_pages.dtype) in QUANTIZED_KV_DTYPES
+    if quantized != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError(
+            f"k_scale and v_scale must be f32{list(k_pages.shape[:-1])} exactly when the pages "
+            f"are int8/fp8 (k_pages is {k_pages.dtype}, k_scale given: {k_scale is not None}, "
+            f"v_scale given: {v_scale is not None})"
+        )
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is not None and (
+            tuple(s.shape) != tuple(k_pages.shape[:-1]) or s.dtype != jnp.float32
+        ):
+            raise ValueError(
+                f"{name} must be f32{list(k_pages.shape[:-1])}, got {s.dtype}{list(s.shape)}"
+            )
+    # Values: checked only when concrete (inside jit they are tracers and cannot be inspected).
+    if _is_concrete(layer) and not 0 <= int(np.asarray(layer).reshape(())) < n_layers:
+        raise ValueError(f"layer {int(np.asarray(layer).reshape(()))} is outside [0, {n_layers})")
+    w = page_table.shape[1]
+    if _is_concrete(seq_lens):
+        lens = np.asarray(seq_lens)
+        if lens.min(initial=0) < 0 or lens.max(initial=0) > w * ps:
+            raise ValueError(
+                f"seq_lens must lie in [0, W * page_size] = [0, {w * ps}] for page_table "
+                f"[{batch}, {w}], got max {lens.max(initial=0)} min {lens.min(initial=0)}"
+            )
+        if _is_concrete(page_table):
+            pt = np.asarray(page_table)
+            used = np.arange(w)[None, :] < -(-lens[:, None] // ps)  # (B, W) pages holding tokens
+            bad = used & ((pt < 0) | (pt >= n_pages))
+            if bad.any():
+                b, j = map(int, np.argwhere(bad)[0])
+                raise ValueError(
+                    f"page_table[{b}, {j}] = {int(pt[b, j])} points past the pool of {n_pages} "
+                    f"pages (k_pages [L, KVH, P={n_pages}, ps, D])"
+                )
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel.
+
+
+def _decode_kernel(
+    layer_ref,  # i32[1]                  layer index into the stacked pool
+    lens_ref,  # i32[B]                   visible KV length of each row
+    pt_ref,  # i32[B, Wp]                 page table, padded to S * pages_per_split
+    q_ref,  # [Gp, D]                     this (row, KV head)'s query heads (block of [B, KVH, Gp, D])
+    k_ref,  # [L * KVH * P, ps, D]        whole K pool, one page per leading index
+    v_ref,  # [L * KVH * P, ps, D]        whole V pool
+    *refs,  # (ks_ref, vs_ref f32[L * KVH * P, ps] if quantized), o_ref f32[Gp, D], m_ref, l_ref f32[Gp]
+    page_size: int,
+    pages_per_block: int,
+    pages_per_split: int,
+    num_kv_heads: int,
+    num_pages: int,
+    quantized: bool,
+    sm_scale: float,
+):
+    if quantized:
+        ks_ref, vs_ref, o_ref, m_ref, l_ref = refs
+    else:
+        o_ref, m_ref, l_ref = refs
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_k = pages_per_block * page_size
+    gp, d = q_ref.shape
+    kv_len = lens_ref[b]
+    base = (layer_ref[0] * num_kv_heads + h) * num_pages  # first page of (layer, head) in the pool
+    first_page = s * pages_per_split
+    n_pages = jnp.minimum(pl.cdiv(kv_len, page_size) - first_page, pages_per_split)
+    n_iter = pl.cdiv(jnp.maximum(n_pages, 0), pages_per_block)
+    q = q_ref[...]
+    cdt = q.dtype  # products run in the query dtype; int8/fp8 values are exact in bf16/f32
+
+    def body(i, carry):
+        o, m, l = carry
+        page0 = first_page + i * pages_per_block
+        pages = pt_ref[b, pl.ds(page0, pages_per_block)]  # (ppb,)
+        pages = base + jnp.clip(pages, 0, num_pages - 1)
+        k = k_ref[pages].reshape(block_k, d).astype(cdt)  # (BK, D)
+        logits = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )  # (Gp, BK)
+        if quantized:
+            logits = logits * (ks_ref[pages].reshape(1, block_k) * sm_scale)
+        else:
+            logits = logits * sm_scale
+        tok = page0 * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        logits = jnp.where(tok < kv_len, logits, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # (Gp,)
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(logits - m_new[:, None])  # (Gp, BK)
+        l_new = corr * l + jnp.sum(p, axis=1)
+        if quantized:
+            p = p * vs_ref[pages].reshape(1, block_k)
+        v = v_ref[pages].reshape(block_k, d).astype(cdt)  # (BK, D)
+        pv = lax.dot_general(
+            p.astype(cdt), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )  # (Gp, D)
+        return corr[:, None] * o + pv, m_new, l_new
+
+    init = (
+        jnp.zeros((gp, d), jnp.float32),
+        jnp.full((gp,), jnp.finfo(jnp.float32).min, jnp.float32),
+        jnp.zeros((gp,), jnp.float32),
+    )
+    o, m, l = lax.fori_loop(0, n_iter, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def decode_plan(batch: int, num_kv_heads: int, width: int, page_size: int, cfg: DecodeConfig):
+    """Static split-K plan: (pages_per_block, splits, pages_per_split)."""
+    pages_per_block = max(cfg.block_k, page_size) // page_size
+    n_blocks = -(-width // pages_per_block)
+    splits = 1
+    while (
+        splits * 2 <= min(cfg.max_splits, n_blocks)
+        and batch * num_kv_heads * splits < cfg.target_programs
+    ):
+        splits *= 2
+    pages_per_split = -(-n_blocks // splits) * pages_per_block
+    return pages_per_block, splits, pages_per_split
+
+
+def _decode_call(
+    q, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, cfg, interpret
+):
+    """pallas_call wrapper: q [B, H, D] -> [B, H, D]."""
+    b, h, d = q.shape
+    n_layers, kvh, n_pages, ps, _ = k_pages.shape
+    g = h // kvh
+    gp = max(cfg.min_group_rows, next_pow2(g))
+    ppb, splits, pps = decode_plan(b, kvh, page_table.shape[1], ps, cfg)
+    wp = splits * pps
+    pt = jnp.pad(page_table, ((0, 0), (0, wp - page_table.shape[1])))  # (B, Wp)
+    qg = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # (B, KVH, Gp, D)
+    rows = n_layers * kvh * n_pages
+    kf = k_pages.reshape(rows, ps, d)  # (L * KVH * P, ps, D): a bitcast, not a copy
+    vf = v_pages.reshape(rows, ps, d)
+    quantized = k_scale is not None
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    in_specs = [
+        whole((1,)),
+        whole((b,)),
+        whole((b, wp)),
+        pl.BlockSpec((None, None, gp, d), lambda i, j, s: (i, j, 0, 0)),
+        whole((rows, ps, d)),
+        whole((rows, ps, d)),
+    ]
+    args = [jnp.asarray(layer, jnp.int32).reshape(1), seq_lens, pt, qg, kf, vf]
+    if quantized:
+        in_specs += [whole((rows, ps)), whole((rows, ps))]
+        args += [k_scale.reshape(rows, ps), v_scale.reshape(rows, ps)]
+    kernel = functools.partial(
+        _decode_kernel,
+        page_size=ps,
+        pages_per_block=ppb,
+        pages_per_split=pps,
+        num_kv_heads=kvh,
+        num_pages=n_pages,
+        quantized=quantized,
+        sm_scale=1.0 / float(np.sqrt(d)),
+    )
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(b, kvh, splits),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, None, gp, d), lambda i, j, s: (i, j, s, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda i, j, s: (i, j, s, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda i, j, s: (i, j, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kvh, splits, gp, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, gp), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"paged_decode_ps{ps}_ppb{ppb}_s{splits}",
+    )(*args)
+    # Log-sum-exp combine of the S partial results. Empty splits have l = 0 and m = f32.min.
+    m_all = jnp.max(m, axis=2, keepdims=True)  # (B, KVH, 1, Gp)
+    corr = jnp.exp(m - m_all)  # (B, KVH, S, Gp)
+    l_all = jnp.sum(l * corr, axis=2)  # (B, KVH, Gp)
+    o = jnp.sum(o * corr[..., None], axis=2)  # (B, KVH, Gp, D)
+    o = o / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # inactive rows: 0 / 1 = 0
+    return o[:, :, :g].reshape(b, h, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _decode_jit(
+    q, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, config, interpret
+):
+    return _decode_call(
+        q, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, config, interpret
+    )
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    seq_lens: jax.Array,
+    page_table: jax.Array,
+    layer: jax.Array | int = 0,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    *,
+    config: DecodeConfig = H200_DECODE,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention of one new token per row against its pages.
+
+    q:          [B, H, D]              f32 or bf16; H = KVH * G
+    k_pages,
+    v_pages:    [L, KVH, P, ps, D]     the whole pool (model dtype, int8 or fp8); ps, D powers of two
+    seq_lens:   i32[B]                 visible KV length per row (keys 0..seq_len-1); 0 = inactive
+    page_table: i32[B, W]              pages of each row; entries past a row's length are ignored
+    layer:      i32[] | int            which layer of the pool to read (traced inside lax.scan)
+    k_scale,
+    v_scale:    f32[L, KVH, P, ps] | None   per-token scales, required exactly for int8/fp8 pages
+    returns     [B, H, D] in q.dtype; zeros for rows with seq_len 0.
+    """
+    if q.ndim != 3 or q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"q must be f32/bf16 [B, H, D], got {q.dtype}{list(q.shape)}")
+    b, h, d = q.shape
+    check_kv_inputs(h, d, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, b)
+    return _decode_jit(
+        q,
+        k_pages,
+        v_pages,
+        seq_lens,
+        page_table,
+        jnp.asarray(layer, jnp.int32).reshape(()),
+        k_scale,
+        v_scale,
+        config=config,
+        interpret=interpret,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA lowering cases for `python -m pallas_kernels.check`.
+
+# (name, q heads, KV heads, head_dim, layers) of the supported models' attention.
+MODEL_HEADS = (
+    ("smollm2-135m", 9, 3, 64, 30),
+    ("llama3.2-1b", 32, 8, 64, 16),
+    ("llama3-8b", 32, 8, 128, 32),
+    ("qwen2-7b", 28, 4, 128, 28),
+)
+KV_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def pool_structs(layers, kvh, pages, ps, d, q_dtype, kv_cache_dtype):
+    """ShapeDtypeStructs of (k_pages, v_pages, k_scale, v_scale) for a pool."""
+    sds = jax.ShapeDtypeStruct
+    kv_dt = KV_DTYPES[kv_cache_dtype] or q_dtype
+    kv = sds((layers, kvh, pages, ps, d), kv_dt)
+    sc = None if KV_DTYPES[kv_cache_dtype] is None else sds((layers, kvh, pages, ps), jnp.float32)
+    return kv, kv, sc, sc
+
+
+def lowering_cases() -> list:
+    """Every decode configuration the engine uses: models x page size x q dtype x KV dtype."""
+    from pallas_kernels.check import KernelCheck  # here, not at the top: check.py imports this file
+
+    sds = jax.ShapeDtypeStruct
+    cases = []
+    batch, width, pages = 64, 64, 4096  # 64 slots, contexts up to 64 pages, a 4096-page pool
+    for model, h, kvh, d, layers in MODEL_HEADS:
+        for ps in (16, 32):
+            for q_dt in (jnp.bfloat16, jnp.float32):
+                for kv in KV_DTYPES:
+                    k, v, ks, vs = pool_structs(layers, kvh, pages, ps, d, q_dt, kv)
+                    args = (
+                        sds((batch, h, d), q_dt),
+                        k,
+                        v,
+                        sds((batch,), jnp.int32),
+                        sds((batch, width), jnp.int32),
+                        sds((), jnp.int32),
+                    )
+                    if ks is not None:
+                        args += (ks, vs)
+                    name = f"decode/{model}/ps{ps}/{jnp.dtype(q_dt).name}/kv-{kv}"
+                    cases.append(KernelCheck(name, paged_attention, args))
+    return cases
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference.
 
 
 def paged_attention_reference(

@@ -8,10 +8,12 @@ seq_lens == 0 and slot_mapping == -1.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from jaxserve.kv_cache import KVCache
 from pallas_kernels import paged_attention as pa
+from pallas_kernels import paged_prefill as pp
 
 
 @struct.dataclass
@@ -32,8 +34,41 @@ def resolve_impl(impl: str) -> str:
 def attention(
     q: jax.Array, cache: KVCache, layer: jax.Array, meta: AttentionMetadata, impl: str
 ) -> jax.Array:
-    """q: [B, T, H, D] -> [B, T, H, D]. The new tokens' K/V must already be written to `cache`."""
+    """q: [B, T, H, D] -> [B, T, H, D]. The new tokens' K/V must already be written to `cache`.
+
+    'pallas' / 'pallas_interpret': T == 1 runs the flash-decoding kernel, T > 1 the ragged
+    chunked-prefill kernel; both read the whole stacked pool at the traced `layer`.
+    """
     impl = resolve_impl(impl)
+    if impl in ("pallas", "pallas_interpret"):
+        interpret = impl == "pallas_interpret"
+        if q.shape[1] == 1:
+            # Decode sees keys s <= position and s < seq_len: one visible length per row.
+            kv_len = jnp.minimum(meta.seq_lens, meta.positions[:, 0] + 1)
+            out = pa.paged_attention(
+                q[:, 0],
+                cache.k,
+                cache.v,
+                jnp.maximum(kv_len, 0),
+                meta.page_table,
+                layer,
+                cache.k_scale,
+                cache.v_scale,
+                interpret=interpret,
+            )
+            return out[:, None]  # (B, 1, H, D)
+        return pp.paged_prefill_attention(
+            q,
+            cache.k,
+            cache.v,
+            meta.positions,
+            meta.seq_lens,
+            meta.page_table,
+            layer,
+            cache.k_scale,
+            cache.v_scale,
+            interpret=interpret,
+        )
     if impl == "reference":
         return pa.paged_attention_reference(
             q,

@@ -1,0 +1,288 @@
+r"""Continuous vs static batching, side by side in one run, plus the KV-memory measurements.
+
+    .venv/bin/python experiments/continuous_vs_static.py                   # synthetic model
+    .venv/bin/python experiments/continuous_vs_static.py --model=smollm2-135m --load_format=dummy \
+        --dtype=bfloat16
+
+Model: the shared engine flags (`--model`, `--dtype`, `--page_size`, ...). With `--model` unset this
+script writes (once) a small random Llama as a Hugging Face folder, experiments/out/bench-small-llama
+(vocab 8192, hidden 256, 4 layers, 4 heads / 2 KV heads of 64, max_position_embeddings 4096), so the
+`longtail` workload (sequences up to 1152 tokens) fits — the `tiny` preset stops at 512 positions.
+Every step has a fixed shape, so a step's cost does not depend on how many slots are busy; what
+batching changes is how many steps the workload needs, and that shows at any model size.
+
+Measurements (all in one process, one after another, same workload, same engine flags):
+  1. `longtail` (256 requests, outputs geometric mean 128 capped at 1024) at --num_slots (32):
+     continuous vs static output tokens/s and their ratio (target >= 3.5x); slot occupancy over
+     time for both -> occupancy.png.
+  2. Throughput vs slots for both modes over --slot_sweep -> throughput_vs_slots.png.
+  3. KV memory: the continuous run's share of allocated page capacity holding live tokens in
+     steady state (target >= 96%); then a fixed KV budget of --kv_budget_reservations x
+     max_model_len tokens served with --kv_num_slots slots: the mean number of concurrent requests
+     in steady state against the budget / max_model_len requests that reserving max_model_len per
+     request would admit (target >= 4x).
+Writes summary.json and the PNGs to --out_dir and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from jaxserve.config import ModelConfig
+from jaxserve.launch import bench
+from jaxserve.launch import flags as engine_flags
+from jaxserve.workloads import make_workload
+
+_OUT_DIR = flags.DEFINE_string(
+    "out_dir", "experiments/out/continuous_vs_static", "Where summary.json and PNGs go."
+)
+_SLOT_SWEEP = flags.DEFINE_list("slot_sweep", ["4", "8", "16", "32", "64"], "Slot counts to sweep.")
+_KV_BUDGET = flags.DEFINE_integer(
+    "kv_budget_reservations", 4, "KV budget in units of max_model_len tokens."
+)
+_KV_SLOTS = flags.DEFINE_integer("kv_num_slots", 64, "Slots for the fixed-KV-budget run.")
+_SWEEP_REQUESTS = flags.DEFINE_integer(
+    "sweep_requests", 128, "Requests per point of the slot sweep (the first N of the workload)."
+)
+
+log = logging.getLogger("continuous_vs_static")
+SYNTHETIC = ModelConfig(
+    architecture="llama",
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=768,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    name="bench-small-llama",
+)
+MAX_MODEL_LEN = 2048
+
+
+def write_synthetic_model(out: Path, config: ModelConfig = SYNTHETIC) -> Path:
+    """Random N(0, 0.02) weights saved under Hugging Face tensor names (the loader's own name map)."""
+    from safetensors.numpy import save_file
+
+    from jaxserve.loading.hf import hf_tensor_map
+    from jaxserve.models.llama import init_params
+
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    params = jax.tree.map(np.asarray, init_params(config, jax.random.key(0), np.float32))
+    tensors = {}
+    for path, (names, transposed) in hf_tensor_map(config).items():
+        node = params
+        for k in path.split("/"):
+            node = node[k]
+        per_layer = list(node) if path.startswith("layers/") else [node]
+        for name, x in zip(names, per_layer):
+            tensors[name] = np.ascontiguousarray(x.T if transposed else x)
+    save_file(tensors, str(out / "model.safetensors"))
+    hf = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (out / "config.json").write_text(json.dumps(hf, indent=1))
+    return out
+
+
+def serve(kwargs: dict, workload, **overrides) -> dict:
+    """One engine built with kwargs | overrides, warmed up, serving `workload`: its summary."""
+    args = kwargs | overrides
+    llm, load_s = bench.make_llm(**args)
+    result = bench.run_benchmark(llm, workload)
+    s = result.summary | {
+        "load_s": load_s,
+        "num_slots": llm.engine_config.num_slots,
+        "batching": llm.engine_config.batching,
+        "num_pages": llm.num_pages,
+    }
+    log.info("%s\n%s", {k: v for k, v in overrides.items()}, bench.format_table(s))
+    return s | {"steps": result.steps}
+
+
+def main(argv):
+    del argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out_dir = Path(_OUT_DIR.value)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kwargs = engine_flags.llm_kwargs()
+    if kwargs.get("model") is None:
+        kwargs["model"] = str(write_synthetic_model(out_dir.parent / "bench-small-llama"))
+    kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
+    num_slots = kwargs.pop("num_slots", 32)
+    probe, _ = bench.make_llm(**(kwargs | {"num_slots": 1, "num_pages": 1}))
+    vocab = probe.model_config.vocab_size
+    del probe
+    workload = make_workload(
+        "longtail", vocab, flags.FLAGS.num_requests
+    )  # --num_requests: smoke runs
+    results: dict = {"engine_kwargs": kwargs, "workload": workload.description}
+
+    # 1. Side by side at the same slot count.
+    runs = {
+        m: serve(kwargs, workload, num_slots=num_slots, batching=m)
+        for m in ("continuous", "static")
+    }
+    ratio = runs["continuous"]["output_tokens_per_s"] / runs["static"]["output_tokens_per_s"]
+    results["side_by_side"] = {m: _strip(r) for m, r in runs.items()} | {"ratio": ratio}
+    plot_occupancy(runs, num_slots, out_dir / "occupancy.png")
+
+    # 2. Throughput vs slots.
+    sweep_w = dataclasses.replace(workload, requests=workload.requests[: _SWEEP_REQUESTS.value])
+    sweep = {m: {} for m in ("continuous", "static")}
+    for n in [int(x) for x in _SLOT_SWEEP.value]:
+        for m in sweep:
+            sweep[m][n] = _strip(serve(kwargs, sweep_w, num_slots=n, batching=m))
+    results["slot_sweep"] = {"num_requests": sweep_w.num_requests} | sweep
+    plot_sweep(sweep, out_dir / "throughput_vs_slots.png")
+
+    # 3. KV memory at a fixed budget.
+    page_size = kwargs.get("page_size", 16)
+    max_len = kwargs["max_model_len"]
+    budget_tokens = _KV_BUDGET.value * max_len
+    kv = serve(
+        kwargs,
+        workload,
+        num_slots=_KV_SLOTS.value,
+        batching="continuous",
+        num_pages=budget_tokens // page_size,
+    )
+    results["kv_budget"] = {
+        "budget_tokens": budget_tokens,
+        "max_model_len": max_len,
+        "reserved_concurrency": budget_tokens // max_len,
+        "reserved_concurrency_at_workload_max": budget_tokens // workload.max_seq_len,
+        "workload_max_seq_len": workload.max_seq_len,
+        "mean_running_steady": kv["mean_running_steady"],
+        "peak_running": kv["peak_running"],
+        "concurrency_ratio": kv["mean_running_steady"] / (budget_tokens // max_len),
+        "concurrency_ratio_vs_workload_max": kv["mean_running_steady"]
+        / (budget_tokens // workload.max_seq_len),
+        "kv_live_token_share_steady": kv["kv_live_token_share_steady"],
+        "run": _strip(kv),
+    }
+    results["targets"] = {
+        "continuous_over_static >= 3.5": ratio,
+        "kv_live_token_share_steady >= 0.96 (32-slot continuous run)": runs["continuous"][
+            "kv_live_token_share_steady"
+        ],
+        "concurrency_vs_max_model_len_reservation >= 4": results["kv_budget"]["concurrency_ratio"],
+    }
+    (out_dir / "summary.json").write_text(json.dumps(results, indent=1, default=str))
+    print(markdown(results, num_slots))
+
+
+def _strip(s: dict) -> dict:
+    return {k: v for k, v in s.items() if k != "steps"}
+
+
+def plot_occupancy(runs: dict, num_slots: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for mode, r in runs.items():
+        t = [s["t_s"] for s in r["steps"]]
+        ax.plot(
+            t,
+            [s["occupancy"] * num_slots for s in r["steps"]],
+            lw=0.8,
+            label=f"{mode} ({r['output_tokens_per_s']:.0f} tok/s)",
+        )
+    ax.set(
+        xlabel="seconds since submission",
+        ylabel=f"busy slots (of {num_slots})",
+        title="Slot occupancy, longtail workload",
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(sweep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, pts in sweep.items():
+        xs = sorted(pts)
+        ax.plot(xs, [pts[n]["output_tokens_per_s"] for n in xs], "o-", label=mode)
+    ax.set(xscale="log", xlabel="slots", ylabel="output tokens/s", title="Throughput vs slots")
+    ax.set_xticks(sorted(next(iter(sweep.values()))), labels=sorted(next(iter(sweep.values()))))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(r: dict, num_slots: int) -> str:
+    sbs = r["side_by_side"]
+    lines = [
+        f"| longtail, {num_slots} slots | output tok/s | req/s | TTFT p50 / p99 s | "
+        "TPOT p50 ms | mean occupancy | steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in ("continuous", "static"):
+        s = sbs[m]
+        lines.append(
+            f"| {m} | {s['output_tokens_per_s']:.1f} | {s['requests_per_s']:.2f} | "
+            f"{s['ttft_s']['p50']:.2f} / {s['ttft_s']['p99']:.2f} | {1000 * s['tpot_s']['p50']:.1f} | "
+            f"{s['mean_slot_occupancy']:.3f} | {s['num_steps']} |"
+        )
+    lines.append(f"\ncontinuous / static = {sbs['ratio']:.2f}x\n")
+    lines.append("| slots | " + " | ".join(str(n) for n in r["slot_sweep"]["continuous"]) + " |")
+    lines.append("|---" * (1 + len(r["slot_sweep"]["continuous"])) + "|")
+    for m in ("continuous", "static"):
+        pts = r["slot_sweep"][m]
+        lines.append(
+            f"| {m} tok/s | "
+            + " | ".join(f"{p['output_tokens_per_s']:.1f}" for p in pts.values())
+            + " |"
+        )
+    kv = r["kv_budget"]
+    lines.append(
+        f"\nKV live-token share (steady state, 32-slot continuous): "
+        f"{sbs['continuous']['kv_live_token_share_steady']:.4f}\n"
+        f"Fixed budget {kv['budget_tokens']} tokens: mean {kv['mean_running_steady']:.1f} concurrent "
+        f"(peak {kv['peak_running']}) vs {kv['reserved_concurrency']} reserving max_model_len="
+        f"{kv['max_model_len']} ({kv['concurrency_ratio']:.1f}x) and "
+        f"{kv['reserved_concurrency_at_workload_max']} reserving the workload's longest sequence "
+        f"({kv['concurrency_ratio_vs_workload_max']:.1f}x); live share {kv['kv_live_token_share_steady']:.4f}, "
+        f"preemptions {kv['run']['num_preemptions']}"
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    app.run(main)

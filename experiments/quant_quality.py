@@ -1,0 +1,179 @@
+"""Perplexity of SmolLM2 under every weight quantization: f32, bf16, INT4 (RTN sym/asym, AWQ, GPTQ)
+at two group sizes, INT8 and FP8. Writes JSON + a markdown table.
+
+    python experiments/quant_quality.py [--max_tokens 4096] [--calib_tokens 8192] [--out DIR]
+
+Texts (both offline, disjoint):
+  calibration  Python's `pydoc_data.topics` (the language reference topics, in the stdlib)
+  evaluation   /usr/share/common-licenses/GPL-3 (Debian base-files), first --max_tokens tokens
+
+Every INT4 model is quantized from the f32 weights and evaluated with f32 activations, so rows
+differ only in the weights. SmolLM2's 576-wide inputs (wq/wk/wv/w_gate/w_up: hidden 576; wo: 9x64)
+are not a multiple of 128: at "g128" those weights use g64 and w_down (input 1536) uses g128
+(`calibration.group_size_for(..., allow_smaller=True)`); the table names this "g128/64".
+
+Note the source weights are the GGUF's Q4_1 (g32 asymmetric, f16 scale/min) dequantized: asymmetric
+INT4 at g32 can reproduce them exactly, so the g32 rows measure little beyond f16 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # GPTQ's small BLAS calls thrash with 2 threads
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.loading import load_model
+from jaxserve.perplexity import perplexity
+from jaxserve.quant import (
+    awq,
+    calibration,
+    gptq,
+    linear_weight_names,
+    quantize_params,
+    replace_weights,
+    rtn,
+)
+
+log = logging.getLogger("quant_quality")
+EVAL_TEXT = "/usr/share/common-licenses/GPL-3"
+
+
+def _get(params, name):
+    for part in name.split("/"):
+        params = params[part]
+    return params
+
+
+def rtn_params(params, config, group_size, symmetric):
+    """RTN of every linear weight, falling back to a smaller group where group_size does not divide."""
+    new = {}
+    for name in linear_weight_names(params, config):
+        w = _get(params, name)
+        g = calibration.group_size_for(name, w.shape[-2], group_size, allow_smaller=True)
+        new[name] = rtn.quantize_int4_rtn(w, g, symmetric=symmetric)
+    return replace_weights(params, new)
+
+
+def linear_bytes(params, config) -> tuple[int, int]:
+    """(bytes of the linear weights as stored, bytes of the same weights in bf16)."""
+    got = want = 0
+    for name in linear_weight_names(params, config):
+        w = _get(params, name)
+        got += w.nbytes if not isinstance(w, jax.Array) else w.size * w.dtype.itemsize
+        want += 2 * int(np.prod(w.shape))
+    return got, want
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model name or path (default: SmolLM2 GGUF)")
+    ap.add_argument("--text", default=EVAL_TEXT, help="evaluation text file")
+    ap.add_argument("--max_tokens", type=int, default=4096, help="evaluation tokens (first N)")
+    ap.add_argument("--window", type=int, default=512, help="perplexity window")
+    ap.add_argument("--calib_tokens", type=int, default=8192, help="calibration tokens")
+    ap.add_argument("--calib_seqlen", type=int, default=512, help="calibration window length")
+    ap.add_argument("--group_sizes", default="128,32", help="comma-separated INT4 group sizes")
+    ap.add_argument(
+        "--methods",
+        default="rtn,rtn-asym,awq,gptq,int8,fp8",
+        help="comma-separated subset of rtn,rtn-asym,awq,gptq,gptq-act,int8,fp8",
+    )
+    ap.add_argument("--out", default="experiments/out/quant_quality", help="output directory")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    methods = args.methods.split(",")
+
+    t0 = time.perf_counter()
+    m32 = load_model(args.model, dtype="float32")
+    cfg, p32, tok = m32.config, m32.params, m32.tokenizer
+    ids = np.asarray(tok(Path(args.text).read_text(), add_special_tokens=False)["input_ids"])
+    ids = ids[: args.max_tokens]
+    calib = calibration.calibration_tokens(tok, args.calib_tokens, args.calib_seqlen)
+    log.info(
+        "loaded in %.0f s; eval %d tokens, calib %s",
+        time.perf_counter() - t0,
+        len(ids),
+        calib.shape,
+    )
+
+    rows = []
+
+    def record(name, group, params, qtime):
+        t = time.perf_counter()
+        r = perplexity(params, cfg, ids, window=args.window)
+        got, want = linear_bytes(params, cfg)
+        rows.append(
+            dict(
+                method=name,
+                group=group,
+                ppl=r["ppl"],
+                tokens=r["tokens"],
+                window=r["window"],
+                linear_bytes_vs_bf16=got / want,
+                quantize_s=qtime,
+                eval_s=time.perf_counter() - t,
+            )
+        )
+        log.info("%s %s ppl %.4f (quantize %.0f s)", name, group, r["ppl"], qtime)
+        (out / "results.json").write_text(json.dumps(rows, indent=1))
+
+    record("f32", "-", p32, 0.0)
+    record("bf16", "-", load_model(args.model, dtype="bfloat16").params, 0.0)
+    stats = None
+    for g in [int(x) for x in args.group_sizes.split(",")]:
+        label = f"g{g}" if cfg.hidden_size % g == 0 else f"g{g}/{64 if g == 128 else g // 2}"
+        for meth in methods:
+            t = time.perf_counter()
+            if meth in ("rtn", "rtn-asym"):
+                q = rtn_params(p32, cfg, g, symmetric=meth == "rtn")
+            elif meth == "awq":
+                if stats is None:  # float-model statistics, shared by every group size
+                    stats = calibration.collect_stats(p32, cfg, calib)
+                q = awq.quantize_awq(p32, cfg, g, stats, allow_smaller_groups=True)
+            elif meth in ("gptq", "gptq-act"):
+                q = gptq.quantize_gptq(
+                    p32, cfg, g, calib, act_order=meth == "gptq-act", allow_smaller_groups=True
+                )
+            else:
+                continue
+            jax.block_until_ready(q)
+            record(f"int4-{meth}", label, q, time.perf_counter() - t)
+    for meth in ("int8", "fp8"):
+        if meth in methods:
+            t = time.perf_counter()
+            q = jax.block_until_ready(quantize_params(p32, cfg, meth))
+            record(meth, "per-channel", q, time.perf_counter() - t)
+
+    bf16 = next(r["ppl"] for r in rows if r["method"] == "bf16")
+    lines = [
+        f"SmolLM2-135M-Instruct (source: {m32.source}); eval: {args.text}, {rows[0]['tokens']} "
+        f"scored tokens in windows of {args.window}; calibration: {calibration.CALIBRATION_SOURCE}, "
+        f"{calib.shape[0]}x{calib.shape[1]} tokens. INT4/INT8/FP8 rows: f32 activations.",
+        "",
+        "| weights | group | perplexity | vs bf16 | linear bytes vs bf16 | quantize s |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['group']} | {r['ppl']:.3f} | {100 * (r['ppl'] / bf16 - 1):+.2f}% "
+            f"| {r['linear_bytes_vs_bf16']:.3f} | {r['quantize_s']:.0f} |"
+        )
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    jnp.zeros(())  # initialize the backend before timing anything
+    main()

@@ -1,0 +1,217 @@
+"""Converted checkpoints: params (float or quantized) + config + recipe + tokenizer, via orbax.
+
+On disk (see checkpoints/README.md):
+
+    <dir>/
+      jaxserve_checkpoint.json   {"format", "version", "config": ModelConfig fields,
+                                  "recipe": {"quantization", "group_size", "dtype", ...},
+                                  "weights": {"layers/wq": {"type": "Int4Weight",
+                                                            "static": {"group_size": 128, ...},
+                                                            "shape": [L, K, N]}, ...}}
+      params/                    orbax (StandardCheckpointer) of the params pytree in which every
+                                 quantized weight is a dict of its array fields
+                                 (Int4Weight -> {"packed", "scales", "mins"})
+      tokenizer/                 the tokenizer's save_pretrained files (absent if it had none)
+
+    save_checkpoint(path, config, params, tokenizer, recipe)
+    load_checkpoint(path, quantization=None) -> LoadedModel(config, params, tokenizer, source)
+
+Loading rebuilds each quantized weight from its type name and static fields, then checks that the
+recipe matches the weights (method family, group size, which weights are quantized) and that every
+parameter has the shape the config implies; a mismatch raises ValueError naming the weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.models import llama
+from jaxserve.quant import QUANTIZED_TYPES, linear_weight_names
+
+log = logging.getLogger(__name__)
+
+FORMAT = "jaxserve-checkpoint"
+VERSION = 1
+META_FILE = "jaxserve_checkpoint.json"
+TYPES = {cls.__name__: cls for cls in QUANTIZED_TYPES}
+# The weight type each quantization family must produce.
+FAMILY_TYPE = {"int4": "Int4Weight", "int8": "Int8Weight", "fp8": "Fp8Weight"}
+
+
+def is_checkpoint(path) -> bool:
+    p = Path(path)
+    return (p / META_FILE).is_file() and (p / "params").is_dir()
+
+
+def config_to_dict(config: ModelConfig) -> dict:
+    d = dataclasses.asdict(config)
+    d["eos_token_ids"] = list(config.eos_token_ids)
+    return d
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"checkpoint config has unknown field(s) {unknown}")
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    return ModelConfig(**d)
+
+
+def _split_fields(w) -> tuple[dict, dict]:
+    """A quantized-weight dataclass -> ({array field: array}, {static field: value})."""
+    arrays, static = {}, {}
+    for f in dataclasses.fields(w):
+        target = arrays if f.metadata.get("pytree_node", True) else static
+        target[f.name] = getattr(w, f.name)
+    return arrays, static
+
+
+def _walk(tree: dict, prefix: str = ""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _walk(v, prefix + k + "/")
+        else:
+            yield prefix + k, v
+
+
+def _set(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split("/")
+    for p in parents:
+        tree = tree[p]
+    tree[leaf] = value
+
+
+def save_checkpoint(path, config: ModelConfig, params: dict, tokenizer=None, recipe=None) -> Path:
+    """Writes params, config, recipe and tokenizer under `path` (created; must not exist)."""
+    path = Path(path).resolve()
+    if path.exists():
+        raise ValueError(f"checkpoint output {path} already exists")
+    llama.check_params(params, config)
+    recipe = dict(recipe or {"quantization": None})
+    weights, saved = (
+        {},
+        jax.tree_util.tree_map(lambda x: x, params, is_leaf=lambda x: not isinstance(x, dict)),
+    )
+    for name, leaf in _walk(params):
+        if isinstance(leaf, QUANTIZED_TYPES):
+            arrays, static = _split_fields(leaf)
+            weights[name] = {
+                "type": type(leaf).__name__,
+                "static": static,
+                "shape": list(leaf.shape),
+            }
+            _set(saved, name, arrays)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": config_to_dict(config),
+        "recipe": recipe,
+        "weights": weights,
+    }
+    _check_recipe(recipe, weights, params, config)
+    path.mkdir(parents=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / "params", saved)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path / "tokenizer"))
+    (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    log.info("saved checkpoint %s (%s)", path, recipe.get("quantization"))
+    return path
+
+
+def _check_recipe(recipe: dict, weights: dict, params: dict, config: ModelConfig) -> None:
+    """Raises ValueError naming the first weight the recipe does not describe."""
+    method = recipe.get("quantization")
+    if method is None:
+        if weights:
+            raise ValueError(
+                f"recipe says unquantized but {sorted(weights)[0]} is a {weights[sorted(weights)[0]]['type']}"
+            )
+        return
+    family = str(method).split("-")[0]
+    want = FAMILY_TYPE.get(family)
+    if want is None:
+        raise ValueError(
+            f"recipe quantization {method!r} is not one of the families {sorted(FAMILY_TYPE)}"
+        )
+    for name in linear_weight_names(params, config):
+        if name not in weights:
+            raise ValueError(f"recipe says {method} but weight {name} is not quantized")
+        if weights[name]["type"] != want:
+            raise ValueError(
+                f"recipe says {method} but weight {name} is a {weights[name]['type']} (expected {want})"
+            )
+        g = recipe.get("group_size")
+        got = weights[name]["static"].get("group_size")
+        if (
+            family == "int4"
+            and g is not None
+            and got != g
+            and not recipe.get("allow_smaller_groups")
+        ):
+            raise ValueError(
+                f"recipe group_size {g} does not match weight {name} (group_size {got})"
+            )
+
+
+def load_checkpoint(path, quantization: str | None = None):
+    """-> LoadedModel(config, params, tokenizer, source). quantization, if given, must equal the
+    recipe's method (so a server asked for int4-gptq never silently serves an int8 checkpoint)."""
+    from jaxserve.loading import LoadedModel
+    from jaxserve.loading.tokenizer import load_tokenizer
+
+    path = Path(path).resolve()
+    if not is_checkpoint(path):
+        raise ValueError(f"{path} is not a jaxserve checkpoint (needs {META_FILE} and params/)")
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(
+            f"{path / META_FILE}: format {meta.get('format')!r} version {meta.get('version')!r}, "
+            f"expected {FORMAT!r} version {VERSION}"
+        )
+    config = config_from_dict(meta["config"])
+    recipe, weights = meta["recipe"], meta["weights"]
+    if quantization is not None and quantization != recipe.get("quantization"):
+        raise ValueError(
+            f"requested quantization {quantization!r} but checkpoint {path} holds "
+            f"{recipe.get('quantization')!r}"
+        )
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore(path / "params")
+    for name, spec in weights.items():
+        if spec["type"] not in TYPES:
+            raise ValueError(f"weight {name}: unknown quantized type {spec['type']!r}")
+        node = params
+        for part in name.split("/"):
+            if not isinstance(node, dict) or part not in node:
+                raise ValueError(f"weight {name} is listed in {META_FILE} but missing from params/")
+            node = node[part]
+        w = TYPES[spec["type"]](**node, **spec["static"])
+        if list(w.shape) != list(spec["shape"]):
+            raise ValueError(
+                f"weight {name} has shape {tuple(w.shape)}, recipe says {tuple(spec['shape'])}"
+            )
+        if hasattr(w, "check"):
+            w.check()
+        _set(params, name, w)
+    llama.check_params(params, config)
+    _check_recipe(recipe, weights, params, config)
+    tok_dir = path / "tokenizer"
+    tokenizer = load_tokenizer(tok_dir) if tok_dir.is_dir() else None
+    return LoadedModel(config, params, tokenizer, str(path))
+
+
+def read_recipe(path) -> dict:
+    """The recipe of a checkpoint (what was quantized and how), without loading params."""
+    return json.loads((Path(path) / META_FILE).read_text())["recipe"]

@@ -1,0 +1,381 @@
+"""The host loop: schedule -> run -> update, one engine step at a time.
+
+    add_request(...)   validates one prompt; a bad one becomes an error output at the next step
+                       (the others are unaffected); n > 1 becomes n child requests (distinct seeds)
+    step()             plan = scheduler.schedule()      admit / chunk prefills / decode / preempt
+                       result = runner.execute(plan)    device work + ONE transfer of new tokens
+                       _update(plan, result)            append tokens, detokenize, check stops,
+                                                        retire (slot and pages freed at once)
+                       -> outputs of finished requests (and snapshots of streamed ones)
+
+Stop conditions, checked per token on the host once `min_tokens` are out: EOS (unless ignore_eos),
+`stop_token_ids`, `stop` strings (the text is cut before the stop string unless
+include_stop_str_in_output), then `max_tokens` and `max_model_len` (finish_reason "length").
+
+The runner is duck-typed (`execute(plan) -> StepResult`, transfer counters), so the host loop is
+tested against a fake model whose tokens are computable by hand (tests/test_engine.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.detokenizer import IncrementalDetokenizer, find_stop
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.page_allocator import pages_for
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams, make_slot_row
+from jaxserve.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of child `index` of a request seeded `seed` (child 0 keeps it): splitmix64 of both."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@dataclasses.dataclass
+class _Group:
+    """One user request: its n children and how it is reported."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    arrival_time: float
+    stream: bool
+    detokenizers: list[IncrementalDetokenizer | None]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        runner,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        num_pages: int,
+        tokenizer=None,
+        seed: int = 0,
+    ):
+        self.runner = runner
+        self.model_config = model_config
+        self.config = config
+        self.num_pages = num_pages
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(config, num_pages)
+        self._rng = np.random.default_rng(seed)  # seeds of unseeded requests
+        eos = set(model_config.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = tuple(sorted(eos))
+        self._groups: dict[str, _Group] = {}
+        self._pending: list[RequestOutput] = []  # error outputs, delivered by the next step()
+        self._counter = 0
+        # Counters (vLLM's names where they exist).
+        self.num_steps = 0
+        self.num_prefill_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_finished = 0
+        self._occupancy_sum = 0.0
+        self._kv_util_sum = 0.0
+        self._kv_util_steps = 0
+        self.timeline: collections.deque = collections.deque(maxlen=100_000)
+        self._start = time.monotonic()
+
+    # -- submission -------------------------------------------------------------------------------
+    def next_request_id(self) -> str:
+        self._counter += 1
+        return str(self._counter - 1)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        stream: bool = False,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues one request; invalid input becomes an error output (see `_validate`)."""
+        now = time.monotonic() if arrival_time is None else arrival_time
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
+        error = self._validate(prompt_token_ids, sampling_params)
+        if error is not None:
+            logger.info("request %s rejected: %s", request_id, error)
+            self._pending.append(
+                RequestOutput.from_error(request_id, prompt, prompt_token_ids, error, now, n)
+            )
+            return
+        sp = sampling_params
+        base_seed = sp.seed if sp.seed is not None else int(self._rng.integers(0, 2**32))
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        max_total = min(len(prompt_token_ids) + sp.max_tokens, self.config.max_model_len)
+        children = []
+        for i in range(n):
+            children.append(
+                Request(
+                    request_id=request_id if n == 1 else f"{request_id}-{i}",
+                    group_id=request_id,
+                    index=i,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=sp,
+                    seed=derive_seed(base_seed, i),
+                    eos_token_ids=self.eos_token_ids,
+                    max_total_len=max_total,
+                    arrival_time=now,
+                )
+            )
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sp.skip_special_tokens)
+            if self.tokenizer is not None
+            else None
+            for _ in children
+        ]
+        self._groups[request_id] = _Group(
+            request_id, prompt, prompt_token_ids, children, now, stream, detoks
+        )
+        for child in children:
+            self.scheduler.add(child)
+
+    def _validate(self, ids, sp) -> str | None:
+        """The reason this request cannot run, or None."""
+        if not isinstance(sp, SamplingParams):
+            return f"sampling_params must be a SamplingParams, got {type(sp).__name__}"
+        if not isinstance(ids, list | tuple) or len(ids) == 0:
+            return "prompt is empty"
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids):
+            return f"prompt_token_ids must be ints in [0, vocab_size={vocab})"
+        max_len = self.config.max_model_len
+        if len(ids) >= max_len:
+            return (
+                f"prompt has {len(ids)} tokens; max_model_len={max_len} leaves no room to "
+                f"generate (at most {max_len - 1} prompt tokens)"
+            )
+        if sp.stop and self.tokenizer is None:
+            return "stop strings need a tokenizer; this model has none (use stop_token_ids)"
+        max_total = min(len(ids) + sp.max_tokens, max_len)
+        need = pages_for(max_total - 1, self.config.page_size)
+        if need > self.num_pages:
+            return (
+                f"request can never fit: prompt ({len(ids)}) + max_tokens ({sp.max_tokens}) needs "
+                f"{need} KV pages, the pool has {self.num_pages}"
+            )
+        try:
+            make_slot_row(sp, list(ids), [], self.eos_token_ids, 0, max_len)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def abort(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for child in group.children:
+            if not child.status.finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups or self._pending)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns finished outputs (and snapshots of streamed requests)."""
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        plan = self.scheduler.schedule()
+        if not plan.has_work:
+            raise RuntimeError("scheduler made no progress with requests pending")
+        self._record_occupancy()
+        result = self.runner.execute(plan)
+        touched = self._update(plan, result)
+        self._record_kv_utilization()
+        for group in touched:
+            done = all(c.status.finished for c in group.children)
+            if done or group.stream:
+                outputs.append(self._make_output(group))
+            if done:
+                del self._groups[group.request_id]
+                self.num_finished += 1
+        return outputs
+
+    def _update(self, plan: SchedulerOutput, result) -> list[_Group]:
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for req in plan.decode:
+            slot = req.slot
+            for j in range(plan.num_decode_steps):
+                if not result.decode_valid[slot, j]:
+                    break
+                req.num_computed_tokens += 1
+                top = None
+                if result.decode_top_ids is not None:
+                    top = (result.decode_top_ids[slot, j], result.decode_top_logprobs[slot, j])
+                lp = float(result.decode_logprobs[slot, j])
+                self._append(req, int(result.decode_tokens[slot, j]), lp, top, now)
+                if req.status.finished:
+                    break
+            touched[req.group_id] = self._groups[req.group_id]
+        for i, chunk in enumerate(plan.prefill):
+            req = chunk.request
+            forced = chunk.is_last and req.forced_token is not None
+            req.num_computed_tokens += chunk.length
+            self.num_prefill_tokens += chunk.length
+            if (
+                result.prompt_logprobs is not None
+                and req.sampling_params.prompt_logprobs is not None
+            ):
+                self._add_prompt_logprobs(req, chunk, result, i)
+            if chunk.is_last and not forced:
+                top = None
+                if result.prefill_top_ids is not None:
+                    top = (result.prefill_top_ids[i], result.prefill_top_logprobs[i])
+                lp = float(result.prefill_logprobs[i])
+                self._append(req, int(result.prefill_tokens[i]), lp, top, now)
+                touched[req.group_id] = self._groups[req.group_id]
+        return list(touched.values())
+
+    def _add_prompt_logprobs(self, req: Request, chunk, result, row: int) -> None:
+        n_prompt = len(req.prompt_token_ids)
+        k = req.sampling_params.prompt_logprobs
+        for t in range(chunk.length):
+            p = chunk.start + t  # the entry scores prompt token p + 1
+            if p + 1 >= n_prompt:
+                break
+            target = req.prompt_token_ids[p + 1]
+            entry = {target: float(result.prompt_logprobs[row, t])}
+            for tid, lp in zip(
+                result.prompt_top_ids[row, t][:k], result.prompt_top_logprobs[row, t][:k]
+            ):
+                entry.setdefault(int(tid), float(lp))
+            req.prompt_logprobs.append(entry)
+
+    def _append(self, req: Request, token: int, logprob: float, top, now: float) -> None:
+        """Adds one generated token and retires the request if it hit a stop condition."""
+        sp = req.sampling_params
+        req.output_token_ids.append(token)
+        req.output_logprobs.append(logprob)
+        req.cumulative_logprob += logprob
+        if sp.logprobs is not None:
+            entry = {token: logprob}
+            if top is not None:
+                for tid, lp in zip(top[0][: sp.logprobs], top[1][: sp.logprobs]):
+                    entry.setdefault(int(tid), float(lp))
+            req.top_logprobs.append(entry)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self.num_generation_tokens += 1
+        detok = self._groups[req.group_id].detokenizers[req.index]
+        new_text = detok.add(token) if detok is not None else ""
+        req.text += new_text
+
+        status = None
+        if len(req.output_token_ids) >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif sp.stop_token_ids and token in sp.stop_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            elif sp.stop and new_text:
+                hit = find_stop(req.text, len(new_text), sp.stop, sp.include_stop_str_in_output)
+                if hit is not None:
+                    req.text = hit[0]
+                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit[1]
+        if status is None and req.num_tokens >= req.max_total_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            req.finished_time = now
+            self.scheduler.finish(req, status)
+
+    # -- outputs and stats ----------------------------------------------------------------------
+    def _make_output(self, group: _Group) -> RequestOutput:
+        children = group.children
+        outs = [
+            CompletionOutput(
+                index=c.index,
+                text=c.text,
+                token_ids=list(c.output_token_ids),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=list(c.top_logprobs) if c.sampling_params.logprobs is not None else None,
+                cumulative_logprob=c.cumulative_logprob,
+            )
+            for c in children
+        ]
+        firsts = [c.first_token_time for c in children if c.first_token_time is not None]
+        ends = [c.finished_time for c in children if c.finished_time is not None]
+        tpots = [
+            (c.finished_time - c.first_token_time) / (len(c.output_token_ids) - 1)
+            for c in children
+            if c.finished_time is not None and len(c.output_token_ids) > 1
+        ]
+        metrics = RequestMetrics(
+            arrival_time=group.arrival_time,
+            first_token_time=min(firsts) if firsts else None,
+            finished_time=max(ends) if len(ends) == len(children) else None,
+            ttft=(min(firsts) - group.arrival_time) if firsts else None,
+            tpot=sum(tpots) / len(tpots) if tpots else None,
+            num_preemptions=sum(c.num_preemptions for c in children),
+        )
+        first = children[0]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=list(group.prompt_token_ids),
+            outputs=outs,
+            finished=all(c.status.finished for c in children),
+            metrics=metrics,
+            prompt_logprobs=list(first.prompt_logprobs)
+            if first.sampling_params.prompt_logprobs is not None
+            else None,
+        )
+
+    def _record_occupancy(self) -> None:
+        self.num_steps += 1
+        occ = len(self.scheduler.running) / self.config.num_slots
+        self._occupancy_sum += occ
+        self._last_occupancy = occ
+
+    def _record_kv_utilization(self) -> None:
+        used = self.scheduler.allocator.num_used_pages
+        live = sum(r.num_computed_tokens for r in self.scheduler.running)
+        util = live / (used * self.config.page_size) if used else None
+        if util is not None:
+            self._kv_util_sum += util
+            self._kv_util_steps += 1
+        self.timeline.append((time.monotonic() - self._start, self._last_occupancy, util))
+
+    def stats(self) -> dict:
+        steps = max(self.num_steps, 1)
+        return {
+            "num_steps": self.num_steps,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "num_finished_requests": self.num_finished,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "mean_slot_occupancy": self._occupancy_sum / steps,
+            "kv_page_utilization": (
+                self._kv_util_sum / self._kv_util_steps if self._kv_util_steps else 0.0
+            ),
+            "num_kv_pages": self.num_pages,
+            "num_h2d_transfers": self.runner.num_h2d_transfers,
+            "num_d2h_transfers": self.runner.num_d2h_transfers,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }

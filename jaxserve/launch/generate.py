@@ -1,0 +1,227 @@
+"""Offline batch generation over a file of prompts: resumable, per-row errors, shardable.
+
+    python -m jaxserve.launch.generate --input prompts.jsonl --output out/results.jsonl \\
+        [--num_shards N --shard_index i] [--max_tokens 256 --temperature 0 ...] [--flagfile f]
+
+Dataflow:
+
+    check --input exists and --output is writable        (fails in a second, before the model)
+    read + validate every row (jaxserve.batch.reader)    bad rows carry "line N: <problem>"
+    keep this shard's rows (stable hash of each row's id)
+    scan --output: cut a torn last line, skip ids already done
+    load the model -> run_job: iter_generate, each finished row appended + fsync'd
+    write <output>.summary.json; exit 0, or 130/143 after SIGINT/SIGTERM (rerun to resume)
+
+Input rows (JSONL): {"id": ..., "prompt" | "messages" | "prompt_token_ids": ..., optional
+SamplingParams fields such as "max_tokens", "temperature", "seed", "stop"}; or a plain text file,
+one prompt per line, id = line number. The sampling flags below are the defaults for every row.
+A row without a "seed" samples with one derived from --seed (0 when unset) and its id, so sampled
+outputs do not depend on sharding, order or restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from absl import app, flags
+
+from jaxserve.batch.job import StopFlag, run_job
+from jaxserve.batch.reader import INPUT_FORMATS, check_input_path, read_input
+from jaxserve.batch.sharding import check_shards, shard_of
+from jaxserve.batch.summary import JobStats, summary, summary_path, write_summary
+from jaxserve.batch.writer import OutputWriter, check_output_path
+from jaxserve.launch import flags as engine_flags
+from jaxserve.sampling_params import SamplingParams
+
+FLAGS = flags.FLAGS
+log = logging.getLogger("jaxserve.generate")
+
+flags.DEFINE_string(
+    "input", None, "Input file: JSONL rows, or plain text with one prompt per line."
+)
+flags.DEFINE_string(
+    "output",
+    None,
+    "Output JSONL, one row per input row (appended as rows finish; rerun with the same path to "
+    "resume). The summary JSON is written beside it as <output>.summary.json.",
+)
+flags.DEFINE_enum(
+    "input_format",
+    "auto",
+    list(INPUT_FORMATS),
+    "auto: .jsonl/.json = JSONL, .txt = text, else sniffed.",
+)
+flags.DEFINE_integer(
+    "num_shards", 1, "Split the input into this many shards (by id).", lower_bound=1
+)
+flags.DEFINE_integer(
+    "shard_index", 0, "Which shard this process runs, in [0, num_shards).", lower_bound=0
+)
+_SP = SamplingParams()
+flags.adopt_module_key_flags(engine_flags)  # --help lists the shared engine flags too
+flags.DEFINE_integer(
+    "max_tokens", None, f"Default max output tokens per row. Unset: {_SP.max_tokens}."
+)
+flags.DEFINE_float(
+    "temperature", None, f"Default temperature; 0 = greedy. Unset: {_SP.temperature}."
+)
+flags.DEFINE_float("top_p", None, f"Default nucleus sampling mass, in (0, 1]. Unset: {_SP.top_p}.")
+flags.DEFINE_integer("top_k", None, "Default top-k; 0 or -1 = off. Unset: off.")
+flags.DEFINE_float("min_p", None, "Default min-p, in [0, 1]. Unset: 0 (off).")
+flags.DEFINE_float("repetition_penalty", None, "Default repetition penalty. Unset: 1.0 (off).")
+flags.DEFINE_multi_string("stop", None, "Default stop string (repeat the flag for several).")
+flags.DEFINE_integer(
+    "logprobs", None, "Write the top-n log-probs of each generated token (n <= 20)."
+)
+flags.DEFINE_bool("ignore_eos", None, "Keep generating past EOS (until max_tokens).")
+flags.DEFINE_bool("output_token_ids", False, "Write the generated token ids of each row.")
+flags.DEFINE_bool(
+    "use_chat_template",
+    False,
+    "Wrap each plain 'prompt' in a user message and apply the model's chat template "
+    "('messages' rows always use it).",
+)
+flags.DEFINE_bool("progress", True, "Show a tqdm progress bar (finished rows, tokens/s).")
+flags.DEFINE_bool("fsync", True, "fsync the output after every row (off: faster, not crash-safe).")
+
+SAMPLING_FLAGS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop",
+    "logprobs",
+    "ignore_eos",
+)
+
+
+def sampling_defaults() -> dict[str, Any]:
+    """The sampling flags that were set, as SamplingParams fields."""
+    return {name: FLAGS[name].value for name in SAMPLING_FLAGS if FLAGS[name].value is not None}
+
+
+def make_llm(**kwargs):
+    """Loads the model (imported here so bad arguments fail before jax starts)."""
+    from jaxserve.llm import LLM
+
+    return LLM(**kwargs)
+
+
+def _fail(message: str) -> int:
+    print(f"generate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        return _fail(f"unexpected arguments {argv[1:]}")
+    if not FLAGS.input or not FLAGS.output:
+        return _fail("--input and --output are required")
+    try:
+        check_shards(FLAGS.num_shards, FLAGS.shard_index)
+        check_input_path(FLAGS.input)
+        check_output_path(FLAGS.output)
+        defaults = sampling_defaults()
+        SamplingParams.from_dict(defaults)  # a bad flag fails here, not once per row
+        llm_kwargs = engine_flags.llm_kwargs()
+    except ValueError as e:
+        return _fail(str(e))
+    stop = StopFlag()
+    with stop.installed():
+        return _run(defaults, llm_kwargs, stop)
+
+
+def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -> int:
+    base_seed = FLAGS.seed if FLAGS.seed is not None else 0
+    rows = read_input(
+        FLAGS.input,
+        input_format=FLAGS.input_format,
+        sampling_defaults=defaults,
+        base_seed=base_seed,
+    )
+    rows = [r for r in rows if shard_of(r.key, FLAGS.num_shards) == FLAGS.shard_index]
+    writer = OutputWriter(FLAGS.output, fsync=FLAGS.fsync)
+    try:
+        resume = writer.open()
+    except ValueError as e:
+        return _fail(str(e))
+    done_before = sum(r.key in resume.done_keys for r in rows)
+    failed_before = sum(r.key in resume.failed_keys for r in rows)
+    repaired = resume.repaired_bytes
+    log.info(
+        "%s: %d rows in shard %d/%d, %d already done%s",
+        FLAGS.input,
+        len(rows),
+        FLAGS.shard_index,
+        FLAGS.num_shards,
+        done_before,
+        f" (cut off a torn last line of {repaired} bytes)" if repaired else "",
+    )
+
+    stats, llm, load_s = JobStats(), None, None
+    try:
+        if done_before < len(rows) and not stop.requested:
+            t0 = time.monotonic()
+            llm = make_llm(**llm_kwargs)
+            load_s = time.monotonic() - t0
+            run_job(
+                llm,
+                rows,
+                writer,
+                done_keys=resume.done_keys,
+                tokenizer=llm.get_tokenizer(),
+                use_chat_template=FLAGS.use_chat_template,
+                output_token_ids=FLAGS.output_token_ids,
+                stop=stop,
+                progress=FLAGS.progress,
+                stats=stats,
+            )
+    except KeyboardInterrupt:  # a second signal: stop now; every row written so far is on disk
+        pass
+    finally:
+        writer.close()
+
+    result = summary(
+        stats,
+        rows_in_shard=len(rows),
+        rows_done_before=done_before,
+        ok_before=done_before - failed_before,
+        failed_before=failed_before,
+        interrupted=stop.name,
+        engine_stats=llm.stats() if llm is not None else None,
+        extra={
+            "input": FLAGS.input,
+            "output": FLAGS.output,
+            "num_shards": FLAGS.num_shards,
+            "shard_index": FLAGS.shard_index,
+            "model": llm.source if llm is not None else llm_kwargs.get("model"),
+            "model_load_s": load_s,
+            "sampling_defaults": defaults,
+        },
+    )
+    write_summary(summary_path(FLAGS.output), result)
+    rows_summary, run = result["rows"], result["this_run"]
+    if stop.requested:
+        print(
+            f"generate: interrupted by {stop.name}: {stats.num_ok + stats.num_failed} rows "
+            f"finished this run, {rows_summary['remaining']} remaining; every finished row is "
+            f"saved in {FLAGS.output}. Rerun the same command to resume.",
+            file=sys.stderr,
+        )
+        return 128 + stop.signum
+    print(
+        f"generate: {rows_summary['ok']} ok, {rows_summary['failed']} failed of "
+        f"{rows_summary['in_shard']} rows -> {FLAGS.output} ({run['rows_per_s']:.2f} rows/s, "
+        f"{run['completion_tokens_per_s']:.1f} tok/s this run)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,346 @@
+"""`LLM`: the notebook-facing entry point (vLLM's offline `LLM` API on the jaxserve engine).
+
+    llm = LLM("smollm2-135m", dtype="bfloat16", num_slots=32, max_model_len=2048)
+    outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
+    outs = llm.chat([{"role": "user", "content": "Hi"}])
+    for out in llm.stream("Once upon a time"): ...          # incremental snapshots
+    for i, out in llm.iter_generate(prompts, params): ...   # (input index, output) as each finishes
+
+A prompt is a str, {"prompt_token_ids": [...]} (works without a tokenizer) or {"prompt": str}.
+`sampling_params` is one SamplingParams (or dict) for all prompts or a list with one per prompt.
+A bad prompt or bad per-prompt parameters give that prompt an output with `error` set while the
+rest complete; bad constructor arguments raise ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+
+from tqdm.auto import tqdm
+
+from jaxserve import kv_cache
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.runner import ModelRunner
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "bfloat16",
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        num_slots: int = 32,
+        max_model_len: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_memory: int | None = None,
+        attention_impl: str = "auto",
+        load_format: str = "auto",
+        seed: int = 0,
+        max_num_batched_tokens: int | None = None,
+        prefill_chunk_size: int | None = None,
+        decode_steps: int = 1,
+        batching: str = "continuous",
+        warmup: bool = False,
+    ):
+        from jaxserve.loading import load_model  # lazy: loading pulls in transformers
+
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if max_model_len is not None and (
+            not isinstance(max_model_len, int)
+            or isinstance(max_model_len, bool)
+            or max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
+        loaded = load_model(model, dtype=dtype, load_format=load_format, quantization=quantization)
+        config = loaded.config
+        if max_model_len is None:
+            max_model_len = min(config.max_position_embeddings, 2048)
+        if max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{config.max_position_embeddings}"
+            )
+        if prefill_chunk_size is None:
+            prefill_chunk_size = min(256, 1 << (max_model_len - 1).bit_length())
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2 * prefill_chunk_size
+        engine_config = EngineConfig(
+            num_slots=num_slots,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            num_pages=num_pages,
+            kv_cache_memory=kv_cache_memory,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            attention_impl=attention_impl,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefill_chunk_size=prefill_chunk_size,
+            decode_steps=decode_steps,
+            batching=batching,
+        )
+        self.model_config = config
+        self.engine_config = engine_config
+        self.tokenizer = loaded.tokenizer
+        self.source = loaded.source
+        self.num_pages = resolve_num_pages(engine_config, config)
+        runner = ModelRunner(loaded.params, config, engine_config, self.num_pages)
+        self.engine = LLMEngine(
+            runner, config, engine_config, self.num_pages, tokenizer=self.tokenizer, seed=seed
+        )
+        self._outbox: dict[str, list[RequestOutput]] = {}
+        self.warmup_seconds = runner.warmup() if warmup else None
+        logger.info(
+            "LLM ready: %s, %d slots, %d KV pages of %d tokens",
+            self.source,
+            num_slots,
+            self.num_pages,
+            page_size,
+        )
+
+    # -- public API -------------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def warmup(self) -> float:
+        """Compiles every step variant now (otherwise the first steps compile); returns seconds."""
+        return self.engine.runner.warmup()
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt, in input order."""
+        prompts = _as_list(prompts)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        for i, out in self.iter_generate(prompts, sampling_params, use_tqdm=use_tqdm):
+            results[i] = out
+        return results
+
+    def chat(
+        self,
+        messages,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    conv,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template,
+                )
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                prompts.append({"prompt": text, "prompt_token_ids": ids})
+            except Exception as e:  # a malformed conversation fails alone
+                prompts.append(_BadPrompt(f"chat template failed: {e}"))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def iter_generate(
+        self, prompts, sampling_params=None, use_tqdm: bool = False
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Yields (input index, finished output) in completion order as each request finishes.
+
+        Closing the iterator early aborts the requests it has not yielded yet.
+        """
+        prompts = _as_list(prompts)
+        params = self._per_prompt_params(sampling_params, len(prompts))
+        index: dict[str, int] = {}
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            index[self._submit(prompt, sp, stream=False)] = i
+        pbar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
+        t0, out_tokens = time.perf_counter(), 0
+        try:
+            while index:
+                for rid in [r for r in index if self._outbox.get(r)]:
+                    out = self._outbox.pop(rid)[-1]
+                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    pbar.update(1)
+                    pbar.set_postfix(output_tok_s=f"{out_tokens / (time.perf_counter() - t0):.1f}")
+                    yield index.pop(rid), out
+                if index:
+                    self._step()
+        finally:
+            pbar.close()
+            for rid in index:
+                self.engine.abort(rid)
+                self._outbox.pop(rid, None)
+
+    def stream(
+        self, prompt, sampling_params: SamplingParams | None = None, delta: bool = False
+    ) -> Iterator[RequestOutput]:
+        """Yields a RequestOutput each step the request produced tokens; the last is finished.
+
+        delta=False: cumulative text and token ids (vLLM's default); delta=True: only what is new.
+        """
+        sp = self._per_prompt_params(sampling_params, 1)[0]
+        rid = self._submit(prompt, sp, stream=True)
+        seen: dict[int, tuple[int, int]] = {}  # child index -> (tokens, chars) already yielded
+        try:
+            while True:
+                box = self._outbox.pop(rid, None)
+                for out in box or []:
+                    yield _delta(out, seen) if delta else out
+                    if out.finished:
+                        return
+                if not box:
+                    self._step()
+        finally:
+            self.engine.abort(rid)
+            self._outbox.pop(rid, None)
+
+    def stats(self) -> dict:
+        """Engine counters: steps, tokens, preemptions, occupancy, KV utilization, transfers."""
+        return self.engine.stats()
+
+    # -- internals --------------------------------------------------------------------------------
+    def _step(self) -> None:
+        if not self.engine.has_unfinished():
+            raise RuntimeError("engine has no work but outputs are still awaited")
+        for out in self.engine.step():
+            self._outbox.setdefault(out.request_id, []).append(out)
+
+    def _per_prompt_params(self, sampling_params, n: int) -> list:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams | dict):
+            return [sampling_params] * n
+        if isinstance(sampling_params, list | tuple):
+            if len(sampling_params) != n:
+                raise ValueError(
+                    f"sampling_params has {len(sampling_params)} entries for {n} prompts"
+                )
+            return list(sampling_params)
+        raise ValueError(
+            f"sampling_params must be a SamplingParams, a dict or a list of them, "
+            f"got {type(sampling_params).__name__}"
+        )
+
+    def _submit(self, prompt, sp, stream: bool) -> str:
+        rid = self.engine.next_request_id()
+        text, ids, error = self._parse_prompt(prompt)
+        if error is None and isinstance(sp, dict):
+            try:
+                sp = SamplingParams.from_dict(sp)
+            except ValueError as e:
+                error = f"invalid sampling parameters: {e}"
+        if error is not None:
+            self._outbox.setdefault(rid, []).append(
+                RequestOutput.from_error(
+                    rid,
+                    text,
+                    ids or [],
+                    error,
+                    time.monotonic(),
+                    sp.n if isinstance(sp, SamplingParams) else 1,
+                )
+            )
+            return rid
+        self.engine.add_request(rid, text, ids, sp, stream=stream)
+        return rid
+
+    def _parse_prompt(self, prompt) -> tuple[str | None, list[int] | None, str | None]:
+        """(text, token ids, error) of one prompt."""
+        if isinstance(prompt, _BadPrompt):
+            return None, None, prompt.error
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                return None, None, f"unknown prompt field(s) {sorted(unknown)}"
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list | tuple):
+                    return None, None, "prompt_token_ids must be a list of ints"
+                return prompt.get("prompt"), list(ids), None
+            if "prompt" not in prompt:
+                return None, None, "prompt dict needs 'prompt' or 'prompt_token_ids'"
+            prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            return None, None, f"a prompt must be a str or a dict, got {type(prompt).__name__}"
+        if self.tokenizer is None:
+            return prompt, None, "text prompts need a tokenizer; pass prompt_token_ids"
+        if prompt == "":
+            return prompt, [], "prompt is empty"
+        return prompt, list(self.tokenizer(prompt)["input_ids"]), None
+
+
+class _BadPrompt:
+    def __init__(self, error: str):
+        self.error = error
+
+
+def resolve_num_pages(engine_config: EngineConfig, model_config) -> int:
+    """num_pages, else kv_cache_memory // page bytes, else enough for every slot at max_model_len."""
+    if engine_config.num_pages is not None:
+        return engine_config.num_pages
+    if engine_config.kv_cache_memory is not None:
+        c = model_config
+        per_token = kv_cache.bytes_per_token(
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            engine_config.kv_cache_dtype,
+            engine_config.dtype,
+        )
+        pages = engine_config.kv_cache_memory // (per_token * engine_config.page_size)
+        if pages < 1:
+            raise ValueError(
+                f"kv_cache_memory={engine_config.kv_cache_memory} bytes holds no page "
+                f"({per_token * engine_config.page_size} bytes per page)"
+            )
+        return int(pages)
+    return engine_config.num_slots * engine_config.max_pages_per_seq
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    if isinstance(prompts, Iterable):
+        return list(prompts)
+    raise ValueError(
+        f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}"
+    )
+
+
+def _delta(out: RequestOutput, seen: dict[int, tuple[int, int]]) -> RequestOutput:
+    """The part of a cumulative snapshot not yielded before."""
+    outs = []
+    for c in out.outputs:
+        n_tok, n_chr = seen.get(c.index, (0, 0))
+        outs.append(
+            CompletionOutput(
+                c.index,
+                c.text[n_chr:],
+                c.token_ids[n_tok:],
+                c.finish_reason,
+                c.stop_reason,
+                c.logprobs[n_tok:] if c.logprobs is not None else None,
+                c.cumulative_logprob,
+            )
+        )
+        seen[c.index] = (len(c.token_ids), len(c.text))
+    return RequestOutput(
+        out.request_id,
+        out.prompt,
+        out.prompt_token_ids,
+        outs,
+        out.finished,
+        out.metrics,
+        out.error,
+        out.prompt_logprobs,
+    )

@@ -1,0 +1,61 @@
+"""What `LLM.generate` returns: vLLM's `RequestOutput` / `CompletionOutput` shapes. Host only.
+
+Log-probs are plain dicts `{token_id: logprob}` per position: for a generated token, the chosen token
+plus the top-n (`SamplingParams.logprobs`); for a prompt token, the prompt token plus the top-n
+(`prompt_logprobs`, first entry None). Log-probs are of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() at submission
+    first_token_time: float | None = None  # first generated token reached the host
+    finished_time: float | None = None
+    ttft: float | None = None  # seconds from arrival to first token
+    tpot: float | None = None  # seconds per output token after the first
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int  # child index in [0, n)
+    text: str  # "" when the model has no tokenizer
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "error" | "abort" | None (still running)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None  # per generated token, when requested
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None  # set (and every finish_reason "error") when the request was rejected
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @classmethod
+    def from_error(
+        cls,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        error: str,
+        arrival_time: float,
+        n: int = 1,
+    ) -> RequestOutput:
+        outs = [CompletionOutput(i, "", [], "error") for i in range(max(n, 1))]
+        metrics = RequestMetrics(arrival_time=arrival_time, finished_time=arrival_time)
+        return cls(request_id, prompt, list(prompt_token_ids), outs, True, metrics, error=error)

@@ -1,0 +1,140 @@
+"""Post-training weight quantization: the packed layouts and `quantize_params`.
+
+    quantize_params(params, config, method, group_size, calib=None) -> params
+
+returns the same pytree with every linear weight (layers/{wq, wk, wv, wo, w_gate, w_up, w_down}
+[L, K, N], and lm_head [D, V] when untied) replaced by a quantized-weight pytree of the same logical
+shape (`Int4Weight`, `Int8Weight`, `Fp8Weight`); embeddings, norms and biases keep the model dtype.
+`layers.linear.linear` calls `w.matmul(x)`, so the model runs unchanged.
+
+Methods live in `METHODS`: name -> fn(params, config, group_size, calib) -> params. Per-weight
+methods (RTN, INT8, FP8) are built with `per_weight(fn)`; calibration-based ones (AWQ, GPTQ) see
+the whole model and register one line each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from jaxserve.config import ModelConfig
+from jaxserve.quant import int4, int8, rtn
+from jaxserve.quant.int4 import Int4Weight, pack, unpack
+from jaxserve.quant.int8 import Fp8Weight, Int8Weight
+
+LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+QUANTIZED_TYPES = (Int4Weight, Int8Weight, Fp8Weight)
+
+
+def linear_weight_names(params: dict, config: ModelConfig) -> list[str]:
+    """Paths ('layers/wq', ..., 'lm_head') of the weights `quantize_params` replaces."""
+    names = [f"layers/{n}" for n in LAYER_WEIGHTS]
+    if not config.tie_word_embeddings:
+        names.append("lm_head")
+    for name in names:
+        if _get(params, name) is None:
+            raise ValueError(f"params have no linear weight {name!r}")
+    return names
+
+
+def _get(params: dict, name: str):
+    node = params
+    for part in name.split("/"):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def replace_weights(params: dict, new: dict[str, object]) -> dict:
+    """A copy of params with the weights at the given 'a/b' paths replaced."""
+    out = jax.tree_util.tree_map(lambda x: x, params, is_leaf=lambda x: not isinstance(x, dict))
+    for name, w in new.items():
+        *parents, leaf = name.split("/")
+        node = out
+        for p in parents:
+            node[p] = dict(node[p])
+            node = node[p]
+        node[leaf] = w
+    return out
+
+
+def check_group_size(params: dict, config: ModelConfig, group_size: int) -> None:
+    """Raises ValueError naming the first linear weight whose input dim group_size does not divide."""
+    if group_size not in int4.GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {int4.GROUP_SIZES}, got {group_size}")
+    for name in linear_weight_names(params, config):
+        shape = tuple(_get(params, name).shape)
+        if shape[-2] % group_size:
+            raise ValueError(
+                f"group_size {group_size} does not divide the input dim of {name} "
+                f"(shape {shape}: in={shape[-2]}, out={shape[-1]})"
+            )
+
+
+def per_weight(fn: Callable[[jax.Array, int], object], grouped: bool = True) -> Callable:
+    """Lifts fn(w[..., K, N], group_size) -> quantized weight into a whole-params method."""
+
+    def method(params: dict, config: ModelConfig, group_size: int, calib=None) -> dict:
+        if grouped:
+            check_group_size(params, config, group_size)
+        names = linear_weight_names(params, config)
+        return replace_weights(params, {n: fn(_get(params, n), group_size) for n in names})
+
+    return method
+
+
+METHODS: dict[str, Callable[[dict, ModelConfig, int, object], dict]] = {
+    "int4-rtn": per_weight(lambda w, g: rtn.quantize_int4_rtn(w, g, symmetric=True)),
+    "int4-rtn-asym": per_weight(lambda w, g: rtn.quantize_int4_rtn(w, g, symmetric=False)),
+    "int8": per_weight(lambda w, g: int8.quantize_int8(w), grouped=False),
+    "fp8": per_weight(lambda w, g: int8.quantize_fp8(w), grouped=False),
+}
+
+
+def with_impl(params: dict, impl: str) -> dict:
+    """params with every Int4Weight's matmul forced to `impl` (see `Int4Weight`; 'auto' resets)."""
+    if impl not in int4.IMPLS:
+        raise ValueError(f"impl must be one of {int4.IMPLS}, got {impl!r}")
+    return jax.tree.map(
+        lambda w: w.replace(impl=impl) if isinstance(w, Int4Weight) else w,
+        params,
+        is_leaf=lambda w: isinstance(w, Int4Weight),
+    )
+
+
+def quantize_params(
+    params: dict,
+    config: ModelConfig,
+    method: str,
+    group_size: int = int4.DEFAULT_GROUP_SIZE,
+    calib=None,
+) -> dict:
+    """Quantizes the linear weights of a float params pytree (see the module docstring).
+
+    group_size applies to the INT4 methods (32, 64 or 128, along the input dim); INT8/FP8 are
+    per-output-channel. calib: calibration data for methods that need it (AWQ, GPTQ).
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; known: {sorted(METHODS)}")
+    for name in linear_weight_names(params, config):
+        if isinstance(_get(params, name), QUANTIZED_TYPES):
+            raise ValueError(f"{name} is already quantized")
+    return METHODS[method](params, config, group_size, calib)
+
+
+__all__ = [
+    "METHODS",
+    "Fp8Weight",
+    "Int4Weight",
+    "Int8Weight",
+    "check_group_size",
+    "linear_weight_names",
+    "pack",
+    "per_weight",
+    "quantize_params",
+    "replace_weights",
+    "unpack",
+    "with_impl",
+]

@@ -1,0 +1,188 @@
+"""GGUF Q4_0 / Q4_1 blocks straight into the packed INT4 layout, Q8_0 into INT8: no float round trip.
+
+A GGUF linear weight is stored row by row (a row = one output feature, numpy view [out, in_bytes]),
+each row a run of blocks of 32 consecutive inputs:
+
+    Q4_0 (18 bytes): f16 d,          qs[16]   w = d * (q - 8)   -> scale = d, min = -8 d
+    Q4_1 (20 bytes): f16 d, f16 m,   qs[16]   w = d * q + m     -> scale = d, min = m
+    Q8_0 (34 bytes): f16 d,          i8 qs[32]  w = d * q       -> Int8Weight, g = 32
+
+Element order inside a 4-bit block (ggml's `dequantize_row_q4_*`): the low nibbles of qs[0..15]
+are elements 0..15 and the high nibbles elements 16..31, NOT interleaved pairs.
+
+So a 4-bit tensor maps to codes u8[out, in], scales/mins f16[out, in/32] taken bit for bit from
+the file; llama.cpp's q/k row permutation is undone on those rows (it only moves whole output
+rows, `gguf_file.unpermute_rows`), then they are transposed to our [in, out] and packed with
+`int4.pack` at group_size 32. Every weight value is then exactly GGUF's dequantized value.
+
+    import_gguf_params(reader, config, dtype) -> params   linear weights quantized, the rest float
+    load_model_gguf_native(model, dtype)      -> LoadedModel (`load_model(..., quantization="gguf-native")`)
+
+Linear weights of any other type (F32, F16, K-quants) are dequantized to `dtype` floats. The token
+embedding (SmolLM2: Q8_0, tied with the output) stays a float array because the model gathers
+rows from it and reuses it for the logits.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.loading import gguf_file
+from jaxserve.loading.params import flat_shapes, np_dtype, to_device
+from jaxserve.quant import int4
+from jaxserve.quant.int8 import Int8Weight
+
+log = logging.getLogger(__name__)
+
+Q = gguf.GGMLQuantizationType
+BLOCK = 32
+BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
+NATIVE_TYPES = tuple(BLOCK_BYTES)
+GGUF_NATIVE = "gguf-native"
+
+
+def _blocks(raw: np.ndarray, qtype, rows: int, cols: int) -> np.ndarray:
+    """A tensor's bytes -> u8[rows, cols/32, block_bytes] (checks type and sizes)."""
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(
+            f"GGUF tensor type {Q(qtype).name} cannot be imported natively; "
+            f"supported: {[t.name for t in NATIVE_TYPES]}"
+        )
+    if cols % BLOCK:
+        raise ValueError(f"GGUF row length {cols} is not a multiple of the block size {BLOCK}")
+    nb = BLOCK_BYTES[qtype]
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if raw.size != rows * (cols // BLOCK) * nb:
+        raise ValueError(
+            f"GGUF {Q(qtype).name} data has {raw.size} bytes, expected {rows}x{cols} weights "
+            f"= {rows * (cols // BLOCK) * nb} bytes"
+        )
+    return raw.reshape(rows, cols // BLOCK, nb)
+
+
+def q4_to_codes(
+    raw: np.ndarray, qtype, rows: int, cols: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0/Q4_1 bytes -> (codes u8[rows, cols], scales f16[rows, cols/32], mins f16[rows, cols/32]).
+
+    rows/cols are numpy order: [out, in] for a linear weight.
+    """
+    if qtype not in (Q.Q4_0, Q.Q4_1):
+        raise ValueError(f"expected a Q4_0 or Q4_1 tensor, got {Q(qtype).name}")
+    b = _blocks(raw, qtype, rows, cols)  # (rows, nblk, 18|20)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]  # (rows, nblk)
+    if qtype == Q.Q4_1:
+        m = b[..., 2:4].copy().view(np.float16)[..., 0]
+        qs = b[..., 4:20]
+    else:
+        if np.any(np.abs(d.astype(np.float32)) * 8 > np.finfo(np.float16).max):
+            raise ValueError("Q4_0 scale too large: -8 * d overflows float16")
+        m = (d.astype(np.float32) * -8.0).astype(np.float16)  # exact: a power-of-two multiple
+        qs = b[..., 2:18]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # (rows, nblk, 32): low nibbles first
+    return codes.reshape(rows, cols), d, m
+
+
+def q8_0_to_int8(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 bytes -> (q i8[rows, cols], scales f32[rows, cols/32]) in numpy order."""
+    b = _blocks(raw, Q.Q8_0, rows, cols)  # (rows, nblk, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = b[..., 2:34].copy().view(np.int8).reshape(rows, cols)
+    return q, d
+
+
+def tensor_rows_cols(t) -> tuple[int, int]:
+    """numpy-order (rows, cols) of a 2-D GGUF tensor (GGUF lists dims innermost first)."""
+    if len(t.shape) != 2:
+        raise ValueError(f"GGUF tensor {t.name} is not 2-D: shape {list(t.shape)}")
+    return int(t.shape[1]), int(t.shape[0])
+
+
+def import_linear(tensors: list, heads: int | None, stacked: bool):
+    """GGUF tensors of one linear param (one per layer) -> Int4Weight / Int8Weight [(L,) in, out].
+
+    heads: undo llama.cpp's q/k row permutation with this many heads (None: not permuted).
+    """
+    types = {t.tensor_type for t in tensors}
+    if len(types) != 1:
+        raise ValueError(f"{tensors[0].name}: layers mix tensor types {[Q(x).name for x in types]}")
+    qtype = types.pop()
+    if qtype not in NATIVE_TYPES:
+        raise ValueError(
+            f"GGUF tensor {tensors[0].name} has type {Q(qtype).name}, which cannot be imported "
+            f"natively; supported: {[t.name for t in NATIVE_TYPES]}"
+        )
+    fix = (lambda a: gguf_file.unpermute_rows(a, heads)) if heads is not None else (lambda a: a)
+    parts = []
+    for t in tensors:
+        rows, cols = tensor_rows_cols(t)  # (out, in)
+        if qtype == Q.Q8_0:
+            q, d = q8_0_to_int8(t.data, rows, cols)
+            parts.append((fix(q).T, fix(d).T))  # (in, out), (in/32, out)
+        else:
+            codes, d, m = q4_to_codes(t.data, qtype, rows, cols)
+            parts.append((fix(codes).T, fix(d).T, fix(m).T))
+    arrays = [np.stack(a) if stacked else a[0] for a in zip(*parts)]
+    if qtype == Q.Q8_0:
+        q, d = arrays
+        return Int8Weight(jnp.asarray(q), jnp.asarray(d), group_size=BLOCK)
+    codes, d, m = arrays
+    return int4.pack(codes, d, m, group_size=BLOCK)
+
+
+def import_gguf_params(reader, config: ModelConfig, dtype: str = "float32") -> dict:
+    """Params with Q4_0/Q4_1 linears as Int4Weight (g=32), Q8_0 linears as Int8Weight, rest float."""
+    dt = np_dtype(dtype)
+    shapes = flat_shapes(config)
+    floats, quantized = {}, {}
+    for path, tensors in gguf_file.gguf_tensor_map(reader, config).items():
+        stacked = path.startswith("layers/")
+        is_linear = path != "embed" and len(shapes[path]) - int(stacked) == 2
+        if is_linear and tensors[0].tensor_type in NATIVE_TYPES:
+            quantized[path] = import_linear(
+                tensors, gguf_file.unpermute_heads(path, config), stacked
+            )
+            continue
+        heads = gguf_file.unpermute_heads(path, config)
+        arrs = []
+        for t in tensors:
+            x = gguf_file.dequantize_tensor(t)
+            if heads is not None:
+                x = gguf_file.unpermute_rows(x, heads)
+            arrs.append(x.T if is_linear else x)
+        floats[path] = (np.stack(arrs) if stacked else arrs[0]).astype(dt)
+    params = to_device({**floats, **quantized}, config)  # nests and checks every shape
+    log.info(
+        "imported %d GGUF linear params natively (%s), %d as floats",
+        len(quantized),
+        sorted({type(w).__name__ for w in quantized.values()}),
+        len(floats),
+    )
+    return params
+
+
+def load_model_gguf_native(model=None, dtype: str = "float32", load_format: str = "auto"):
+    """`load_model(model, dtype, quantization="gguf-native")`: a .gguf (None: the default SmolLM2)."""
+    from pathlib import Path
+
+    from jaxserve.loading import DEFAULT_MODEL_NAMES, LoadedModel, default_model
+    from jaxserve.loading.tokenizer import load_tokenizer
+
+    if load_format != "auto":
+        raise ValueError(
+            f"quantization={GGUF_NATIVE!r} reads a GGUF file; load_format must be 'auto'"
+        )
+    if model is None or str(model) in DEFAULT_MODEL_NAMES:
+        model = default_model.smollm2_gguf_path()
+    path = Path(model)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"quantization={GGUF_NATIVE!r} needs a .gguf file, got {str(model)!r}")
+    reader = gguf_file.open_gguf(path)
+    config = gguf_file.config_from_gguf(reader, name=path.stem)
+    params = import_gguf_params(reader, config, dtype)
+    return LoadedModel(config, params, load_tokenizer(path, reader=reader), str(path))

@@ -1,0 +1,133 @@
+"""INT8 and FP8 (e4m3) weight-only quantization with per-output-channel (or per-group) scales.
+
+    W[k, n] = q[k, n] * scales[k // g, n]      q: int8 or float8_e4m3fn[..., K, N]
+
+Per-output-channel is one group spanning all of K (scales [..., 1, N]): the scale then factors out
+of the dot, `(x @ q) * scale`, so the weight is never dequantized. GGUF Q8_0 (blocks of 32 inputs,
+an f16 scale each) imports exactly as g = 32 (`gguf_import.py`); that path dequantizes then dots.
+
+    int8: scale = amax / 127,  q = round(w / scale)          in -127..127
+    fp8:  scale = amax / 448,  q = float8_e4m3fn(w / scale)  (448 = e4m3's largest finite value)
+
+Leaves may carry a leading layer axis [L, ...] (scanned like any array); `matmul` needs one layer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+
+
+def _check(name: str, q, scales, group_size: int, dtype) -> None:
+    if q.dtype != dtype:
+        raise ValueError(f"{name}.q must be {jnp.dtype(dtype)}, got {q.dtype}")
+    if q.ndim < 2:
+        raise ValueError(f"{name}.q must be [..., K, N], got shape {q.shape}")
+    *lead, k, n = q.shape
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"{name}: group_size {group_size} does not divide the input dim K={k}")
+    want = (*lead, k // group_size, n)
+    if tuple(scales.shape) != want:
+        raise ValueError(f"{name}.scales has shape {tuple(scales.shape)}, expected {want}")
+    if scales.dtype != jnp.float32:
+        raise ValueError(f"{name}.scales must be float32, got {scales.dtype}")
+
+
+def _dequantize(q, scales, group_size: int) -> jax.Array:
+    return q.astype(jnp.float32) * jnp.repeat(scales, group_size, axis=-2)
+
+
+def _matmul(name: str, q, scales, group_size: int, x: jax.Array) -> jax.Array:
+    """x[..., K] @ (q * scales)[K, N] -> [..., N] in x.dtype."""
+    if q.ndim != 2:
+        raise ValueError(f"{name}.matmul needs one layer's weight [K, N]; got shape {q.shape}")
+    if x.shape[-1] != q.shape[0]:
+        raise ValueError(f"{name}.matmul: x has last dim {x.shape[-1]}, weight has K={q.shape[0]}")
+    if scales.shape[0] == 1:  # per-channel: the scale factors out of the dot
+        y = jnp.einsum("...k,kn->...n", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
+        return (y * scales[0]).astype(x.dtype)
+    w = _dequantize(q, scales, group_size).astype(x.dtype)
+    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _nbytes(*arrays) -> int:
+    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in arrays)
+
+
+@struct.dataclass
+class Int8Weight:
+    """INT8 weight of logical shape [..., K, N]; group_size == K is per-output-channel."""
+
+    q: jax.Array  # i8[..., K, N]
+    scales: jax.Array  # f32[..., K // group_size, N]
+    group_size: int = struct.field(pytree_node=False)
+
+    shape = property(lambda self: tuple(self.q.shape))
+    ndim = property(lambda self: self.q.ndim)
+    nbytes = property(lambda self: _nbytes(self.q, self.scales))
+
+    def check(self) -> None:
+        _check("Int8Weight", self.q, self.scales, self.group_size, jnp.int8)
+
+    def dequantize(self) -> jax.Array:
+        """-> f32[..., K, N]."""
+        self.check()
+        return _dequantize(self.q, self.scales, self.group_size)
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        self.check()
+        return _matmul("Int8Weight", self.q, self.scales, self.group_size, x)
+
+
+@struct.dataclass
+class Fp8Weight:
+    """FP8 (e4m3fn) weight of logical shape [..., K, N] with per-output-channel scales."""
+
+    q: jax.Array  # f8e4m3fn[..., K, N]
+    scales: jax.Array  # f32[..., K // group_size, N]
+    group_size: int = struct.field(pytree_node=False)
+
+    shape = property(lambda self: tuple(self.q.shape))
+    ndim = property(lambda self: self.q.ndim)
+    nbytes = property(lambda self: _nbytes(self.q, self.scales))
+
+    def check(self) -> None:
+        _check("Fp8Weight", self.q, self.scales, self.group_size, jnp.float8_e4m3fn)
+
+    def dequantize(self) -> jax.Array:
+        """-> f32[..., K, N]."""
+        self.check()
+        return _dequantize(self.q, self.scales, self.group_size)
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        self.check()
+        return _matmul("Fp8Weight", self.q, self.scales, self.group_size, x)
+
+
+@functools.partial(jax.jit, static_argnames=("fp8",))
+def _per_channel(w: jax.Array, fp8: bool) -> tuple[jax.Array, jax.Array]:
+    w = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=-2, keepdims=True)  # (..., 1, N)
+    scale = jnp.where(amax > 0, amax / (FP8_MAX if fp8 else INT8_MAX), 1.0)
+    if fp8:
+        return (w / scale).astype(jnp.float8_e4m3fn), scale
+    return jnp.clip(jnp.round(w / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+
+
+def quantize_int8(w: jax.Array) -> Int8Weight:
+    """w[..., K, N] -> Int8Weight with per-output-channel scales (amax / 127)."""
+    q, scales = _per_channel(w, fp8=False)
+    return Int8Weight(q, scales, group_size=w.shape[-2])
+
+
+def quantize_fp8(w: jax.Array) -> Fp8Weight:
+    """w[..., K, N] -> Fp8Weight (e4m3fn) with per-output-channel scales (amax / 448)."""
+    q, scales = _per_channel(w, fp8=True)
+    return Fp8Weight(q, scales, group_size=w.shape[-2])

@@ -1,0 +1,98 @@
+"""One sequence being served: its tokens, how far its K/V are computed, its slot and pages.
+
+Host only (never imports jax). A prompt with `n` > 1 becomes n `Request`s (children) that share the
+prompt and differ in seed; the engine groups them back into one `RequestOutput`.
+
+Token bookkeeping (vLLM's words):
+
+    all_token_ids        prompt_token_ids + output_token_ids
+    num_computed_tokens  tokens whose K/V are in the cache
+    num_prefill_tokens   tokens the current (re)prefill must compute: the prompt, or after a
+                         preemption the prompt plus every generated token but the last
+    last output token    not yet in the cache: the next decode step feeds it
+
+After a preemption (recompute), `begin_prefill` sets the prefill target to prompt + outputs[:-1];
+the final chunk then puts outputs[-1] in the slot as its last token instead of sampling
+(`forced_token`), so the resumed sequence continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str  # unique per child: "<group id>" or "<group id>-<index>"
+    group_id: str  # the user-facing request id shared by the n children
+    index: int  # child index in [0, n)
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int  # concrete per-child seed (derived when the params carry none)
+    eos_token_ids: tuple[int, ...]
+    max_total_len: int  # prompt + output never exceed this: min(prompt + max_tokens, max_model_len)
+    arrival_time: float
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_computed_tokens: int = 0
+    num_prefill_tokens: int = 0
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    admitted_seq: int = -1  # admission counter: the newest running request is preempted first
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prefill_tokens
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token the final prefill chunk installs instead of sampling (resume after preemption)."""
+        return self.output_token_ids[-1] if self.output_token_ids else None
+
+    @property
+    def finish_reason(self) -> str | None:
+        if not self.status.finished or self.status == RequestStatus.FINISHED_ABORTED:
+            return "abort" if self.status == RequestStatus.FINISHED_ABORTED else None
+        return self.status.value
+
+    def begin_prefill(self) -> None:
+        """(Re)starts the prefill: everything but the last generated token is recomputed."""
+        self.num_computed_tokens = 0
+        self.num_prefill_tokens = len(self.prompt_token_ids) + max(
+            len(self.output_token_ids) - 1, 0
+        )
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no log-prob (as in vLLM)

@@ -1,0 +1,448 @@
+"""The one device-facing class: params, the paged KV cache and the slot state, with jitted steps.
+
+JetStream's slot API over a paged cache:
+
+    insert(request, slot)   writes the request's row into the slot state (sampling row, counters);
+                            its K/V pages come from the host allocator via the page table
+    prefill(chunks)         runs R fixed-size chunks [R, T] through the model, writing K/V into each
+                            slot's pages; a chunk that completes a prompt samples the first token
+                            (or installs the last generated one, after a preemption) and activates
+                            its slot
+    generate()              advances every active slot by `decode_steps` tokens (lax.scan)
+
+`execute(plan)` does one engine step in that order: release / insert / page-table sync, then
+`generate` (the slots decoding before this step), then `prefill`, then ONE device->host transfer of
+the new tokens (and log-probs when any request asked). Every step function is jitted once per
+page-table width bucket W (a power of two of pages, capped at max_pages_per_seq) so the reference
+attention's cost follows the real lengths; `warmup()` compiles every bucket, after which nothing
+recompiles. Params are an argument of every jitted function; the KV cache and slot state are donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxserve import kv_cache, sampling
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.models import llama
+from jaxserve.page_allocator import pages_for
+from jaxserve.request import Request
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams, make_slot_row
+from jaxserve.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@struct.dataclass
+class SlotState:
+    last_token: jax.Array  # i32[S]  newest token, not yet in the cache (the next decode feeds it)
+    seq_len: jax.Array  # i32[S]  tokens whose K/V are cached = position of last_token
+    max_total_len: jax.Array  # i32[S]  decoding stops when prompt + output reach this
+    num_generated: jax.Array  # i32[S]  output tokens so far (the step of the sampling key)
+    active: jax.Array  # bool[S]  the slot decodes
+    page_table: jax.Array  # i32[S, max_pages_per_seq]
+    sampling: sampling.SamplingState  # [S, ...] per-slot sampling parameters, keys, counts
+
+
+@struct.dataclass
+class PrefillBatch:
+    tokens: jax.Array  # i32[R, T]  chunk tokens, 0-padded
+    slots: jax.Array  # i32[R]  slot of each row; S marks a padding row
+    start: jax.Array  # i32[R]  position of the row's first token
+    length: jax.Array  # i32[R]  valid tokens in the row; 0 = padding row
+    is_last: jax.Array  # bool[R]  the chunk completes the prefill
+    forced: jax.Array  # i32[R]  token to install instead of sampling (-1 = sample)
+    targets: jax.Array  # i32[R, T]  next prompt token for prompt log-probs (-1 = none)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Host copies of one step's outputs (k = decode_steps, K = top log-probs, T = chunk)."""
+
+    decode_tokens: np.ndarray | None = None  # i32[S, k]
+    decode_valid: np.ndarray | None = None  # bool[S, k]
+    decode_logprobs: np.ndarray | None = None  # f32[S, k]
+    decode_top_ids: np.ndarray | None = None  # i32[S, k, K] (only when some slot asked)
+    decode_top_logprobs: np.ndarray | None = None  # f32[S, k, K]
+    prefill_tokens: np.ndarray | None = None  # i32[R]
+    prefill_logprobs: np.ndarray | None = None  # f32[R]
+    prefill_top_ids: np.ndarray | None = None  # i32[R, K]
+    prefill_top_logprobs: np.ndarray | None = None  # f32[R, K]
+    prompt_logprobs: np.ndarray | None = None  # f32[R, T]
+    prompt_top_ids: np.ndarray | None = None  # i32[R, T, K]
+    prompt_top_logprobs: np.ndarray | None = None  # f32[R, T, K]
+
+
+def init_slot_state(num_slots: int, max_pages: int, vocab_size: int) -> SlotState:
+    zeros = lambda: jnp.zeros((num_slots,), jnp.int32)  # distinct buffers: the state is donated
+    return SlotState(
+        last_token=zeros(),
+        seq_len=zeros(),
+        max_total_len=zeros(),
+        num_generated=zeros(),
+        active=jnp.zeros((num_slots,), bool),
+        page_table=jnp.zeros((num_slots, max_pages), jnp.int32),
+        sampling=sampling.init_state(num_slots, vocab_size),
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _insert(state: SlotState, slot, row, num_generated, max_total_len) -> SlotState:
+    """JetStream `insert`: one request's row into slot `slot` (i32[]); the slot stays inactive."""
+    return state.replace(
+        sampling=sampling.set_slot(state.sampling, slot, row),
+        num_generated=state.num_generated.at[slot].set(num_generated),
+        max_total_len=state.max_total_len.at[slot].set(max_total_len),
+        seq_len=state.seq_len.at[slot].set(0),
+        active=state.active.at[slot].set(False),
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _sync(state: SlotState, page_table, active) -> SlotState:
+    """Installs the host's page table i32[S, max_pages] and decode mask bool[S]."""
+    return state.replace(page_table=page_table, active=active)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "width", "num_steps", "impl"),
+    donate_argnames=("cache", "state"),
+)
+def _generate(params, cache, state, *, config, width, num_steps, impl):
+    """JetStream `generate`: every active slot advances `num_steps` tokens.
+
+    The top-K log-probs are always computed (one top_k over [S, V], cheap next to the model) so
+    that asking for log-probs never compiles a second variant; the host fetches them only on demand.
+
+    Returns (cache, state, (tokens i32[k, S], valid bool[k, S], logprobs f32[k, S],
+    top_ids i32[k, S, K], top_logprobs f32[k, S, K])).
+    """
+    s = state.last_token.shape[0]
+    ps = cache.page_size
+    pt = state.page_table[:, :width]  # (S, W)
+    rows = jnp.arange(s)
+
+    def step(carry, _):
+        cache, st = carry
+        alive = st.active & (st.seq_len + 2 <= st.max_total_len)  # (S,)
+        pos = st.seq_len  # (S,)
+        page = pt[rows, jnp.minimum(pos // ps, width - 1)]
+        meta = AttentionMetadata(
+            positions=pos[:, None],
+            slot_mapping=jnp.where(alive, page * ps + pos % ps, -1)[:, None],
+            page_table=pt,
+            seq_lens=jnp.where(alive, pos + 1, 0),
+        )
+        hidden, cache = llama.forward(params, st.last_token[:, None], meta, cache, config, impl)
+        logits = llama.compute_logits(params, hidden[:, 0], config)  # (S, V)
+        out = sampling.sample(logits, st.sampling, st.num_generated, MAX_LOGPROBS)
+        tok = jnp.where(alive, out.tokens, st.last_token)
+        inc = alive.astype(jnp.int32)
+        st = st.replace(
+            last_token=tok,
+            seq_len=pos + inc,
+            num_generated=st.num_generated + inc,
+            sampling=sampling.update_counts(st.sampling, tok, alive),
+        )
+        return (cache, st), (tok, alive, out.logprobs, out.top_ids, out.top_logprobs)
+
+    (cache, state), outs = jax.lax.scan(step, (cache, state), None, length=num_steps)
+    return cache, state, outs
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "width", "prompt_logprobs", "impl"),
+    donate_argnames=("cache", "state"),
+)
+def _prefill(params, cache, state, batch: PrefillBatch, *, config, width, prompt_logprobs, impl):
+    """JetStream `prefill` over fixed [R, T] chunks, K/V written into each row's slot pages.
+
+    Returns (cache, state, (tokens i32[R], logprobs f32[R], top_ids i32[R, K], top_lp f32[R, K],
+    prompt (lp f32[R, T], top_ids i32[R, T, K], top_lp f32[R, T, K]) or None)).
+    """
+    s = state.last_token.shape[0]
+    r, t = batch.tokens.shape
+    ps = cache.page_size
+    slot = jnp.minimum(batch.slots, s - 1)  # gather index; padding rows read a real slot, unused
+    row_valid = batch.length > 0  # (R,)
+    pt = state.page_table[slot, :width]  # (R, W)
+    pos = batch.start[:, None] + jnp.arange(t)[None, :]  # (R, T)
+    valid = jnp.arange(t)[None, :] < batch.length[:, None]  # (R, T)
+    page = jnp.take_along_axis(pt, jnp.minimum(pos // ps, width - 1), axis=1)
+    meta = AttentionMetadata(
+        positions=pos,
+        slot_mapping=jnp.where(valid, page * ps + pos % ps, -1),
+        page_table=pt,
+        seq_lens=jnp.where(row_valid, batch.start + batch.length, 0),
+    )
+    hidden, cache = llama.forward(params, batch.tokens, meta, cache, config, impl)  # (R, T, D)
+    last = hidden[jnp.arange(r), jnp.maximum(batch.length - 1, 0)]  # (R, D)
+    logits = llama.compute_logits(params, last, config)  # (R, V)
+    sub = jax.tree.map(lambda x: x[slot], state.sampling)  # the rows' sampling state (R, ...)
+    out = sampling.sample(logits, sub, state.num_generated[slot], MAX_LOGPROBS)
+    finishing = row_valid & batch.is_last
+    sampled = finishing & (batch.forced < 0)
+    tok = jnp.where(batch.forced >= 0, batch.forced, out.tokens)
+    fin_idx = jnp.where(finishing, batch.slots, s)  # index s is out of range: dropped
+    smp_idx = jnp.where(sampled, batch.slots, s)
+    tokens_s = jnp.zeros((s,), jnp.int32).at[smp_idx].set(tok, mode="drop")
+    sampled_s = jnp.zeros((s,), bool).at[smp_idx].set(True, mode="drop")
+    state = state.replace(
+        last_token=state.last_token.at[fin_idx].set(tok, mode="drop"),
+        seq_len=state.seq_len.at[jnp.where(row_valid, batch.slots, s)].set(
+            batch.start + batch.length, mode="drop"
+        ),
+        active=state.active.at[fin_idx].set(True, mode="drop"),
+        num_generated=state.num_generated + sampled_s.astype(jnp.int32),
+        sampling=sampling.update_counts(state.sampling, tokens_s, sampled_s),
+    )
+    prompt = None
+    if prompt_logprobs:
+        all_logits = llama.compute_logits(params, hidden, config)  # (R, T, V)
+        lp, top_ids, top_lp = sampling.token_logprobs(
+            all_logits.reshape(r * t, -1), batch.targets.reshape(r * t), MAX_LOGPROBS
+        )
+        prompt = (lp.reshape(r, t), top_ids.reshape(r, t, -1), top_lp.reshape(r, t, -1))
+    return cache, state, (tok, out.logprobs, out.top_ids, out.top_logprobs, prompt)
+
+
+class ModelRunner:
+    """Owns the device state; `execute(plan)` runs one scheduler plan and returns host numpy."""
+
+    def __init__(
+        self, params, model_config: ModelConfig, engine_config: EngineConfig, num_pages: int
+    ):
+        self.params = params
+        self.model_config = model_config
+        self.config = engine_config
+        self.num_slots = engine_config.num_slots
+        self.max_pages = engine_config.max_pages_per_seq
+        self.rows = max(1, engine_config.max_num_batched_tokens // engine_config.prefill_chunk_size)
+        # Prefill row buckets: a step with one chunk (the steady state) computes [1, T], not [R, T].
+        self.row_buckets = sorted({min(1 << i, self.rows) for i in range(self.rows.bit_length() + 1)})
+        self.chunk = engine_config.prefill_chunk_size
+        c = model_config
+        self.cache = kv_cache.init(
+            c.num_layers,
+            c.num_kv_heads,
+            num_pages,
+            engine_config.page_size,
+            c.head_dim,
+            engine_config.kv_cache_dtype,
+            jnp.dtype(engine_config.dtype),
+        )
+        self.state = init_slot_state(self.num_slots, self.max_pages, c.vocab_size)
+        self.widths = sorted(
+            {min(1 << i, self.max_pages) for i in range(self.max_pages.bit_length() + 1)}
+        )
+        self._page_table = np.zeros((self.num_slots, self.max_pages), np.int32)  # host mirror
+        self._active = np.zeros((self.num_slots,), bool)  # host mirror of state.active
+        self._dirty = False
+        self.num_h2d_transfers = 0
+        self.num_d2h_transfers = 0
+
+    def width_for(self, num_pages: int) -> int:
+        """The smallest bucket holding `num_pages` pages."""
+        for w in self.widths:
+            if w >= num_pages:
+                return w
+        raise ValueError(f"{num_pages} pages exceed max_pages_per_seq={self.max_pages}")
+
+    def _static(self) -> dict:
+        return {"config": self.model_config, "impl": self.config.attention_impl}
+
+    # -- slot API -------------------------------------------------------------------------------
+    def insert(self, req: Request) -> None:
+        row = make_slot_row(
+            req.sampling_params,
+            req.prompt_token_ids,
+            req.output_token_ids,
+            req.eos_token_ids,
+            req.seed,
+            self.config.max_model_len,
+        )
+        self.state = _insert(
+            self.state,
+            np.int32(req.slot),
+            row,
+            np.int32(len(req.output_token_ids)),
+            np.int32(req.max_total_len),
+        )
+        self._active[req.slot] = False
+        self._dirty = True
+        self.num_h2d_transfers += 1
+
+    def release(self, slot: int) -> None:
+        self._active[slot] = False
+        self._dirty = True
+
+    def set_pages(self, slot: int, pages: list[int]) -> None:
+        self._page_table[slot, : len(pages)] = pages
+        self._page_table[slot, len(pages) :] = 0
+        self._dirty = True
+
+    def _flush(self) -> None:
+        if self._dirty:
+            self.state = _sync(self.state, self._page_table.copy(), self._active.copy())
+            self.num_h2d_transfers += 1
+            self._dirty = False
+
+    def generate(self, width: int):
+        self.cache, self.state, out = _generate(
+            self.params,
+            self.cache,
+            self.state,
+            width=width,
+            num_steps=self.config.decode_steps,
+            **self._static(),
+        )
+        return out
+
+    def prefill(self, batch: PrefillBatch, width: int, prompt_logprobs: bool):
+        self.cache, self.state, out = _prefill(
+            self.params,
+            self.cache,
+            self.state,
+            batch,
+            width=width,
+            prompt_logprobs=prompt_logprobs,
+            **self._static(),
+        )
+        return out
+
+    # -- one engine step ------------------------------------------------------------------------
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        for slot in plan.released:
+            self.release(slot)
+        for req in plan.inserted:
+            self.insert(req)
+        for slot, pages in plan.page_updates.items():
+            self.set_pages(slot, pages)
+        self._flush()
+
+        fetch: dict[str, jax.Array] = {}
+        if plan.decode:
+            k = plan.num_decode_steps
+            need = max(
+                pages_for(r.num_computed_tokens + k, self.config.page_size) for r in plan.decode
+            )
+            want_top = any(r.sampling_params.logprobs for r in plan.decode)
+            tok, valid, lp, top_ids, top_lp = self.generate(self.width_for(need))
+            fetch.update(decode_tokens=tok, decode_valid=valid, decode_logprobs=lp)
+            if want_top:
+                fetch.update(decode_top_ids=top_ids, decode_top_logprobs=top_lp)
+        if plan.prefill:
+            batch, want_prompt = self._prefill_batch(plan)
+            rows = batch.tokens.shape[0]
+            need = max(pages_for(c.start + c.length, self.config.page_size) for c in plan.prefill)
+            tok, lp, top_ids, top_lp, prompt = self.prefill(
+                batch, self.width_for(need), want_prompt
+            )
+            self.num_h2d_transfers += 1
+            for c in plan.prefill:
+                if c.is_last:
+                    self._active[c.request.slot] = True  # the device activated it too
+            fetch.update(prefill_tokens=tok, prefill_logprobs=lp)
+            if any(c.request.sampling_params.logprobs for c in plan.prefill):
+                fetch.update(prefill_top_ids=top_ids, prefill_top_logprobs=top_lp)
+            if want_prompt:
+                fetch.update(
+                    prompt_logprobs=prompt[0],
+                    prompt_top_ids=prompt[1],
+                    prompt_top_logprobs=prompt[2],
+                )
+        if not fetch:
+            return StepResult()
+        host = jax.device_get(fetch)  # the step's one device->host transfer
+        self.num_d2h_transfers += 1
+        for name in ("tokens", "valid", "logprobs"):
+            if "decode_" + name in host:  # scan stacks steps first: (k, S) -> (S, k)
+                host["decode_" + name] = np.asarray(host["decode_" + name]).T
+        for name in ("top_ids", "top_logprobs"):
+            if "decode_" + name in host:
+                host["decode_" + name] = np.asarray(host["decode_" + name]).transpose(1, 0, 2)
+        return StepResult(**host)
+
+    def _prefill_batch(self, plan: SchedulerOutput) -> tuple[PrefillBatch, bool]:
+        """Host arrays of the plan's chunks, padded to a row bucket (all R rows for prompt logprobs,
+        whose variant is compiled for R rows only)."""
+        want_prompt = any(
+            c.request.sampling_params.prompt_logprobs is not None
+            and c.start + 1 < len(c.request.prompt_token_ids)
+            for c in plan.prefill
+        )
+        r = self.rows if want_prompt else next(b for b in self.row_buckets if b >= len(plan.prefill))
+        t, s = self.chunk, self.num_slots
+        tokens = np.zeros((r, t), np.int32)
+        targets = np.full((r, t), -1, np.int32)
+        slots = np.full((r,), s, np.int32)
+        start = np.zeros((r,), np.int32)
+        length = np.zeros((r,), np.int32)
+        is_last = np.zeros((r,), bool)
+        forced = np.full((r,), -1, np.int32)
+        for i, c in enumerate(plan.prefill):
+            req = c.request
+            ids = req.all_token_ids
+            tokens[i, : c.length] = ids[c.start : c.start + c.length]
+            slots[i], start[i], length[i], is_last[i] = req.slot, c.start, c.length, c.is_last
+            if c.is_last and req.forced_token is not None:
+                forced[i] = req.forced_token
+            n_prompt = len(req.prompt_token_ids)
+            if req.sampling_params.prompt_logprobs is not None and c.start + 1 < n_prompt:
+                end = min(c.start + c.length, n_prompt - 1)
+                targets[i, : end - c.start] = req.prompt_token_ids[c.start + 1 : end + 1]
+        batch = PrefillBatch(tokens, slots, start, length, is_last, forced, targets)
+        return batch, want_prompt
+
+    def warmup(self) -> float:
+        """Compiles every step variant for every width bucket; returns the seconds it took.
+
+        All rows are padding (nothing active, no valid chunk), so the state is left as it was.
+        """
+        t0 = time.perf_counter()
+        t, s = self.chunk, self.num_slots
+
+        def padding(r: int) -> PrefillBatch:
+            return PrefillBatch(
+                tokens=np.zeros((r, t), np.int32),
+                slots=np.full((r,), s, np.int32),
+                start=np.zeros((r,), np.int32),
+                length=np.zeros((r,), np.int32),
+                is_last=np.zeros((r,), bool),
+                forced=np.full((r,), -1, np.int32),
+                targets=np.full((r, t), -1, np.int32),
+            )
+        saved = self._active.copy()
+        self._active[:] = False
+        self._dirty = True
+        self._flush()
+        row = make_slot_row(SamplingParams(), [0], [], (), 0, self.config.max_model_len)
+        self.state = _insert(self.state, np.int32(0), row, np.int32(0), np.int32(0))
+        for w in self.widths:
+            self.generate(w)
+            for r in self.row_buckets:
+                self.prefill(padding(r), w, False)
+            self.prefill(padding(self.rows), w, True)
+        self._active[:] = saved
+        self._dirty = True
+        self._flush()
+        jax.block_until_ready(self.state)
+        dt = time.perf_counter() - t0
+        logger.info(
+            "warm-up: %d widths x (generate + %d prefill row buckets + prompt log-probs) in %.1f s",
+            len(self.widths),
+            len(self.row_buckets),
+            dt,
+        )
+        return dt

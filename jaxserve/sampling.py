@@ -1,0 +1,263 @@
+"""Pure-jnp sampling over fixed-shape per-slot arrays: logits[S, V] + SamplingState -> tokens[S].
+
+Every per-request number (temperature, top-k, seeds, ...) is an array, so nothing recompiles.
+`sample` follows vLLM's order:
+
+    logits f32[S, V]
+      -> min_tokens: stop/eos ids -> -inf while num_generated < min_tokens
+      -> repetition penalty on prompt | generated tokens (positive / rp, negative * rp)
+      -> frequency (* count) and presence (* [count > 0]) penalties on generated tokens
+      -> greedy slots (temperature 0): argmax                       (ties: lowest id)
+      -> others: / temperature -> top-k -> top-p -> min-p -> jax.random.categorical
+
+The key of slot s is fold_in(wrap_key_data(key_data[s]), num_generated[s]): a slot's token depends
+only on its own logits row, parameters, seed and step, never on other slots or its index.
+`lax.cond` skips the random path when every slot is greedy, and the top-k/top-p threshold search
+when no sampling slot asks for it. Log-probs are those of the raw model distribution (log_softmax
+of the unmodified logits), as vLLM returns by default.
+
+The runner writes a request into a slot with `set_slot(state, slot, row)` where `row` is the host's
+`SlotRow` (numpy leaves are fine: SlotRow is registered as a pytree here), and after each step
+counts the new tokens with `update_counts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxserve.sampling_params import MAX_LOGPROBS, SlotRow
+
+jax.tree_util.register_dataclass(
+    SlotRow, data_fields=[f.name for f in dataclasses.fields(SlotRow)], meta_fields=[]
+)
+
+
+@struct.dataclass
+class SamplingState:
+    temperature: jax.Array  # f32[S]; 0 = greedy
+    top_k: jax.Array  # i32[S]; 0 = off
+    top_p: jax.Array  # f32[S]; 1 = off
+    min_p: jax.Array  # f32[S]; 0 = off
+    repetition_penalty: jax.Array  # f32[S]; 1 = off
+    presence_penalty: jax.Array  # f32[S]
+    frequency_penalty: jax.Array  # f32[S]
+    min_tokens: jax.Array  # i32[S]
+    key_data: jax.Array  # u32[S, 2]; threefry key data of each request's seed
+    token_counts: jax.Array  # i32[S, V]; times each token was generated
+    prompt_mask: jax.Array  # bool[S, V]; token occurs in the prompt
+    stop_mask: jax.Array  # bool[S, V]; suppressed while num_generated < min_tokens
+
+
+@struct.dataclass
+class SampleOutput:
+    tokens: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S]; raw log_softmax of the chosen token
+    top_ids: jax.Array  # i32[S, K]; K = num_top_logprobs, best first
+    top_logprobs: jax.Array  # f32[S, K]
+
+
+def init_state(num_slots: int, vocab_size: int) -> SamplingState:
+    """All slots greedy with no penalties, zero keys, empty counts and masks."""
+    if num_slots < 1 or vocab_size < 1:
+        raise ValueError(
+            f"num_slots and vocab_size must be positive, got {num_slots}, {vocab_size}"
+        )
+    s, v = num_slots, vocab_size
+    return SamplingState(
+        temperature=jnp.zeros((s,), jnp.float32),
+        top_k=jnp.zeros((s,), jnp.int32),
+        top_p=jnp.ones((s,), jnp.float32),
+        min_p=jnp.zeros((s,), jnp.float32),
+        repetition_penalty=jnp.ones((s,), jnp.float32),
+        presence_penalty=jnp.zeros((s,), jnp.float32),
+        frequency_penalty=jnp.zeros((s,), jnp.float32),
+        min_tokens=jnp.zeros((s,), jnp.int32),
+        key_data=jnp.zeros((s, 2), jnp.uint32),
+        token_counts=jnp.zeros((s, v), jnp.int32),
+        prompt_mask=jnp.zeros((s, v), bool),
+        stop_mask=jnp.zeros((s, v), bool),
+    )
+
+
+def row_to_device(row: SlotRow) -> SlotRow:
+    """The same row with jnp leaves (one device_put of the whole pytree)."""
+    return jax.device_put(row)
+
+
+def _one_hot_rows(ids: jax.Array, vocab_size: int, dtype) -> jax.Array:
+    """ids i32[N] (-1 = padding, ids >= V dropped) -> dtype[V] counts (or presence for bool)."""
+    # A negative id would wrap around to the end of the vocab: send it out of range instead.
+    ids = jnp.where(ids < 0, vocab_size, ids)
+    zeros = jnp.zeros((vocab_size,), dtype)
+    if dtype == jnp.bool_:
+        return zeros.at[ids].set(True, mode="drop")
+    return zeros.at[ids].add(1, mode="drop")
+
+
+def set_slot(state: SamplingState, slot: jax.Array, row: SlotRow) -> SamplingState:
+    """Writes one request's row into slot `slot` (i32[]); jittable, donate `state`."""
+    v = state.token_counts.shape[1]
+    scalars = {
+        name: getattr(state, name).at[slot].set(jnp.asarray(getattr(row, name)))
+        for name in (
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "min_tokens",
+        )
+    }
+    return state.replace(
+        **scalars,
+        key_data=state.key_data.at[slot].set(jnp.asarray(row.key_data, jnp.uint32)),
+        token_counts=state.token_counts.at[slot].set(
+            _one_hot_rows(jnp.asarray(row.output_tokens), v, jnp.int32)
+        ),
+        prompt_mask=state.prompt_mask.at[slot].set(
+            _one_hot_rows(jnp.asarray(row.prompt_tokens), v, jnp.bool_)
+        ),
+        stop_mask=state.stop_mask.at[slot].set(
+            _one_hot_rows(jnp.asarray(row.stop_ids), v, jnp.bool_)
+        ),
+    )
+
+
+def update_counts(state: SamplingState, tokens: jax.Array, active: jax.Array) -> SamplingState:
+    """token_counts[s, tokens[s]] += 1 for each active slot. tokens i32[S], active bool[S]."""
+    s, v = state.token_counts.shape
+    ids = jnp.where(active & (tokens >= 0), tokens, v)  # inactive -> out of range -> dropped
+    counts = state.token_counts.at[jnp.arange(s), ids].add(1, mode="drop")
+    return state.replace(token_counts=counts)
+
+
+def apply_penalties(logits: jax.Array, state: SamplingState, num_generated: jax.Array) -> jax.Array:
+    """min_tokens suppression, repetition/frequency/presence penalties. f32[S, V] -> f32[S, V]."""
+    too_early = (num_generated < state.min_tokens)[:, None]  # (S, 1)
+    logits = jnp.where(state.stop_mask & too_early, -jnp.inf, logits)
+    counts = state.token_counts
+    seen = state.prompt_mask | (counts > 0)
+    rp = state.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    logits = logits - state.frequency_penalty[:, None] * counts.astype(jnp.float32)
+    return logits - state.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
+
+
+def _ordered_key(x: jax.Array) -> jax.Array:
+    """f32 -> u32 whose unsigned order is the float order (the radix-sort key)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_key_rows(holds, num_rows: int) -> jax.Array:
+    """Per row, the largest u32 t with holds(t) true, for holds monotone (true at 0, then false).
+
+    holds: u32[S] -> bool[S]. Bisection over the bits, most significant first: 32 passes.
+    """
+
+    def set_bit(i, t):  # (S,) -> (S,)
+        candidate = t | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+        return jnp.where(holds(candidate), candidate, t)
+
+    return jax.lax.fori_loop(0, 32, set_bit, jnp.zeros((num_rows,), jnp.uint32))
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Masks (-inf) all but the k best, then all but the smallest set with cumulative prob >= p.
+
+    logits f32[S, V] (already temperature-scaled); top_k i32[S] (0 = off); top_p f32[S] (1 = off).
+    Top-p applies to the top-k-renormalized distribution. Both cuts are threshold values found by
+    bisection on the ordered bits (no sort: 2 x 32 passes over [S, V], about 10x faster than
+    jnp.sort on CPU), so tokens tied with the last kept one are kept too (as in vLLM).
+    """
+    s, v = logits.shape
+    keys = _ordered_key(logits)  # (S, V)
+    k = jnp.where((top_k <= 0) | (top_k > v), v, top_k)  # (S,)
+
+    def enough_tokens(t):  # (S,) -> (S,): at least k tokens at or above t
+        return jnp.sum(keys >= t[:, None], axis=-1) >= k
+
+    k_cut = _largest_key_rows(enough_tokens, s)  # (S,) = the k-th largest key
+    probs = jax.nn.softmax(jnp.where(keys >= k_cut[:, None], logits, -jnp.inf), axis=-1)
+
+    def enough_mass(t):  # (S,) -> (S,): the tokens at or above t hold at least top_p
+        return jnp.sum(jnp.where(keys >= t[:, None], probs, 0.0), axis=-1) >= top_p
+
+    p_cut = jnp.where(top_p < 1.0, _largest_key_rows(enough_mass, s), 0)  # (S,); 0 keeps all
+    cut = jnp.maximum(k_cut, p_cut)  # (S,)
+    return jnp.where(keys >= cut[:, None], logits, -jnp.inf)
+
+
+def _sample_random(logits: jax.Array, state: SamplingState, num_generated: jax.Array) -> jax.Array:
+    """Temperature, top-k, top-p, min-p, then a categorical draw per slot. f32[S, V] -> i32[S]."""
+    temperature = jnp.where(state.temperature > 0, state.temperature, 1.0)
+    logits = logits / temperature[:, None]
+    sampling = state.temperature > 0
+    needs_cut = jnp.any(sampling & ((state.top_k > 0) | (state.top_p < 1.0)))
+    logits = jax.lax.cond(
+        needs_cut,
+        lambda x: apply_top_k_top_p(x, state.top_k, state.top_p),
+        lambda x: x,
+        logits,
+    )
+    # min-p: keep p_i >= min_p * p_max, i.e. logit_i >= logit_max + log(min_p).
+    max_logit = jnp.max(logits, axis=-1, keepdims=True)
+    logits = jnp.where(logits >= max_logit + jnp.log(state.min_p)[:, None], logits, -jnp.inf)
+
+    def draw(key_data, step, row):
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
+        return jax.random.categorical(key, row)
+
+    return jax.vmap(draw)(state.key_data, num_generated, logits).astype(jnp.int32)
+
+
+def sample(
+    logits: jax.Array,
+    state: SamplingState,
+    num_generated: jax.Array,
+    num_top_logprobs: int,
+) -> SampleOutput:
+    """One token per slot. logits f32[S, V]; num_generated i32[S] (tokens generated so far).
+
+    num_top_logprobs (static, <= MAX_LOGPROBS) sizes top_ids/top_logprobs [S, K]; 0 gives [S, 0].
+    """
+    if not 0 <= num_top_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"num_top_logprobs must be in [0, {MAX_LOGPROBS}], got {num_top_logprobs}")
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # (S, V)
+    penalized = apply_penalties(logits, state, num_generated)
+    greedy_tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
+    greedy = state.temperature <= 0
+    tokens = jax.lax.cond(
+        jnp.all(greedy),
+        lambda: greedy_tokens,
+        lambda: jnp.where(greedy, greedy_tokens, _sample_random(penalized, state, num_generated)),
+    )
+    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
+    return SampleOutput(
+        tokens=tokens, logprobs=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs
+    )
+
+
+def token_logprobs(
+    logits: jax.Array, target_ids: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Prompt log-probs: logits f32[T, V], target_ids i32[T] -> (lp f32[T], top_ids i32[T, K],
+    top_lp f32[T, K]).
+
+    lp[t] = log_softmax(logits[t])[target_ids[t]]; a padded target (-1) gives lp 0. k is static.
+    """
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise ValueError(f"k must be in [0, {MAX_LOGPROBS}], got {k}")
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (T, V)
+    valid = target_ids >= 0
+    lp = jnp.take_along_axis(logprobs, jnp.where(valid, target_ids, 0)[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logprobs, k)
+    return jnp.where(valid, lp, 0.0), top_ids.astype(jnp.int32), top_lp

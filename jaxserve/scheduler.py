@@ -1,0 +1,195 @@
+"""The scheduler: a waiting queue, a slot table and the page allocator. Host only (no jax).
+
+`schedule()` returns a `SchedulerOutput` (the plan of one engine step); the engine runs it and
+calls `finish()` for the requests that stopped. Each plan:
+
+  1. decode: every running request whose prefill is done generates `decode_steps` tokens (fewer
+     near its length limit). Pages are allocated for them first. When the pool is empty the newest
+     running request is preempted by recompute: its pages and slot are freed at once and it goes
+     back to the front of the waiting queue, keeping its generated tokens.
+  2. prefill: running requests with prompt left get the next fixed-size chunk
+     (`prefill_chunk_size` tokens), oldest first, at most `max_prefill_rows` chunks per step
+     (= max_num_batched_tokens // prefill_chunk_size), so a long prompt is spread over many steps
+     and never stalls the running decodes.
+  3. admit: waiting requests take free slots while chunk rows and pages (with a small watermark)
+     allow. With batching="static" a new batch is admitted only when every slot is empty, and
+     then as many requests as there are slots.
+
+Invariant: the set of slots that decode on the device is exactly `plan.decode`; everything a
+released slot held is gone before the slot is reused (the runner applies `released` first).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jaxserve.config import EngineConfig
+from jaxserve.page_allocator import PageAllocator, pages_for
+from jaxserve.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    request: Request
+    start: int  # position of the chunk's first token
+    length: int  # tokens in the chunk, <= prefill_chunk_size
+    is_last: bool  # the chunk completes the prefill: sample (or install) the next token
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.length]
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    decode: list[Request] = dataclasses.field(default_factory=list)
+    prefill: list[PrefillChunk] = dataclasses.field(default_factory=list)
+    inserted: list[Request] = dataclasses.field(default_factory=list)  # newly given a slot
+    released: list[int] = dataclasses.field(default_factory=list)  # slots freed since last plan
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+    page_updates: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # slot -> pages
+    num_decode_steps: int = 1
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.decode) * self.num_decode_steps + sum(c.length for c in self.prefill)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_pages: int):
+        self.config = config
+        self.page_size = config.page_size
+        self.chunk = config.prefill_chunk_size
+        self.max_prefill_rows = max(1, config.max_num_batched_tokens // config.prefill_chunk_size)
+        self.allocator = PageAllocator(num_pages)
+        self.watermark = max(1, num_pages // 100)  # free pages kept back at admission
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.free_slots = list(range(config.num_slots))
+        self._released: list[int] = []
+        self._admit_counter = 0
+        self.num_preemptions = 0
+
+    # -- queue ------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Retires a request: its slot and pages are free for the very next plan."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+            self._free_resources(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def _free_resources(self, request: Request) -> None:
+        self.allocator.free(request.pages)
+        request.pages = []
+        if request.slot is not None:
+            self._released.append(request.slot)
+            self.free_slots.append(request.slot)
+            self.free_slots.sort()
+            request.slot = None
+
+    # -- planning ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        plan = SchedulerOutput(num_decode_steps=self.config.decode_steps)
+        k = self.config.decode_steps
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING or not req.prefill_done:
+                continue
+            steps = min(k, req.max_total_len - req.num_tokens)
+            if steps < 1:
+                raise RuntimeError(f"request {req.request_id} is past its length limit")
+            if self._grow(req, req.num_computed_tokens + steps, plan, self_preempt=True):
+                plan.decode.append(req)
+
+        rows = self.max_prefill_rows
+        for req in list(self.running):
+            if rows == 0:
+                break
+            if req.status != RequestStatus.RUNNING or req.prefill_done:
+                continue
+            if self._schedule_chunk(req, plan):
+                rows -= 1
+
+        static = self.config.batching == "static"
+        if static and self.running:
+            pass  # a static batch is refilled only when all of it has finished
+        else:
+            while self.waiting and self.free_slots and (rows > 0 or static):
+                req = self.waiting[0]
+                req.begin_prefill()
+                first = pages_for(min(self.chunk, req.num_prefill_tokens), self.page_size)
+                headroom = self.watermark if self.running else 0  # alone, a request always fits
+                if not static and not self.allocator.can_allocate(first + headroom):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                req.slot = self.free_slots.pop(0)
+                req.admitted_seq = self._admit_counter
+                self._admit_counter += 1
+                self.running.append(req)
+                plan.inserted.append(req)
+                if rows > 0 and self._schedule_chunk(req, plan):
+                    rows -= 1
+
+        plan.released = self._released
+        self._released = []
+        return plan
+
+    def _schedule_chunk(self, req: Request, plan: SchedulerOutput) -> bool:
+        start = req.num_computed_tokens
+        length = min(self.chunk, req.num_prefill_tokens - start)
+        if not self._grow(req, start + length, plan, self_preempt=False):
+            return False
+        plan.prefill.append(
+            PrefillChunk(req, start, length, start + length == req.num_prefill_tokens)
+        )
+        return True
+
+    def _grow(
+        self, req: Request, num_tokens: int, plan: SchedulerOutput, self_preempt: bool
+    ) -> bool:
+        """Gives `req` pages for `num_tokens` K/V tokens, preempting newer requests if needed.
+
+        Returns False when `req` could not grow (it was preempted, or must wait this step).
+        """
+        need = pages_for(num_tokens, self.page_size) - len(req.pages)
+        while need > self.allocator.num_free_pages:
+            victim = self.running[-1]
+            if victim is req:
+                if self_preempt:
+                    self._preempt(req, plan)
+                return False
+            self._preempt(victim, plan)
+        if need > 0:
+            req.pages.extend(self.allocator.allocate(need))
+            plan.page_updates[req.slot] = list(req.pages)
+        return True
+
+    def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
+        """Recompute preemption: drop the K/V, keep the tokens, requeue at the front."""
+        self.running.remove(req)
+        plan.page_updates.pop(req.slot, None)
+        if req in plan.decode:
+            plan.decode.remove(req)
+        plan.prefill = [c for c in plan.prefill if c.request is not req]
+        if req in plan.inserted:
+            plan.inserted.remove(req)
+        self._free_resources(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        plan.preempted.append(req)
+        self.waiting.appendleft(req)

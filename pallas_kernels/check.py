@@ -1,0 +1,102 @@
+"""Lowers every Pallas kernel, in every configuration the engine uses, for CUDA on an abstract H200.
+
+    python -m pallas_kernels.check [--filter SUBSTRING] [--verbose]
+
+No GPU is needed: the kernels are traced with `ShapeDtypeStruct`s under an abstract mesh whose
+device is an "NVIDIA H200" and lowered with `lowering_platforms=("cuda",)`, which runs the Pallas
+-> Triton IR lowering (block shapes, dtypes, supported primitives). It does not run Triton's own
+compiler to PTX, which happens when XLA compiles on a real GPU (`experiments/gpu_kernels.py`).
+
+Each kernel file defines `lowering_cases() -> list[KernelCheck]`; adding a kernel file to the
+registry is one line in `KERNEL_MODULES`. Prints a table and exits non-zero if any case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import jax
+
+KERNEL_MODULES = (
+    "pallas_kernels.paged_attention",
+    "pallas_kernels.paged_prefill",
+    "pallas_kernels.int4_matmul",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCheck:
+    name: str  # "<kernel>/<model>/<config>"
+    fn: Callable  # the public kernel function, called with `args`
+    args: tuple  # jax.ShapeDtypeStruct per argument (None for an absent optional argument)
+
+
+def collect(modules=KERNEL_MODULES) -> list[KernelCheck]:
+    checks = []
+    for name in modules:
+        checks.extend(importlib.import_module(name).lowering_cases())
+    return checks
+
+
+def h200_mesh() -> jax.sharding.AbstractMesh:
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    return jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev
+    )
+
+
+def lower_for_h200(check: KernelCheck) -> str:
+    """StableHLO text of the case lowered for CUDA; raises whatever the lowering raises."""
+    with jax.sharding.use_abstract_mesh(h200_mesh()):
+        lowered = jax.jit(check.fn).trace(*check.args).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    if "triton" not in text:
+        raise RuntimeError("lowered module holds no Triton custom call")
+    return text
+
+
+def run(checks: list[KernelCheck], verbose: bool = False) -> list[tuple[str, bool, float, str]]:
+    """Lowers each case: [(name, ok, seconds, error line)]."""
+    results = []
+    for c in checks:
+        t0 = time.perf_counter()
+        try:
+            lower_for_h200(c)
+            ok, err = True, ""
+        except Exception as e:  # noqa: BLE001 - every failure is reported in the table
+            ok, err = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if verbose:
+                traceback.print_exc()
+        results.append((c.name, ok, time.perf_counter() - t0, err))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--filter", default="", help="only cases whose name contains this")
+    parser.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
+    opts = parser.parse_args(argv)
+    checks = [c for c in CHECKS if opts.filter in c.name]
+    if not checks:
+        print(f"no lowering case matches {opts.filter!r}")
+        return 1
+    results = run(checks, opts.verbose)
+    width = max(len(r[0]) for r in results)
+    print(f"{'case':<{width}}  result  seconds")
+    for name, ok, secs, err in results:
+        print(f"{name:<{width}}  {'ok' if ok else 'FAIL':<6}  {secs:7.2f}  {err}")
+    failed = sum(not r[1] for r in results)
+    print(f"{len(results) - failed}/{len(results)} cases lowered for CUDA (abstract NVIDIA H200)")
+    return 1 if failed else 0
+
+
+CHECKS: list[KernelCheck] = collect()
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""W4A16 matmul with the dequantization fused in: x[M, K] @ W[K, N], W packed INT4 (`quant/int4.py`).
+
+Layout (defined in `jaxserve/quant/int4.py`): packed u32[K, N/8] where nibble j of packed column c
+is the code of output column j * N/8 + c; scales and mins f16[K/g, N]; W = q * scale + min.
+
+Dataflow of `int4_matmul` (N8 = N/8 packed columns, G = K/g groups, S = split-K factor):
+
+    x [M, K]; scales, mins [G, N] -> [G, 8, N8] (free reshape: plane j = columns j*N8 ..)
+    grid (M/bm, N8/bc, S): program (i, c, s) loops over its G/S groups; per group t:
+        xg  = x[i-block, t*g:(t+1)*g]                      (bm, g)   rows >= M masked to 0
+        rs  = sum_k xg                                     (bm, 1)   f32
+        p   = packed[t*g:(t+1)*g, c-block]                 (g, bc)   u32, one load for 8 planes
+        for plane j in 0..7:
+            q_j = (p >> 4j) & 15                           (g, bc)   exact in bf16/f32
+            acc_j += (xg @ q_j) * scales[t, j, c] + rs * mins[t, j, c]        (bm, bc) f32
+    out [S, M, 8, N8] (f32 partials when S > 1) -> sum over S -> [M, N] (a free reshape)
+
+The scale and min factor out of each group's dot because they are constant along k within a group,
+so the weight is never dequantized element by element: per element the kernel does one shift, one
+mask and one convert. Decode batch sizes (M <= 64) run as a GEMV-like split-K launch (bm = 16..64
+rows, padded by masking for tl.dot's M >= 16) with S chosen so the grid fills the H200's 132 SMs
+about twice; prefill (M > 64) runs tiled with S = 1 (no partial-output traffic).
+
+Dimensions need not be powers of two (SmolLM2: K, N in {576, 192, 1536}): every load/store is a
+power-of-two tile of a whole-array ref at a dynamic offset, and the ragged last column block and
+rows past M are masked (Triton does no bounds checks of its own). K must be a multiple of g
+(enforced by the layout), N a multiple of 8.
+
+`int4_matmul_xla` (unpack + dot; what CPUs run) and `int4_matmul_reference` (pure jnp, f32, the
+definition the tests compare against) are at the end of the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxserve.quant.int4 import PACK, check_arrays, dequantize_arrays
+
+ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+H200_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4MatmulConfig:
+    """One launch's tiles: block_m rows, block_c packed columns (8 * block_c outputs), splits."""
+
+    block_m: int
+    block_c: int
+    splits: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for f in ("block_m", "block_c", "num_warps"):
+            v = getattr(self, f)
+            if v <= 0 or v & (v - 1):
+                raise ValueError(f"Int4MatmulConfig.{f} must be a positive power of two, got {v}")
+        if self.block_m < 16 or self.block_c < 16:
+            raise ValueError("Int4MatmulConfig.block_m and block_c must be >= 16 (tl.dot tiles)")
+        if self.splits <= 0 or self.num_stages <= 0:
+            raise ValueError("Int4MatmulConfig.splits and num_stages must be positive")
+
+
+def plan(m: int, k: int, n: int, group_size: int, num_sms: int = H200_SMS) -> Int4MatmulConfig:
+    """Chooses tiles for x[m, k] @ W[k, n] from the shape (a heuristic for the H200, see module doc).
+
+    Decode (m <= 64): the smallest power-of-two row block >= 16 covering m, split-K over groups
+    until the grid has ~2 programs per SM (each split is a divisor of the group count). Prefill:
+    64-row tiles (128 from 1024 rows), no split.
+    """
+    n8 = n // PACK
+    # 32 packed columns (256 outputs) unless 16 wastes fewer masked columns on a ragged N.
+    block_c = min((32, 16), key=lambda bc: (-(-n8 // bc) * bc - n8, -bc))
+    if m <= 64:
+        block_m = max(16, 1 << max(0, m - 1).bit_length())
+        groups = k // group_size
+        programs = -(-m // block_m) * -(-n8 // block_c)
+        splits = next(
+            (d for d in range(1, groups + 1) if groups % d == 0 and programs * d >= 2 * num_sms),
+            groups,
+        )
+        splits = max(d for d in range(1, min(splits, 32) + 1) if groups % d == 0)
+        return Int4MatmulConfig(block_m, block_c, splits, num_warps=4, num_stages=3)
+    # Eight f32 accumulators of [block_m, block_c]: 8 warps keep a 128-row tile at 64 registers
+    # per thread (4 warps suffice for 64 rows).
+    if m >= 1024:
+        return Int4MatmulConfig(128, block_c, 1, num_warps=8, num_stages=3)
+    return Int4MatmulConfig(64, block_c, 1, num_warps=4, num_stages=3)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel.
+
+
+def _kernel(
+    x_ref,  # [M, K]            activations, whole array
+    p_ref,  # u32[K, N8]        packed codes, whole array
+    s_ref,  # f16[G, 8, N8]     scales by (group, plane, packed column)
+    z_ref,  # f16[G, 8, N8]     mins
+    o_ref,  # [S, M, 8, N8]     output (f32 partials when S > 1, else x.dtype)
+    *,
+    m: int,
+    n8: int,
+    group_size: int,
+    groups_per_split: int,
+    block_m: int,
+    block_c: int,
+):
+    i, c, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g, bm, bc = group_size, block_m, block_c
+    cdt = x_ref.dtype  # codes 0..15 are exact in every activation dtype
+    row0, col0 = i * bm, c * bc
+    rows_ragged, cols_ragged = m % bm != 0, n8 % bc != 0
+    row_ok = row0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0) < m  # (bm, 1)
+    col_ok = col0 + lax.broadcasted_iota(jnp.int32, (1, bc), 1) < n8  # (1, bc)
+
+    def masked_load(ref, mask, shape):
+        if mask is None:
+            return ref[...]
+        return pltriton.load(ref, mask=jnp.broadcast_to(mask, shape), other=0)
+
+    def body(t, acc):
+        gi = s * groups_per_split + t
+        k0 = pl.multiple_of(gi * g, g)
+        xg = masked_load(
+            x_ref.at[pl.ds(row0, bm), pl.ds(k0, g)], row_ok if rows_ragged else None, (bm, g)
+        )  # (bm, g)
+        rs = jnp.sum(xg.astype(jnp.float32), axis=1, keepdims=True)  # (bm, 1)
+        p = masked_load(
+            p_ref.at[pl.ds(k0, g), pl.ds(col0, bc)], col_ok if cols_ragged else None, (g, bc)
+        )  # (g, bc) u32
+        out = []
+        for j in range(PACK):
+            jj = jnp.int32(j)  # an array index: the interpreter rejects Python ints next to slices
+            q = ((p >> (4 * j)) & 0xF).astype(jnp.int32).astype(cdt)  # (g, bc)
+            mask = col_ok[0] if cols_ragged else None
+            sc = masked_load(s_ref.at[gi, jj, pl.ds(col0, bc)], mask, (bc,)).astype(jnp.float32)
+            mn = masked_load(z_ref.at[gi, jj, pl.ds(col0, bc)], mask, (bc,)).astype(jnp.float32)
+            d = jnp.dot(xg, q, preferred_element_type=jnp.float32)  # (bm, bc)
+            out.append(acc[j] + d * sc[None, :] + rs * mn[None, :])
+        return tuple(out)
+
+    init = tuple(jnp.zeros((bm, bc), jnp.float32) for _ in range(PACK))
+    acc = lax.fori_loop(0, groups_per_split, body, init)
+    mask = None
+    if rows_ragged or cols_ragged:
+        mask = jnp.broadcast_to(row_ok & col_ok, (bm, bc))
+    for j in range(PACK):
+        ref = o_ref.at[s, pl.ds(row0, bm), jnp.int32(j), pl.ds(col0, bc)]
+        val = acc[j].astype(o_ref.dtype)
+        if mask is None:
+            ref[...] = val
+        else:
+            pltriton.store(ref, val, mask=mask)
+
+
+def _call(x2, packed, scales, mins, group_size, cfg: Int4MatmulConfig, interpret: bool):
+    """pallas_call wrapper: x2 [M, K] -> [M, N] in x2.dtype."""
+    m, k = x2.shape
+    n8 = packed.shape[1]
+    groups = k // group_size
+    if groups % cfg.splits:
+        raise ValueError(f"splits={cfg.splits} must divide the {groups} groups of K={k}")
+    out_dtype = jnp.float32 if cfg.splits > 1 else x2.dtype
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    s3 = scales.reshape(groups, PACK, n8)  # (G, 8, N8): plane j = columns j*N8 ..
+    z3 = mins.reshape(groups, PACK, n8)
+    kernel = functools.partial(
+        _kernel,
+        m=m,
+        n8=n8,
+        group_size=group_size,
+        groups_per_split=groups // cfg.splits,
+        block_m=cfg.block_m,
+        block_c=cfg.block_c,
+    )
+    grid = (pl.cdiv(m, cfg.block_m), pl.cdiv(n8, cfg.block_c), cfg.splits)
+    out = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[whole((m, k)), whole((k, n8)), whole(s3.shape), whole(z3.shape)],
+        out_specs=whole((cfg.splits, m, PACK, n8)),
+        out_shape=jax.ShapeDtypeStruct((cfg.splits, m, PACK, n8), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"int4_matmul_g{group_size}_bm{cfg.block_m}_bc{cfg.block_c}_s{cfg.splits}",
+    )(x2, packed, s3, z3)
+    if cfg.splits > 1:
+        out = jnp.sum(out, axis=0)
+    else:
+        out = out[0]
+    return out.reshape(m, PACK * n8).astype(x2.dtype)  # (M, 8, N8) -> (M, N): plane-major columns
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "config", "interpret"))
+def _pallas_jit(x, packed, scales, mins, group_size, config, interpret):
+    *lead, k = x.shape
+    x2 = x.reshape(-1, k)  # (M, K)
+    cfg = config or plan(x2.shape[0], k, packed.shape[1] * PACK, group_size)
+    return _call(x2, packed, scales, mins, group_size, cfg, interpret).reshape(*lead, -1)
+
+
+def int4_matmul(
+    x: jax.Array,
+    packed: jax.Array,
+    scales: jax.Array,
+    mins: jax.Array,
+    *,
+    group_size: int,
+    impl: str = "auto",
+    config: Int4MatmulConfig | None = None,
+) -> jax.Array:
+    """x[..., K] @ W[K, N] -> [..., N] in x.dtype, W = (packed, scales, mins) in the INT4 layout.
+
+    x:       f32/bf16/f16[..., K]
+    packed:  u32[K, N/8];  scales, mins: f16[K/g, N]
+    impl:    'auto' (Pallas on GPU, XLA elsewhere), 'pallas', 'pallas_interpret', 'xla', 'reference'
+    config:  tiles for the Pallas kernel (default: `plan` from the shape)
+    """
+    check_arrays(packed, scales, mins, group_size)
+    if packed.ndim != 2:
+        raise ValueError(f"packed must be one layer's u32[K, N/8], got shape {packed.shape}")
+    if jnp.dtype(x.dtype) not in ACT_DTYPES:
+        raise ValueError(f"x must be f32/bf16/f16, got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] != packed.shape[0]:
+        raise ValueError(f"x has shape {x.shape}; its last dim must be K={packed.shape[0]}")
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl in ("pallas", "pallas_interpret"):
+        return _pallas_jit(x, packed, scales, mins, group_size, config, impl == "pallas_interpret")
+    if impl == "xla":
+        return int4_matmul_xla(x, packed, scales, mins, group_size)
+    if impl == "reference":
+        return int4_matmul_reference(x, packed, scales, mins, group_size)
+    raise ValueError(
+        f"impl must be 'auto', 'pallas', 'pallas_interpret', 'xla' or 'reference', got {impl!r}"
+    )
+
+
+def lowering_cases() -> list:
+    """CUDA lowering cases for `pallas_kernels.check`: SmolLM2 and Llama-3-8B projections."""
+    from pallas_kernels.check import KernelCheck
+
+    sds = jax.ShapeDtypeStruct
+    shapes = {
+        "smollm2": [(576, 576), (576, 192), (576, 1536), (1536, 576)],
+        "llama3-8b": [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)],
+    }
+    group_sizes = {"smollm2": (32, 64), "llama3-8b": (128, 32)}
+    cases = []
+    for model, kns in shapes.items():
+        for k, n in kns:
+            for g in group_sizes[model]:
+                for m in (1, 8, 32, 128, 512):
+                    args = (
+                        sds((m, k), jnp.bfloat16),
+                        sds((k, n // PACK), jnp.uint32),
+                        sds((k // g, n), jnp.float16),
+                        sds((k // g, n), jnp.float16),
+                    )
+                    fn = functools.partial(int4_matmul, group_size=g, impl="pallas")
+                    cases.append(KernelCheck(f"int4_matmul/{model}/{k}x{n}_g{g}_m{m}", fn, args))
+    return cases
+
+
+# ------------------------------------------------------------------------------------------------
+# XLA path and reference.
+
+
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def int4_matmul_xla(x, packed, scales, mins, group_size: int) -> jax.Array:
+    """Unpack + dot: dequantizes the whole [K, N] weight into x.dtype, then one XLA dot."""
+    w = dequantize_arrays(packed, scales, mins, group_size).astype(x.dtype)  # (K, N)
+    y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def int4_matmul_reference(x, packed, scales, mins, group_size: int) -> jax.Array:
+    """The definition: x (as f32) @ W (f32, per `int4.dequantize_arrays`) -> x.dtype."""
+    w = dequantize_arrays(packed, scales, mins, group_size)  # (K, N) f32
+    y = jnp.einsum("...k,kn->...n", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
+    return y.astype(x.dtype)

@@ -1,0 +1,306 @@
+"""Ragged chunked-prefill attention: a chunk of new tokens per row, causal against the row's pages.
+
+Dataflow of `paged_prefill_attention` (B rows, T tokens per row, H = KVH * G query heads):
+
+    q [B, T, H, D] -> [B, KVH, Tp * Gp, D]      row r of (b, h) = token r // Gp, head g = r % Gp
+    positions [B, T] -> [B, Tp * Gp]            (-1 for padding tokens)
+    grid (B, KVH, Tp * Gp / BR): program (b, h, i) holds BR query rows (BR / Gp tokens x Gp heads)
+        and walks row b's pages up to min(seq_len, max position in the block + 1) in tiles of
+        block_k keys gathered from the whole pool [L * KVH * P, ps, D] through the page table:
+        online softmax with the causal mask s <= position and s < seq_len
+    -> [B, KVH, Tp * Gp, D] -> [B, T, H, D]
+
+The chunk may start mid-sequence (chunked prefill) and its own K/V are already in the pages (the
+model writes them before attention), so "cached pages plus the chunk itself" is one causal mask over
+the row's pages. Rows of different lengths and starting points share one launch (ragged). Tokens
+with no visible key (padding) give finite garbage; rows with seq_len 0 run no iterations and give
+zeros. Int8/fp8 pages are dequantized in the loop as in the decode kernel (K scale on the logits,
+V scale on the probabilities).
+
+A decode row (T = 1) also works here, but with one token the block wastes Gp x (BR / Gp - 1) rows
+and never splits the keys, so the engine uses `paged_attention.paged_attention` for T == 1.
+
+Lowered through Triton. A Mosaic GPU variant would stream pages with TMA into an SMEM ring
+(`plgpu.emit_pipeline`), run Q.K^T and P.V on wgmma with 64-row warpgroup tiles and keep P in
+registers (FlashAttention-3 style, as in jax's `attention_mgpu.py`), and skip tiles entirely above
+the causal diagonal per warpgroup instead of per program.
+
+The reference is the general `paged_attention.paged_attention_reference` (gather + einsum), which
+defines decode and prefill alike; `paged_prefill_reference` below is that function under this
+kernel's signature.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.paged_attention import (
+    KV_DTYPES,
+    MASK_VALUE,
+    MODEL_HEADS,
+    check_kv_inputs,
+    next_pow2,
+    paged_attention_reference,
+    pool_structs,
+)
+from pallas_kernels.tuning import H200_PREFILL, PrefillConfig
+
+
+def _prefill_kernel(
+    layer_ref,  # i32[1]                 layer index into the stacked pool
+    lens_ref,  # i32[B]                  KV length of each row (0 = inactive)
+    pt_ref,  # i32[B, Wp]                page table, padded to a whole number of key tiles
+    pos_ref,  # i32[BR]                  position of each query row (block of [B, Tp * Gp])
+    q_ref,  # [BR, D]                    query rows (block of [B, KVH, Tp * Gp, D])
+    k_ref,  # [L * KVH * P, ps, D]       whole K pool, one page per leading index
+    v_ref,  # [L * KVH * P, ps, D]       whole V pool
+    *refs,  # (ks_ref, vs_ref f32[L * KVH * P, ps] if quantized), o_ref [BR, D] (block of q's shape)
+    page_size: int,
+    pages_per_block: int,
+    max_iters: int,
+    num_kv_heads: int,
+    num_pages: int,
+    quantized: bool,
+    sm_scale: float,
+):
+    if quantized:
+        ks_ref, vs_ref, o_ref = refs
+    else:
+        (o_ref,) = refs
+    b, h = pl.program_id(0), pl.program_id(1)
+    block_k = pages_per_block * page_size
+    br, d = q_ref.shape
+    kv_len = lens_ref[b]
+    pos = pos_ref[...]  # (BR,)
+    kv_end = jnp.minimum(kv_len, jnp.max(pos) + 1)  # keys past this are invisible to every row
+    n_iter = jnp.minimum(pl.cdiv(jnp.maximum(kv_end, 0), block_k), max_iters)
+    base = (layer_ref[0] * num_kv_heads + h) * num_pages
+    q = q_ref[...]
+    cdt = q.dtype
+
+    def body(i, carry):
+        o, m, l = carry
+        page0 = i * pages_per_block
+        pages = pt_ref[b, pl.ds(page0, pages_per_block)]  # (ppb,)
+        pages = base + jnp.clip(pages, 0, num_pages - 1)
+        k = k_ref[pages].reshape(block_k, d).astype(cdt)  # (BK, D)
+        logits = lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )  # (BR, BK)
+        if quantized:
+            logits = logits * (ks_ref[pages].reshape(1, block_k) * sm_scale)
+        else:
+            logits = logits * sm_scale
+        tok = page0 * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+        visible = (tok <= pos[:, None]) & (tok < kv_len)  # (BR, BK)
+        logits = jnp.where(visible, logits, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # (BR,)
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(logits - m_new[:, None])  # (BR, BK)
+        l_new = corr * l + jnp.sum(p, axis=1)
+        if quantized:
+            p = p * vs_ref[pages].reshape(1, block_k)
+        v = v_ref[pages].reshape(block_k, d).astype(cdt)  # (BK, D)
+        pv = lax.dot_general(
+            p.astype(cdt), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )  # (BR, D)
+        return corr[:, None] * o + pv, m_new, l_new
+
+    init = (
+        jnp.zeros((br, d), jnp.float32),
+        jnp.full((br,), jnp.finfo(jnp.float32).min, jnp.float32),
+        jnp.zeros((br,), jnp.float32),
+    )
+    o, _, l = lax.fori_loop(0, n_iter, body, init)
+    o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def prefill_plan(tokens: int, group: int, page_size: int, cfg: PrefillConfig):
+    """Static tiling: (Gp, tokens per block, pages_per_block)."""
+    gp = next_pow2(group)
+    most = max(cfg.block_rows // gp, 1)
+    least = max(cfg.min_rows // gp, 1)
+    block_t = min(most, max(next_pow2(tokens), least))
+    pages_per_block = max(cfg.block_k, page_size) // page_size
+    return gp, block_t, pages_per_block
+
+
+def _prefill_call(
+    q, k_pages, v_pages, positions, seq_lens, page_table, layer, k_scale, v_scale, cfg, interpret
+):
+    """pallas_call wrapper: q [B, T, H, D] -> [B, T, H, D]."""
+    b, t, h, d = q.shape
+    n_layers, kvh, n_pages, ps, _ = k_pages.shape
+    g = h // kvh
+    gp, block_t, ppb = prefill_plan(t, g, ps, cfg)
+    tp = -(-t // block_t) * block_t
+    br = block_t * gp
+    w = page_table.shape[1]
+    wp = -(-w // ppb) * ppb
+    pt = jnp.pad(page_table, ((0, 0), (0, wp - w)))  # (B, Wp)
+    qg = q.reshape(b, t, kvh, g, d)
+    qg = jnp.pad(qg, ((0, 0), (0, tp - t), (0, 0), (0, gp - g), (0, 0)))  # (B, Tp, KVH, Gp, D)
+    qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, kvh, tp * gp, d)  # (B, KVH, Tp * Gp, D)
+    pos = jnp.pad(positions, ((0, 0), (0, tp - t)), constant_values=-1)  # (B, Tp)
+    pos = jnp.repeat(pos, gp, axis=1)  # (B, Tp * Gp)
+    rows = n_layers * kvh * n_pages
+    kf = k_pages.reshape(rows, ps, d)  # (L * KVH * P, ps, D): a bitcast, not a copy
+    vf = v_pages.reshape(rows, ps, d)
+    quantized = k_scale is not None
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    in_specs = [
+        whole((1,)),
+        whole((b,)),
+        whole((b, wp)),
+        pl.BlockSpec((None, br), lambda i, j, r: (i, r)),
+        pl.BlockSpec((None, None, br, d), lambda i, j, r: (i, j, r, 0)),
+        whole((rows, ps, d)),
+        whole((rows, ps, d)),
+    ]
+    args = [jnp.asarray(layer, jnp.int32).reshape(1), seq_lens, pt, pos, qg, kf, vf]
+    if quantized:
+        in_specs += [whole((rows, ps)), whole((rows, ps))]
+        args += [k_scale.reshape(rows, ps), v_scale.reshape(rows, ps)]
+    kernel = functools.partial(
+        _prefill_kernel,
+        page_size=ps,
+        pages_per_block=ppb,
+        max_iters=wp // ppb,
+        num_kv_heads=kvh,
+        num_pages=n_pages,
+        quantized=quantized,
+        sm_scale=1.0 / float(np.sqrt(d)),
+    )
+    o = pl.pallas_call(
+        kernel,
+        grid=(b, kvh, tp * gp // br),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, br, d), lambda i, j, r: (i, j, r, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, tp * gp, d), q.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"paged_prefill_ps{ps}_bt{block_t}_gp{gp}",
+    )(*args)
+    o = o.reshape(b, kvh, tp, gp, d)[:, :, :t, :g]  # (B, KVH, T, G, D)
+    return o.transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _prefill_jit(
+    q, k_pages, v_pages, positions, seq_lens, page_table, layer, k_scale, v_scale, config, interpret
+):
+    return _prefill_call(
+        q,
+        k_pages,
+        v_pages,
+        positions,
+        seq_lens,
+        page_table,
+        layer,
+        k_scale,
+        v_scale,
+        config,
+        interpret,
+    )
+
+
+def paged_prefill_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    positions: jax.Array,
+    seq_lens: jax.Array,
+    page_table: jax.Array,
+    layer: jax.Array | int = 0,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    *,
+    config: PrefillConfig = H200_PREFILL,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of a ragged chunk of new tokens per row against the row's pages.
+
+    q:          [B, T, H, D]           f32 or bf16; H = KVH * G
+    k_pages,
+    v_pages:    [L, KVH, P, ps, D]     the whole pool, the chunk's own K/V already written
+    positions:  i32[B, T]              absolute position of each token (a row's chunk may start
+                                       mid-sequence; padding tokens may hold anything)
+    seq_lens:   i32[B]                 KV length of each row after the chunk's writes; 0 = inactive
+    page_table: i32[B, W]              pages of each row
+    layer:      i32[] | int            which layer of the pool (traced inside lax.scan)
+    k_scale,
+    v_scale:    f32[L, KVH, P, ps] | None   per-token scales, required exactly for int8/fp8 pages
+    returns     [B, T, H, D] in q.dtype. Token (b, t) sees keys s <= positions[b, t], s < seq_lens[b].
+    """
+    if q.ndim != 4 or q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"q must be f32/bf16 [B, T, H, D], got {q.dtype}{list(q.shape)}")
+    b, t, h, d = q.shape
+    if tuple(positions.shape) != (b, t) or positions.dtype != jnp.int32:
+        raise ValueError(
+            f"positions must be i32[{b}, {t}], got {positions.dtype}{list(positions.shape)}"
+        )
+    check_kv_inputs(h, d, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, b)
+    return _prefill_jit(
+        q,
+        k_pages,
+        v_pages,
+        positions,
+        seq_lens,
+        page_table,
+        jnp.asarray(layer, jnp.int32).reshape(()),
+        k_scale,
+        v_scale,
+        config=config,
+        interpret=interpret,
+    )
+
+
+def lowering_cases() -> list:
+    """Every prefill configuration the engine uses: models x page size x q/KV dtype x chunk."""
+    from pallas_kernels.check import KernelCheck  # here, not at the top: check.py imports this file
+
+    sds = jax.ShapeDtypeStruct
+    cases = []
+    pages = 4096
+    # (rows, chunk tokens, page-table width): a 256-token prefill chunk of one or two sequences,
+    # and a mixed step of many rows with a few tokens each.
+    shapes = ((2, 256, 64), (16, 16, 64))
+    for model, h, kvh, d, layers in MODEL_HEADS:
+        for ps in (16, 32):
+            for q_dt in (jnp.bfloat16, jnp.float32):
+                for kv in KV_DTYPES:
+                    for batch, chunk, width in shapes:
+                        k, v, ks, vs = pool_structs(layers, kvh, pages, ps, d, q_dt, kv)
+                        args = (
+                            sds((batch, chunk, h, d), q_dt),
+                            k,
+                            v,
+                            sds((batch, chunk), jnp.int32),
+                            sds((batch,), jnp.int32),
+                            sds((batch, width), jnp.int32),
+                            sds((), jnp.int32),
+                        )
+                        if ks is not None:
+                            args += (ks, vs)
+                        name = (
+                            f"prefill/{model}/ps{ps}/{jnp.dtype(q_dt).name}/kv-{kv}/"
+                            f"B{batch}xT{chunk}"
+                        )
+                        cases.append(KernelCheck(name, paged_prefill_attention, args))
+    return cases
+
+
+def paged_prefill_reference(
+    q, k_pages, v_pages, positions, seq_lens, page_table, layer=0, k_scale=None, v_scale=None
+) -> jax.Array:
+    """The pure-jnp definition: `paged_attention_reference` (gather + einsum), same arguments."""
+    return paged_attention_reference(
+        q, k_pages, v_pages, positions, seq_lens, page_table, layer, k_scale, v_scale
+    )

@@ -1,0 +1,134 @@
+"""A numpy stand-in for `ModelRunner` whose next token is computable by hand (JetStream mock engine).
+
+It keeps a real paged "KV cache" of token ids ([num_pages, page_size]) and reads every sequence back
+through its page table, so any paging mistake (a page freed while in use, a wrong page table, a
+resumed request re-prefilled wrongly) changes the tokens and shows as an exact mismatch against
+`reference()`, which runs the same rule on the plain token list.
+
+    next token = rule(sequence read back from the cache, seed of the slot)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.request import Request
+from jaxserve.runner import StepResult
+from jaxserve.scheduler import SchedulerOutput
+
+
+def default_rule(seq: list[int], seed: int, vocab: int = 64) -> int:
+    return (sum((i + 1) * t for i, t in enumerate(seq)) * 31 + 7 + seed) % vocab
+
+
+def fake_logprob(token: int) -> float:
+    return -0.25 * (token % 4) - 0.5
+
+
+class FakeRunner:
+    def __init__(
+        self, num_slots, num_pages, page_size, decode_steps=1, rule=default_rule, rows=2, chunk=8
+    ):
+        self.num_slots, self.page_size, self.rule = num_slots, page_size, rule
+        self.kv = np.full((num_pages, page_size), -1, np.int64)
+        self.page_table: dict[int, list[int]] = {}
+        self.active = np.zeros(num_slots, bool)
+        self.last = np.zeros(num_slots, np.int64)
+        self.seq_len = np.zeros(num_slots, np.int64)
+        self.max_total = np.zeros(num_slots, np.int64)
+        self.seed = np.zeros(num_slots, np.int64)
+        self.decode_steps, self.rows, self.chunk = decode_steps, rows, chunk
+        self.num_h2d_transfers = 0
+        self.num_d2h_transfers = 0
+        self.plans: list[SchedulerOutput] = []  # every plan executed, for assertions
+        self.log: list[dict] = []  # what each plan held when it ran (requests mutate later)
+
+    def _write(self, slot: int, pos: int, token: int) -> None:
+        pages = self.page_table[slot]
+        assert pos // self.page_size < len(pages), (
+            f"slot {slot} writes position {pos} past its pages"
+        )
+        self.kv[pages[pos // self.page_size], pos % self.page_size] = token
+
+    def _read(self, slot: int, n: int) -> list[int]:
+        pages = self.page_table[slot]
+        return [int(self.kv[pages[p // self.page_size], p % self.page_size]) for p in range(n)]
+
+    def _insert(self, req: Request) -> None:
+        s = req.slot
+        self.active[s] = False
+        self.seq_len[s] = 0
+        self.max_total[s] = req.max_total_len
+        self.seed[s] = req.seed
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        self.plans.append(plan)
+        self.log.append(
+            {
+                "released": list(plan.released),
+                "inserted": [r.slot for r in plan.inserted],
+                "decode": [r.slot for r in plan.decode],
+                "prefill": [(c.request.slot, c.start, c.length) for c in plan.prefill],
+            }
+        )
+        for s in plan.released:
+            self.active[s] = False
+        for req in plan.inserted:
+            self._insert(req)
+        for s, pages in plan.page_updates.items():
+            self.page_table[s] = list(pages)
+        assert {r.slot for r in plan.decode} == set(np.flatnonzero(self.active)), "decode set"
+        k, n = plan.num_decode_steps, self.num_slots
+        res = StepResult()
+        if plan.decode:
+            res.decode_tokens = np.zeros((n, k), np.int32)
+            res.decode_valid = np.zeros((n, k), bool)
+            res.decode_logprobs = np.zeros((n, k), np.float32)
+            for s in np.flatnonzero(self.active):
+                for j in range(k):
+                    if self.seq_len[s] + 2 > self.max_total[s]:
+                        break
+                    self._write(s, int(self.seq_len[s]), int(self.last[s]))
+                    self.seq_len[s] += 1
+                    tok = self.rule(self._read(s, int(self.seq_len[s])), int(self.seed[s]))
+                    self.last[s] = tok
+                    res.decode_tokens[s, j], res.decode_valid[s, j] = tok, True
+                    res.decode_logprobs[s, j] = fake_logprob(tok)
+        if plan.prefill:
+            r = self.rows
+            res.prefill_tokens = np.zeros(r, np.int32)
+            res.prefill_logprobs = np.zeros(r, np.float32)
+            assert len(plan.prefill) <= r
+            for i, c in enumerate(plan.prefill):
+                s = c.request.slot
+                assert c.length <= self.chunk and self.seq_len[s] == c.start
+                for t, tok in enumerate(c.token_ids):
+                    self._write(s, c.start + t, tok)
+                self.seq_len[s] = c.start + c.length
+                if c.is_last:
+                    forced = c.request.forced_token
+                    tok = (
+                        forced
+                        if forced is not None
+                        else self.rule(self._read(s, int(self.seq_len[s])), int(self.seed[s]))
+                    )
+                    self.last[s] = tok
+                    self.active[s] = True
+                    res.prefill_tokens[i] = tok
+                    res.prefill_logprobs[i] = fake_logprob(tok)
+            self.num_h2d_transfers += 1
+        if plan.decode or plan.prefill:
+            self.num_d2h_transfers += 1
+        return res
+
+
+def reference(prompt, max_tokens, seed=0, rule=default_rule, stop_ids=(), max_model_len=10**9):
+    """Tokens the rule produces for `prompt`, stopping at a stop id, max_tokens or max_model_len."""
+    seq, out = list(prompt), []
+    while len(out) < max_tokens and len(seq) < max_model_len:
+        tok = rule(seq, seed)
+        out.append(tok)
+        seq.append(tok)
+        if tok in stop_ids:
+            break
+    return out

@@ -1,0 +1,91 @@
+"""`python -m jaxserve.launch.bench`: a real run of the tiny dummy model end to end, the summary's
+fields, no compilation after warm-up, and the steady-state arithmetic on hand-made steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from absl import app, flags
+
+from jaxserve.launch import bench
+from jaxserve.workloads import make_workload
+
+FLAGS = flags.FLAGS
+TINY = ["--model=tiny", "--load_format=dummy", "--dtype=float32", "--page_size=64"]
+
+
+@pytest.fixture
+def run_main():
+    def run(*args):
+        FLAGS.unparse_flags()
+        FLAGS(["bench", *args])
+        try:
+            return bench.main(["bench"])
+        finally:
+            FLAGS.unparse_flags()
+
+    return run
+
+
+def test_static_run_end_to_end(run_main, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    args = ["--workload=longtail-small", "--num_requests=5", "--num_slots=2", "--batching=static"]
+    rc = run_main(*TINY, *args, "--max_model_len=512", f"--summary_json={out}")
+    assert rc == 0
+    s = json.loads(out.read_text())
+    w = make_workload("longtail-small", vocab_size=128, num_requests=5)
+    assert s["batching"] == s["engine_config"]["batching"] == "static"
+    assert s["num_slots"] == 2 and s["num_requests"] == 5 and s["num_errors"] == 0
+    assert s["num_length_mismatches"] == 0
+    assert s["output_tokens"] == w.total_output_tokens
+    assert s["timed_compiles"] == 0  # warm-up compiled every shape
+    assert s["warmup_compiles"] > 0
+    assert s["output_tokens_per_s"] == pytest.approx(s["output_tokens"] / s["elapsed_s"])
+    for key in ("ttft_s", "tpot_s"):
+        p = s[key]
+        assert 0 <= p["p50"] <= p["p90"] <= p["p99"]
+    assert 0 < s["mean_slot_occupancy"] <= 1
+    assert 0 < s["kv_page_utilization"] <= 1
+    assert len(s["requests"]) == 5 and len(s["steps"]) == s["num_steps"]
+    # Static batching: no request of the second batch starts before the first batch is done.
+    first_batch_end = max(r["finished_s"] for r in s["requests"][:2])
+    assert all(r["first_token_s"] >= first_batch_end for r in s["requests"][2:4])
+    table = capsys.readouterr().out
+    assert "output tokens/s" in table and "TTFT p50/p90/p99 ms" in table
+
+
+def test_workload_longer_than_max_model_len_is_rejected(run_main):
+    with pytest.raises(app.UsageError, match="max_model_len"):
+        run_main(*TINY, "--workload=uniform", "--num_requests=2", "--max_model_len=128")
+
+
+def test_unknown_workload_is_a_flag_error():
+    with pytest.raises(flags.IllegalFlagValueError, match="workload"):
+        FLAGS(["bench", "--workload=nope"])
+    FLAGS.unparse_flags()
+
+
+def test_step_summary_steady_state():
+    # 4 slots: ramp up, two saturated steps around a dip, drain.
+    occ = [0.25, 1.0, 0.75, 1.0, 0.5]
+    live = [0.5, 0.9, None, 1.0, 0.8]
+    steps = [
+        {"t_s": i, "occupancy": o, "kv_live_share": u} for i, (o, u) in enumerate(zip(occ, live))
+    ]
+    s = bench.step_summary(steps, num_slots=4)
+    assert s["mean_slot_occupancy"] == pytest.approx(0.7)
+    assert s["kv_page_utilization"] == pytest.approx((0.5 + 0.9 + 1.0 + 0.8) / 4)
+    assert s["kv_live_token_share_steady"] == pytest.approx(0.95)  # steps 1..3, None skipped
+    assert s["mean_running_steady"] == pytest.approx(4 * (1.0 + 0.75 + 1.0) / 3)
+    assert s["peak_running"] == 4 and s["steady_steps"] == 3
+
+
+def test_percentiles_and_sampling_params():
+    p = bench.percentiles([1.0, 2.0, 3.0, 4.0])
+    assert p["p50"] == pytest.approx(2.5) and p["mean"] == pytest.approx(2.5)
+    assert bench.percentiles([])["p99"] is None
+    w = make_workload("longtail", vocab_size=128, num_requests=3)
+    sps = bench.sampling_params_for(w)
+    assert [sp.max_tokens for sp in sps] == [r.max_tokens for r in w.requests]
+    assert all(sp.ignore_eos and sp.temperature == 0.0 for sp in sps)

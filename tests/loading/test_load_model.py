@@ -1,0 +1,49 @@
+"""load_model dispatch: dummy presets, HF directories, bad arguments."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+from model_testing import GOLDEN_DIR
+
+from jaxserve.config import ModelConfig
+from jaxserve.loading import LoadedModel, load_model
+from jaxserve.models.llama import check_params
+
+
+def test_dummy_preset_at_requested_dtype():
+    lm = load_model("tiny", dtype="bfloat16", load_format="dummy")
+    assert isinstance(lm, LoadedModel)
+    assert lm.config == ModelConfig.preset("tiny")
+    assert lm.tokenizer is None and lm.source == "dummy:tiny"
+    check_params(lm.params, lm.config)
+    assert lm.params["layers"]["w_up"].dtype == jnp.bfloat16
+    assert float(jnp.std(lm.params["layers"]["w_up"].astype(jnp.float32))) > 0.01
+
+
+def test_dummy_real_scale_preset_shapes():
+    # llama3-8b at real shapes would allocate 32 GB; check the smallest real preset instead.
+    lm = load_model(None, dtype="bfloat16", load_format="dummy")
+    assert lm.config.name == "smollm2-135m"
+    assert lm.params["embed"].shape == (49152, 576)
+
+
+def test_hf_directory():
+    lm = load_model(str(GOLDEN_DIR / "mistral"))
+    assert lm.config.architecture == "mistral" and lm.tokenizer is None
+    assert lm.params["layers"]["wq"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(model="no/such-model"), r"cannot load model 'no/such-model': expected None or"),
+        (dict(model="llama3-8b"), r"with load_format='dummy' a preset name"),
+        (dict(model="gpt5", load_format="dummy"), r"needs a preset name, got 'gpt5'"),
+        (dict(model="tiny", load_format="safetensors"), r"load_format must be one of"),
+        (dict(model="tiny", dtype="float16", load_format="dummy"), r"dtype must be one of"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        load_model(**kwargs)

@@ -1,0 +1,123 @@
+"""The fused W4A16 kernel (interpret mode) against its pure-jnp reference, plus the XLA path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.quant import rtn
+from pallas_kernels.int4_matmul import (
+    H200_SMS,
+    Int4MatmulConfig,
+    int4_matmul,
+    int4_matmul_reference,
+    plan,
+)
+
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-4), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _case(lead, k, n, g, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rtn.quantize_int4_rtn(jnp.asarray(rng.normal(size=(k, n)), jnp.float32), g, symmetric=False)
+    x = jnp.asarray(rng.normal(size=(*lead, k)), dtype)
+    return x, w
+
+
+def _check(got, x, w):
+    ref = int4_matmul_reference(x, w.packed, w.scales, w.mins, w.group_size)
+    assert got.shape == ref.shape and got.dtype == x.dtype
+    scale = float(jnp.max(jnp.abs(ref.astype(jnp.float32))))
+    tol = TOL[x.dtype.type]
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32),
+        np.asarray(ref, np.float32),
+        rtol=tol["rtol"],
+        atol=tol["atol"] * scale,
+    )
+
+
+# (rows, K, N, group, dtype): every M in {1, 8, 32, 128}, K/N 576 and 1536, groups 32/64/128,
+# ragged packed columns (576/8 = 72, 192/8 = 24) and ragged rows (3).
+CASES = [
+    ((1,), 576, 576, 64, jnp.float32),
+    ((8,), 576, 1536, 32, jnp.bfloat16),
+    ((32,), 1536, 576, 128, jnp.float32),
+    ((128,), 256, 192, 128, jnp.bfloat16),
+    ((2, 3), 1536, 192, 32, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("lead,k,n,g,dtype", CASES)
+def test_pallas_interpret_equals_reference(lead, k, n, g, dtype):
+    x, w = _case(lead, k, n, g, dtype)
+    _check(int4_matmul(x, w.packed, w.scales, w.mins, group_size=g, impl="pallas_interpret"), x, w)
+
+
+def test_forced_tiles_split_and_unsplit_agree():
+    x, w = _case((8,), 512, 256, 64, jnp.float32, seed=1)
+    for cfg in (Int4MatmulConfig(16, 16, 1), Int4MatmulConfig(32, 32, 4)):
+        got = int4_matmul(
+            x, w.packed, w.scales, w.mins, group_size=64, impl="pallas_interpret", config=cfg
+        )
+        _check(got, x, w)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_xla_path_is_the_cpu_default_and_matches(dtype):
+    x, w = _case((4, 2), 576, 1536, 64, dtype, seed=2)
+    got = w.matmul(x)  # impl 'auto' -> XLA on CPU
+    np.testing.assert_array_equal(
+        np.asarray(got),
+        np.asarray(int4_matmul(x, w.packed, w.scales, w.mins, group_size=64, impl="xla")),
+    )
+    _check(got, x, w)
+
+
+def test_plan_fills_the_gpu_and_divides_the_groups():
+    for m, k, n, g in [
+        (1, 4096, 4096, 128),
+        (8, 14336, 4096, 128),
+        (1, 576, 576, 64),
+        (32, 4096, 14336, 32),
+    ]:
+        cfg = plan(m, k, n, g)
+        groups = k // g
+        assert groups % cfg.splits == 0
+        programs = -(-m // cfg.block_m) * -(-(n // 8) // cfg.block_c) * cfg.splits
+        assert programs >= 2 * H200_SMS or cfg.splits == groups or cfg.splits == 32, (m, k, n, cfg)
+    assert plan(512, 4096, 4096, 128).splits == 1
+
+
+def test_bad_inputs():
+    x, w = _case((2,), 256, 64, 64, jnp.float32)
+    with pytest.raises(ValueError, match="last dim must be K"):
+        int4_matmul(x[:, :128], w.packed, w.scales, w.mins, group_size=64)
+    with pytest.raises(ValueError, match="f32/bf16/f16"):
+        int4_matmul(x.astype(jnp.int32), w.packed, w.scales, w.mins, group_size=64)
+    with pytest.raises(ValueError, match="scales has shape"):
+        int4_matmul(x, w.packed, w.scales, w.mins, group_size=32)
+    with pytest.raises(ValueError, match="impl"):
+        int4_matmul(x, w.packed, w.scales, w.mins, group_size=64, impl="triton")
+    with pytest.raises(ValueError, match="splits"):
+        int4_matmul(
+            x,
+            w.packed,
+            w.scales,
+            w.mins,
+            group_size=64,
+            impl="pallas_interpret",
+            config=Int4MatmulConfig(16, 16, 3),
+        )
+    with pytest.raises(ValueError, match="power of two"):
+        Int4MatmulConfig(24, 16, 1)
+
+
+def test_jit_does_not_recompile_per_call():
+    x, w = _case((1,), 256, 64, 64, jnp.bfloat16)
+    f = jax.jit(lambda x, w: w.matmul(x, impl="pallas_interpret"))
+    f(x, w)
+    with jax.log_compiles(False):
+        n0 = f._cache_size()
+        f(x + 1, w)
+        assert f._cache_size() == n0

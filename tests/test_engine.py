@@ -1,0 +1,264 @@
+"""The host loop against a fake model whose tokens are computable by hand (tests/fake_runner.py).
+
+Fill, retire, refill, chunked prefill, preempt and resume, every stop condition, n > 1, static
+batching, multi-step decode and per-prompt errors: each shows up as an exact token mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from fake_runner import FakeRunner, default_rule, fake_logprob, reference
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import LLMEngine, derive_seed
+from jaxserve.sampling_params import SamplingParams
+
+EOS = 2
+VOCAB = 64
+
+
+class LetterTokenizer:
+    """Token t decodes to one letter; the EOS token is special (skipped)."""
+
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("" if (t == EOS and skip_special_tokens) else chr(97 + t % 26) for t in ids)
+
+
+def make_engine(
+    num_slots=3,
+    num_pages=64,
+    page_size=4,
+    decode_steps=1,
+    chunk=8,
+    rows=2,
+    max_model_len=64,
+    batching="continuous",
+    rule=default_rule,
+    tokenizer=None,
+):
+    mc = dataclasses.replace(ModelConfig.preset("tiny"), vocab_size=VOCAB, eos_token_ids=(EOS,))
+    ec = EngineConfig(
+        num_slots=num_slots,
+        max_model_len=max_model_len,
+        page_size=page_size,
+        num_pages=num_pages,
+        dtype="float32",
+        max_num_batched_tokens=rows * chunk,
+        prefill_chunk_size=chunk,
+        decode_steps=decode_steps,
+        batching=batching,
+    )
+    runner = FakeRunner(num_slots, num_pages, page_size, decode_steps, rule, rows, chunk)
+    return LLMEngine(runner, mc, ec, num_pages, tokenizer=tokenizer, seed=0), runner
+
+
+def run_all(engine, max_steps=10_000):
+    outs = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return outs
+        for out in engine.step():
+            outs[out.request_id] = out
+    raise AssertionError("engine did not finish")
+
+
+def prompts(n, lo=3, hi=20):
+    return [
+        [(7 * i + j) % (VOCAB - 3) + 3 for j in range(lo + (5 * i) % (hi - lo))] for i in range(n)
+    ]
+
+
+def greedy(**kw):
+    return SamplingParams(temperature=0.0, seed=0, **kw)
+
+
+def test_fill_retire_refill_matches_reference():
+    engine, runner = make_engine(num_slots=3)
+    ps = prompts(10)
+    lens = [1, 5, 12, 3, 30, 7, 2, 9, 16, 4]
+    for i, (p, n) in enumerate(zip(ps, lens)):
+        engine.add_request(str(i), None, p, greedy(max_tokens=n, ignore_eos=True))
+    outs = run_all(engine)
+    for i, (p, n) in enumerate(zip(ps, lens)):
+        out = outs[str(i)].outputs[0]
+        assert out.token_ids == reference(p, n), i
+        assert out.finish_reason == "length"
+        assert out.cumulative_logprob == pytest.approx(sum(fake_logprob(t) for t in out.token_ids))
+    assert max(len(p["decode"]) for p in runner.log) == 3  # slots were full at some point
+    assert all(len(p["prefill"]) <= 2 for p in runner.log)
+    # a slot freed by a retiring request is reused by the next plan
+    assert any(set(p["released"]) & set(p["inserted"]) for p in runner.log)
+    st = engine.stats()
+    assert st["num_finished_requests"] == 10 and st["num_preemptions"] == 0
+    assert st["num_generation_tokens"] == sum(lens)
+    assert st["num_prefill_tokens"] == sum(len(p) for p in ps)
+    assert st["num_d2h_transfers"] == st["num_steps"]  # one device->host transfer per step
+    assert 0 < st["mean_slot_occupancy"] <= 1 and 0 < st["kv_page_utilization"] <= 1
+
+
+def test_chunked_prefill_interleaves_with_decode():
+    engine, runner = make_engine(num_slots=2, chunk=4, rows=1, max_model_len=128)
+    short, long = [5, 6, 7], list(range(3, 60))
+    engine.add_request("a", None, short, greedy(max_tokens=30, ignore_eos=True))
+    engine.add_request("b", None, long, greedy(max_tokens=5, ignore_eos=True))
+    outs = run_all(engine)
+    assert outs["a"].outputs[0].token_ids == reference(short, 30)
+    assert outs["b"].outputs[0].token_ids == reference(long, 5)
+    assert any(p["decode"] and p["prefill"] for p in runner.log)  # decodes ran during b's prefill
+    assert all(length <= 4 for p in runner.log for _, _, length in p["prefill"])
+
+
+def test_preemption_resumes_with_identical_tokens():
+    # 8 requests that each need ~10 pages; the pool holds 16: preemption is unavoidable.
+    engine, runner = make_engine(num_slots=4, num_pages=16, page_size=4, max_model_len=64)
+    ps = prompts(8, 4, 12)
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), None, p, greedy(max_tokens=30, ignore_eos=True))
+    outs = run_all(engine)
+    for i, p in enumerate(ps):
+        assert outs[str(i)].outputs[0].token_ids == reference(p, 30), i
+    assert engine.stats()["num_preemptions"] > 0
+    assert (
+        sum(o.metrics.num_preemptions for o in outs.values()) == engine.stats()["num_preemptions"]
+    )
+    assert engine.scheduler.allocator.num_free_pages == 16  # every page came back
+
+
+def test_preemption_with_multistep_decode():
+    engine, _ = make_engine(num_slots=4, num_pages=14, page_size=4, decode_steps=3)
+    ps = prompts(6, 4, 10)
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), None, p, greedy(max_tokens=25 + i, ignore_eos=True))
+    outs = run_all(engine)
+    for i, p in enumerate(ps):
+        assert outs[str(i)].outputs[0].token_ids == reference(p, 25 + i), i
+    assert engine.stats()["num_preemptions"] > 0
+
+
+def test_eos_and_ignore_eos():
+    # rule: count up from the last token; EOS (2) appears after ...62, 63, 0, 1, 2.
+    rule = lambda seq, seed: (seq[-1] + 1) % VOCAB
+    engine, _ = make_engine(rule=rule)
+    engine.add_request("eos", None, [60], greedy(max_tokens=20))
+    engine.add_request("ignore", None, [60], greedy(max_tokens=20, ignore_eos=True))
+    engine.add_request("min", None, [0], greedy(max_tokens=20, min_tokens=3))
+    outs = run_all(engine)
+    assert outs["eos"].outputs[0].token_ids == [61, 62, 63, 0, 1, 2]
+    assert (outs["eos"].outputs[0].finish_reason, outs["eos"].outputs[0].stop_reason) == (
+        "stop",
+        None,
+    )
+    assert len(outs["ignore"].outputs[0].token_ids) == 20
+    assert outs["ignore"].outputs[0].finish_reason == "length"
+    # EOS as the 2nd token does not stop before min_tokens=3 (the real sampler also masks it)
+    assert outs["min"].outputs[0].token_ids[:3] == [1, 2, 3]
+
+
+def test_stop_token_ids_max_tokens_and_max_model_len():
+    rule = lambda seq, seed: (seq[-1] + 1) % VOCAB
+    engine, _ = make_engine(rule=rule, max_model_len=16)
+    engine.add_request("stopid", None, [10], greedy(max_tokens=20, stop_token_ids=[14]))
+    engine.add_request("maxtok", None, [10], greedy(max_tokens=3))
+    engine.add_request("maxlen", None, [20] * 10, greedy(max_tokens=50))
+    outs = run_all(engine)
+    o = outs["stopid"].outputs[0]
+    assert (o.token_ids, o.finish_reason, o.stop_reason) == ([11, 12, 13, 14], "stop", 14)
+    assert outs["maxtok"].outputs[0].token_ids == [11, 12, 13]
+    assert outs["maxtok"].outputs[0].finish_reason == "length"
+    o = outs["maxlen"].outputs[0]
+    assert len(o.token_ids) == 6 and o.finish_reason == "length"  # 10 + 6 = max_model_len
+
+
+def test_stop_strings_truncate_text():
+    rule = lambda seq, seed: (seq[-1] + 1) % 26 + 26  # letters ... 'x', 'y', 'z', 'a', ...
+    tok = LetterTokenizer()
+    engine, _ = make_engine(rule=rule, tokenizer=tok)
+    engine.add_request("cut", None, [26 + 3], greedy(max_tokens=20, stop=["gh", "zz"]))
+    engine.add_request(
+        "keep", None, [26 + 3], greedy(max_tokens=20, stop="gh", include_stop_str_in_output=True)
+    )
+    outs = run_all(engine)
+    cut, keep = outs["cut"].outputs[0], outs["keep"].outputs[0]
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == ("ef", "stop", "gh")
+    assert cut.token_ids == [30, 31, 32, 33]  # the tokens up to the one completing the stop string
+    assert keep.text == "efgh"
+
+
+def test_n_children_have_distinct_seeds_and_tokens():
+    rule = lambda seq, seed: (sum(seq) + seed) % VOCAB
+    engine, _ = make_engine(rule=rule)
+    engine.add_request(
+        "r", None, [5, 6], SamplingParams(n=3, seed=11, max_tokens=6, ignore_eos=True)
+    )
+    out = run_all(engine)["r"]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for c in out.outputs:
+        assert c.token_ids == reference([5, 6], 6, seed=derive_seed(11, c.index), rule=rule)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert derive_seed(11, 0) == 11
+
+
+def test_static_batching_refills_only_when_batch_done():
+    engine, runner = make_engine(num_slots=3, batching="static")
+    lens = [2, 20, 3, 4, 5, 6]
+    for i, n in enumerate(lens):
+        engine.add_request(str(i), None, [4 + i, 5], greedy(max_tokens=n, ignore_eos=True))
+    outs = run_all(engine)
+    for i, n in enumerate(lens):
+        assert outs[str(i)].outputs[0].token_ids == reference([4 + i, 5], n)
+    admits = [i for i, p in enumerate(runner.log) if p["inserted"]]
+    assert len(admits) == 2 and len(runner.log[admits[0]]["inserted"]) == 3
+    # the second batch starts only after request 1 (20 tokens) finished
+    assert admits[1] >= 20  # step 0 prefills its first token, steps 1..19 decode the rest
+
+
+def test_bad_prompts_fail_alone():
+    engine, _ = make_engine(max_model_len=32, num_pages=6, page_size=4)
+    engine.add_request("ok", None, [3, 4], greedy(max_tokens=4, ignore_eos=True))
+    engine.add_request("empty", None, [], greedy())
+    engine.add_request("long", None, [3] * 32, greedy())
+    engine.add_request("vocab", None, [3, VOCAB], greedy())
+    engine.add_request("nofit", None, [3] * 20, greedy(max_tokens=11))  # 30 tokens > 6 pages of 4
+    engine.add_request("stopstr", None, [3], greedy(stop="x"))  # no tokenizer
+    engine.add_request("params", None, [3], {"temperature": 1.0})
+    outs = run_all(engine)
+    assert outs["ok"].error is None and outs["ok"].outputs[0].token_ids == reference([3, 4], 4)
+    expect = {
+        "empty": "empty",
+        "long": "max_model_len",
+        "vocab": "vocab_size",
+        "nofit": "never fit",
+        "stopstr": "tokenizer",
+        "params": "SamplingParams",
+    }
+    for rid, words in expect.items():
+        assert words in outs[rid].error, (rid, outs[rid].error)
+        assert outs[rid].outputs[0].finish_reason == "error" and outs[rid].finished
+
+
+def test_abort_frees_slot_and_pages():
+    engine, _ = make_engine(num_slots=1, num_pages=16)
+    engine.add_request("a", None, [3, 4], greedy(max_tokens=40, ignore_eos=True))
+    engine.add_request("b", None, [5, 6], greedy(max_tokens=3, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort("a")
+    assert engine.scheduler.allocator.num_free_pages == 16
+    outs = run_all(engine)
+    assert list(outs) == ["b"] and outs["b"].outputs[0].token_ids == reference([5, 6], 3)
+
+
+def test_streamed_request_reports_every_step():
+    engine, _ = make_engine()
+    engine.add_request("s", None, [3, 4], greedy(max_tokens=5, ignore_eos=True), stream=True)
+    snaps = []
+    while engine.has_unfinished():
+        snaps += engine.step()
+    assert [len(s.outputs[0].token_ids) for s in snaps] == [1, 2, 3, 4, 5]
+    assert [s.finished for s in snaps] == [False] * 4 + [True]
+    m = snaps[-1].metrics
+    assert m.ttft >= 0 and m.tpot >= 0 and m.finished_time >= m.first_token_time

@@ -1,0 +1,194 @@
+"""`LLM` end to end on the tiny dummy model: reference equality, batch invariance, preemption,
+per-prompt errors, streaming, iter_generate, n > 1, log-probs, static batching, argument checks.
+
+All LLMs here share one shape configuration (so the jit caches are shared across them) except the
+small-KV-pool one used for preemption.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from model_testing import forward_logits, greedy_generate
+
+from jaxserve import LLM, SamplingParams
+
+KW = dict(
+    load_format="dummy",
+    dtype="float32",
+    num_slots=32,
+    max_model_len=64,
+    page_size=32,  # two pages per sequence: widths {1, 2}, few compilations
+    prefill_chunk_size=16,
+    max_num_batched_tokens=32,
+)
+
+
+def make_llm(**kw):
+    return LLM("tiny", **{**KW, **kw})
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm()
+
+
+def prompts(n, seed=0, lo=3, hi=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 128, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+def ids(ps):
+    return [{"prompt_token_ids": p} for p in ps]
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_equals_one_shot_reference_loop(llm):
+    # 37 and 30 token prompts take 3 and 2 chunks of 16; the reference prefills in one call.
+    ps = [[5, 6, 7], list(range(3, 40)), list(range(50, 80)), [9]]
+    outs = llm.generate(
+        ids(ps), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
+    ref, _ = greedy_generate(llm.engine.runner.params, llm.model_config, ps, 12)
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == ref[i].tolist()
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_chunked_prefill_logprobs_equal_one_shot_forward(llm):
+    p = list(range(3, 40))  # 3 chunks
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    out = llm.generate(ids([p]), sp, use_tqdm=False)[0]
+    seq = p + out.outputs[0].token_ids
+    logits = forward_logits(llm.engine.runner.params, llm.model_config, np.array([seq], np.int32))
+    x = logits[0] - logits[0].max(-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(-1, keepdims=True))  # (T, V) log_softmax
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+    for t in range(1, len(p)):
+        entry = out.prompt_logprobs[t]
+        assert entry[p[t]] == pytest.approx(logp[t - 1, p[t]], abs=1e-4)
+        assert 1 <= len(entry) <= 2
+    for j, tok in enumerate(out.outputs[0].token_ids):
+        entry = out.outputs[0].logprobs[j]
+        assert entry[tok] == pytest.approx(logp[len(p) - 1 + j, tok], abs=1e-4)
+        assert max(entry.values()) == pytest.approx(logp[len(p) - 1 + j].max(), abs=1e-4)
+
+
+def test_batch_invariance_any_slot(llm):
+    target = [17, 3, 99, 42, 8, 77]
+    others = prompts(31, seed=1)
+    for sp in (
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True
+        ),
+    ):
+        alone = tokens(llm.generate(ids([target]), sp, use_tqdm=False))[0]
+        for pos in (0, 13, 31):
+            batch = others[:pos] + [target] + others[pos:]
+            other_sp = SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
+            params = [other_sp] * pos + [sp] + [other_sp] * (31 - pos)
+            outs = llm.generate(ids(batch), params, use_tqdm=False)
+            assert outs[pos].outputs[0].token_ids == alone, (sp.temperature, pos)
+
+
+def test_preemption_at_quarter_kv_budget_matches_unconstrained(llm):
+    ps = prompts(32, seed=2, lo=8, hi=24)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = tokens(llm.generate(ids(ps), sp, use_tqdm=False))
+    demand = sum(-(-(len(p) + 40) // 32) for p in ps)
+    small = make_llm(num_pages=demand // 4)
+    outs = small.generate(ids(ps), sp, use_tqdm=False)
+    assert tokens(outs) == want
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == stats["num_preemptions"]
+    assert small.engine.scheduler.allocator.num_free_pages == demand // 4
+
+
+def test_bad_prompts_and_params_fail_alone(llm):
+    good = [5, 6, 7]
+    batch = [
+        ids([good])[0],
+        {"prompt_token_ids": []},
+        "text but no tokenizer",
+        {"prompt_token_ids": [3] * 64},
+        ids([good])[0],
+        {"bogus": 1},
+        ids([good])[0],
+    ]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    params = [sp] * 6 + [{"temperature": -1.0}]
+    outs = llm.generate(batch, params, use_tqdm=False)
+    assert [o.error is None for o in outs] == [True, False, False, False, True, False, False]
+    assert outs[0].outputs[0].token_ids == outs[4].outputs[0].token_ids
+    assert len(outs[0].outputs[0].token_ids) == 4
+    assert "empty" in outs[1].error and "tokenizer" in outs[2].error
+    assert "max_model_len" in outs[3].error and "bogus" in outs[5].error
+    assert "temperature" in outs[6].error
+    assert all(o.outputs[0].finish_reason == "error" for o in outs if o.error)
+
+
+def test_stream_and_iter_generate(llm):
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    final = llm.generate(ids([[4, 5, 6]]), sp, use_tqdm=False)[0]
+    snaps = list(llm.stream({"prompt_token_ids": [4, 5, 6]}, sp))
+    assert [len(s.outputs[0].token_ids) for s in snaps] == [1, 2, 3, 4, 5, 6]
+    assert snaps[-1].finished and snaps[-1].outputs[0].token_ids == final.outputs[0].token_ids
+    deltas = list(llm.stream({"prompt_token_ids": [4, 5, 6]}, sp, delta=True))
+    assert sum((d.outputs[0].token_ids for d in deltas), []) == final.outputs[0].token_ids
+
+    lens = [9, 2, 5]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    got = list(llm.iter_generate(ids([[4, 5]] * 3), params))
+    assert [i for i, _ in got] == [1, 2, 0]  # completion order
+    assert [len(o.outputs[0].token_ids) for _, o in got] == [2, 5, 9]
+    # closing early aborts the rest and leaves the engine clean
+    it = llm.iter_generate(ids([[4, 5]] * 3), params)
+    next(it)
+    it.close()
+    assert not llm.engine.has_unfinished()
+
+
+def test_n_samples_and_progress_bar(llm, capsys):
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(ids([[4, 5, 6], [7, 8]]), sp, use_tqdm=True)
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+    again = llm.generate(ids([[4, 5, 6]]), sp, use_tqdm=False)[0]  # seeded: reproducible
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in outs[0].outputs]
+    assert "2/2" in capsys.readouterr().err  # counted in prompts, not sequences
+
+
+def test_static_batching_same_tokens_more_steps(llm):
+    ps = prompts(40, seed=3, lo=3, hi=10)
+    params = [
+        SamplingParams(temperature=0, max_tokens=2 + (7 * i) % 30, ignore_eos=True)
+        for i in range(40)
+    ]
+    steps0 = llm.stats()["num_steps"]
+    want = tokens(llm.generate(ids(ps), params, use_tqdm=False))
+    continuous_steps = llm.stats()["num_steps"] - steps0
+    static = make_llm(batching="static")
+    assert tokens(static.generate(ids(ps), params, use_tqdm=False)) == want
+    assert static.stats()["num_steps"] > continuous_steps
+
+
+@pytest.mark.parametrize(
+    "kw, word",
+    [
+        (dict(num_slots=0), "num_slots"),
+        (dict(max_model_len=10_000), "max_model_len"),
+        (dict(page_size=12), "page_size"),
+        (dict(kv_cache_memory=10), "kv_cache_memory"),
+        (dict(batching="dynamic"), "batching"),
+        (dict(dtype="float16"), "dtype"),
+        (dict(attention_impl="flash"), "attention_impl"),
+    ],
+)
+def test_bad_arguments_raise(kw, word):
+    with pytest.raises(ValueError, match=word):
+        make_llm(**kw)

@@ -1,0 +1,106 @@
+"""The device-facing runner: no recompilation after warm-up, donation, width buckets, multi-step."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.loading.dummy import dummy_params
+from jaxserve.runner import ModelRunner
+
+KW = dict(
+    load_format="dummy",
+    dtype="float32",
+    num_slots=32,
+    max_model_len=64,
+    page_size=32,
+    prefill_chunk_size=16,
+    max_num_batched_tokens=32,
+)
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts XLA backend compilations (jax.monitoring) while active."""
+
+    def __init__(self):
+        self.count = 0
+
+    def _listener(self, event, duration, **kwargs):
+        if event == COMPILE_EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def test_no_recompilation_after_warmup():
+    llm = LLM("tiny", warmup=True, **KW)
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(3, 128, n).tolist()} for n in (1, 5, 17, 40, 62)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=3, max_tokens=20),
+        SamplingParams(
+            n=2,
+            temperature=1.0,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.2,
+            logprobs=3,
+            max_tokens=12,
+            stop_token_ids=[9],
+        ),
+        SamplingParams(temperature=0, prompt_logprobs=2, max_tokens=5, min_tokens=3),
+        SamplingParams(temperature=0.5, seed=1, max_tokens=1),
+    ]
+    with CompileCounter() as counter:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs += llm.generate(prompts[::-1], params, use_tqdm=False)
+        list(llm.stream(prompts[1], params[1]))
+    assert all(o.error is None for o in outs)
+    assert counter.count == 0
+
+
+def test_state_and_cache_are_donated():
+    cfg = ModelConfig.preset("tiny")
+    params = dummy_params(cfg, "float32")
+    ec = EngineConfig(
+        num_slots=4,
+        max_model_len=64,
+        page_size=32,
+        dtype="float32",
+        prefill_chunk_size=16,
+        max_num_batched_tokens=32,
+    )
+    runner = ModelRunner(params, cfg, ec, num_pages=8)
+    old_cache, old_last = runner.cache.k, runner.state.last_token
+    jax.block_until_ready(runner.generate(1))
+    assert old_cache.is_deleted() and old_last.is_deleted()
+    assert runner.widths == [1, 2]
+    assert runner.width_for(1) == 1 and runner.width_for(2) == 2
+    with pytest.raises(ValueError, match="max_pages_per_seq"):
+        runner.width_for(3)
+
+
+def test_multistep_decode_equals_single_step():
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i]} for i in range(6)]
+    params = [
+        SamplingParams(temperature=0.7, seed=i, max_tokens=3 + 5 * i, ignore_eos=True)
+        for i in range(6)
+    ]
+    one = LLM("tiny", **KW).generate(prompts, params, use_tqdm=False)
+    multi_llm = LLM("tiny", decode_steps=4, **KW)
+    multi = multi_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in multi] == [o.outputs[0].token_ids for o in one]
+    assert [len(o.outputs[0].token_ids) for o in multi] == [3 + 5 * i for i in range(6)]
+    st = multi_llm.stats()
+    assert st["num_d2h_transfers"] == st["num_steps"]
+    assert st["num_steps"] < max(3 + 5 * i for i in range(6))  # 4 tokens per round trip

@@ -1,0 +1,105 @@
+"""The scheduler's plans: admission under slots/rows/pages, chunking, preemption order, static mode."""
+
+from jaxserve.config import EngineConfig
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler
+
+
+def make(num_slots=2, num_pages=32, page_size=4, chunk=8, rows=2, batching="continuous"):
+    ec = EngineConfig(
+        num_slots=num_slots,
+        max_model_len=64,
+        page_size=page_size,
+        max_num_batched_tokens=rows * chunk,
+        prefill_chunk_size=chunk,
+        batching=batching,
+    )
+    return Scheduler(ec, num_pages)
+
+
+def req(rid, n_prompt, max_tokens=8):
+    sp = SamplingParams(max_tokens=max_tokens)
+    return Request(
+        rid, rid, 0, list(range(3, 3 + n_prompt)), sp, 0, (2,), n_prompt + max_tokens, 0.0
+    )
+
+
+def finish_prefill(plan):
+    """Pretend the device ran the plan's prefill chunks (and produced a first token)."""
+    for c in plan.prefill:
+        c.request.num_computed_tokens += c.length
+        if c.is_last:
+            c.request.output_token_ids.append(5)
+
+
+def test_admission_is_bounded_by_slots_and_rows():
+    s = make(num_slots=2, rows=1)
+    for i in range(3):
+        s.add(req(str(i), 4))
+    plan = s.schedule()
+    assert [r.request_id for r in plan.inserted] == ["0"] and len(plan.prefill) == 1
+    finish_prefill(plan)
+    plan = s.schedule()
+    assert [r.request_id for r in plan.decode] == ["0"]
+    assert [r.request_id for r in plan.inserted] == ["1"]  # second slot
+    finish_prefill(plan)
+    plan = s.schedule()
+    assert not plan.inserted and len(s.waiting) == 1  # no free slot for "2"
+
+
+def test_long_prompt_is_chunked():
+    s = make(chunk=8, rows=2)
+    s.add(req("long", 30))
+    chunks = []
+    while True:
+        plan = s.schedule()
+        if not plan.prefill:
+            break
+        chunks += [(c.start, c.length, c.is_last) for c in plan.prefill]
+        finish_prefill(plan)
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 8, False), (24, 6, True)]
+    r = s.running[0]
+    assert len(r.pages) == 8  # 30 tokens of K/V + room for the first decode
+
+
+def decode(plan):
+    for r in plan.decode:
+        r.num_computed_tokens += 1
+        r.output_token_ids.append(5)
+
+
+def test_preemption_evicts_newest_and_requeues_it_first():
+    s = make(num_slots=3, num_pages=7, page_size=4, rows=3)
+    reqs = [req(str(i), 7, max_tokens=20) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    plan = s.schedule()
+    assert plan.inserted == reqs and s.allocator.num_free_pages == 1  # 2 pages each
+    finish_prefill(plan)
+    plan = s.schedule()  # position 7 still fits in the second page
+    assert plan.decode == reqs and not plan.preempted
+    decode(plan)
+    plan = s.schedule()  # position 8 needs a third page each; one is free
+    assert plan.decode == reqs[:2] and plan.preempted == [reqs[2]]
+    assert plan.released == [2] and s.num_preemptions == 1
+    victim = reqs[2]
+    assert s.waiting[0] is victim and victim.status == RequestStatus.WAITING
+    assert victim.pages == [] and victim.slot is None and victim.num_computed_tokens == 0
+    assert victim.output_token_ids == [5, 5]  # generated tokens kept for the recompute
+    victim.begin_prefill()
+    assert victim.num_prefill_tokens == 8 and victim.forced_token == 5
+
+
+def test_static_batch_waits_for_all():
+    s = make(num_slots=2, batching="static", rows=1)
+    for i in range(3):
+        s.add(req(str(i), 4, max_tokens=2))
+    plan = s.schedule()
+    assert len(plan.inserted) == 2 and len(plan.prefill) == 1  # both slots, one chunk row
+    first = plan.inserted[0]
+    finish_prefill(plan)
+    s.finish(first, RequestStatus.FINISHED_LENGTH)
+    plan = s.schedule()
+    assert not plan.inserted  # a free slot, but the batch is still running
+    assert plan.released == [first.slot if first.slot is not None else 0]
