@@ -44,6 +44,7 @@ from pallas_kernels.int4_matmul import (
 
 FULL = dict(
     check=[(m, 4096, 4096, 128) for m in (1, 8, 32, 128, 512)]
+    + [(8, 4096, 4096, 32, jnp.float32), (64, 1536, 576, 64, jnp.float32)]
     + [(1, 576, 1536, 64), (8, 1536, 576, 32), (128, 576, 192, 64)],
     bench_shapes=[(4096, 4096), (4096, 14336), (14336, 4096)],
     bench_m=(1, 8, 32, 128, 512),
@@ -57,7 +58,7 @@ FULL = dict(
     ],
 )
 SMOKE = dict(
-    check=[(1, 256, 128, 64), (8, 576, 192, 32)],
+    check=[(1, 256, 128, 64), (8, 576, 192, 32, jnp.float32)],
     bench_shapes=[(256, 128)],
     bench_m=(1, 8),
     group_size=64,
@@ -66,24 +67,28 @@ SMOKE = dict(
 )
 
 
-def make_weight(k: int, n: int, g: int, seed: int = 0) -> int4.Int4Weight:
+def make_weight(k: int, n: int, g: int, seed: int = 0, symmetric: bool = True) -> int4.Int4Weight:
     w = jax.random.normal(jax.random.key(seed), (k, n), jnp.float32) * 0.02
-    return rtn.quantize_int4_rtn(w, g, symmetric=True)
+    return rtn.quantize_int4_rtn(w, g, symmetric=symmetric)
 
 
 def check(cases, impl: str) -> list[dict]:
     rows = []
-    for m, k, n, g in cases:
-        w = make_weight(k, n, g)
-        x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    for m, k, n, g, *dt in cases:
+        dtype = dt[0] if dt else jnp.bfloat16
+        w = make_weight(k, n, g, symmetric=False)  # general mins, not just -8 * scale
+        x = jax.random.normal(jax.random.key(1), (m, k), dtype)
         got = int4_matmul(x, w.packed, w.scales, w.mins, group_size=g, impl=impl)
         ref = int4_matmul_reference(x, w.packed, w.scales, w.mins, g)
         got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
         err = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
         ok = bool(err < 2e-2)
-        rows.append(dict(m=m, k=k, n=n, group_size=g, max_rel_err=err, ok=ok))
+        rows.append(
+            dict(m=m, k=k, n=n, group_size=g, dtype=jnp.dtype(dtype).name, max_rel_err=err, ok=ok)
+        )
         print(
-            f"check M={m:<4} K={k:<6} N={n:<6} g={g:<4} max|err|/max|ref| = {err:.2e}  {'ok' if ok else 'FAIL'}"
+            f"check M={m:<4} K={k:<6} N={n:<6} g={g:<4} {jnp.dtype(dtype).name:<8} "
+            f"max|err|/max|ref| = {err:.2e}  {'ok' if ok else 'FAIL'}"
         )
     return rows
 

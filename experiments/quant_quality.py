@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--text", default=EVAL_TEXT, help="evaluation text file")
     ap.add_argument("--max_tokens", type=int, default=4096, help="evaluation tokens (first N)")
     ap.add_argument("--window", type=int, default=512, help="perplexity window")
-    ap.add_argument("--calib_tokens", type=int, default=8192, help="calibration tokens")
+    ap.add_argument("--calib_tokens", type=int, default=16384, help="calibration tokens")
     ap.add_argument("--calib_seqlen", type=int, default=512, help="calibration window length")
     ap.add_argument("--group_sizes", default="128,32", help="comma-separated INT4 group sizes")
     ap.add_argument(
@@ -89,6 +89,7 @@ def main() -> None:
         help="comma-separated subset of rtn,rtn-asym,awq,gptq,gptq-act,int8,fp8",
     )
     ap.add_argument("--out", default="experiments/out/quant_quality", help="output directory")
+    ap.add_argument("--skip_bf16", action="store_true", help="no bf16 row (saves a model load)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(args.out)
@@ -130,7 +131,8 @@ def main() -> None:
         (out / "results.json").write_text(json.dumps(rows, indent=1))
 
     record("f32", "-", p32, 0.0)
-    record("bf16", "-", load_model(args.model, dtype="bfloat16").params, 0.0)
+    if not args.skip_bf16:
+        record("bf16", "-", load_model(args.model, dtype="bfloat16").params, 0.0)
     stats = None
     for g in [int(x) for x in args.group_sizes.split(",")]:
         label = f"g{g}" if cfg.hidden_size % g == 0 else f"g{g}/{64 if g == 128 else g // 2}"
@@ -139,12 +141,14 @@ def main() -> None:
             if meth in ("rtn", "rtn-asym"):
                 q = rtn_params(p32, cfg, g, symmetric=meth == "rtn")
             elif meth == "awq":
-                if stats is None:  # float-model statistics, shared by every group size
+                if stats is None:  # float-model statistics, shared by AWQ, GPTQ, group sizes
                     stats = calibration.collect_stats(p32, cfg, calib)
                 q = awq.quantize_awq(p32, cfg, g, stats, allow_smaller_groups=True)
             elif meth in ("gptq", "gptq-act"):
+                if stats is None:
+                    stats = calibration.collect_stats(p32, cfg, calib)
                 q = gptq.quantize_gptq(
-                    p32, cfg, g, calib, act_order=meth == "gptq-act", allow_smaller_groups=True
+                    p32, cfg, g, stats, act_order=meth == "gptq-act", allow_smaller_groups=True
                 )
             else:
                 continue
@@ -156,7 +160,7 @@ def main() -> None:
             q = jax.block_until_ready(quantize_params(p32, cfg, meth))
             record(meth, "per-channel", q, time.perf_counter() - t)
 
-    bf16 = next(r["ppl"] for r in rows if r["method"] == "bf16")
+    bf16 = next((r["ppl"] for r in rows if r["method"] == "bf16"), rows[0]["ppl"])
     lines = [
         f"SmolLM2-135M-Instruct (source: {m32.source}); eval: {args.text}, {rows[0]['tokens']} "
         f"scored tokens in windows of {args.window}; calibration: {calibration.CALIBRATION_SOURCE}, "

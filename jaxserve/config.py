@@ -273,6 +273,7 @@ class EngineConfig:
     prefill_chunk_size: int = 256  # fixed prefill chunk length (power of two)
     decode_steps: int = 1  # decode steps per host round trip
     batching: str = "continuous"  # or "static"
+    async_scheduling: bool = True  # plan and dispatch step N+1 before reading step N's tokens
 
     def __post_init__(self):
         def pos(field):
@@ -308,6 +309,10 @@ class EngineConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
+            )
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}"
             )
         if self.batching not in ("continuous", "static"):
             raise ValueError(

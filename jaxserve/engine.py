@@ -3,7 +3,9 @@
     add_request(...)   validates one prompt; a bad one becomes an error output at the next step
                        (the others are unaffected); n > 1 becomes n child requests (distinct seeds)
     step()             plan = scheduler.schedule()      admit / chunk prefills / decode / preempt
-                       result = runner.execute(plan)    device work + ONE transfer of new tokens
+                       handle = runner.dispatch(plan)   queue the device work (asynchronous)
+                       [next plan scheduled and dispatched here: async scheduling]
+                       result = runner.fetch(handle)    ONE transfer of the new tokens
                        _update(plan, result)            append tokens, detokenize, check stops,
                                                         retire (slot and pages freed at once)
                        -> outputs of finished requests (and snapshots of streamed ones)
@@ -12,7 +14,7 @@ Stop conditions, checked per token on the host once `min_tokens` are out: EOS (u
 `stop_token_ids`, `stop` strings (the text is cut before the stop string unless
 include_stop_str_in_output), then `max_tokens` and `max_model_len` (finish_reason "length").
 
-The runner is duck-typed (`execute(plan) -> StepResult`, transfer counters), so the host loop is
+The runner is duck-typed (`dispatch(plan)`, `fetch(handle) -> StepResult`, transfer counters), so the host loop is
 tested against a fake model whose tokens are computable by hand (tests/test_engine.py).
 """
 
@@ -84,6 +86,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._groups: dict[str, _Group] = {}
         self._pending: list[RequestOutput] = []  # error outputs, delivered by the next step()
+        self._inflight = None  # (plan, device handle) dispatched but not yet fetched
         self._counter = 0
         # Counters (vLLM's names where they exist).
         self.num_steps = 0
@@ -184,6 +187,7 @@ class LLMEngine:
         return None
 
     def abort(self, request_id: str) -> None:
+        """Stops a request now; its tokens still in flight are dropped when they return."""
         group = self._groups.pop(request_id, None)
         if group is None:
             return
@@ -192,19 +196,34 @@ class LLMEngine:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return bool(self._groups or self._pending)
+        return bool(self._groups or self._pending or self._inflight)
 
     # -- the loop -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns finished outputs (and snapshots of streamed requests)."""
-        outputs, self._pending = self._pending, []
-        if not self.scheduler.has_unfinished():
-            return outputs
+    def _schedule_and_dispatch(self):
         plan = self.scheduler.schedule()
         if not plan.has_work:
-            raise RuntimeError("scheduler made no progress with requests pending")
+            return None
         self._record_occupancy()
-        result = self.runner.execute(plan)
+        return plan, self.runner.dispatch(plan)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns finished outputs (and snapshots of streamed requests).
+
+        With async scheduling the next step is planned and queued on the device before this
+        step's tokens are fetched, so the device does not wait for the host's bookkeeping.
+        """
+        outputs, self._pending = self._pending, []
+        if self._inflight is None and self.scheduler.has_unfinished():
+            self._inflight = self._schedule_and_dispatch()
+            if self._inflight is None:
+                raise RuntimeError("scheduler made no progress with requests pending")
+        if self._inflight is None:
+            return outputs
+        plan, handle = self._inflight
+        self._inflight = None
+        if self.config.async_scheduling and self.scheduler.has_unfinished():
+            self._inflight = self._schedule_and_dispatch()
+        result = self.runner.fetch(handle)
         touched = self._update(plan, result)
         self._record_kv_utilization()
         for group in touched:
@@ -217,14 +236,16 @@ class LLMEngine:
         return outputs
 
     def _update(self, plan: SchedulerOutput, result) -> list[_Group]:
+        """Applies one step's tokens. K/V counts were advanced when the plan was made."""
         now = time.monotonic()
         touched: dict[str, _Group] = {}
-        for req in plan.decode:
-            slot = req.slot
-            for j in range(plan.num_decode_steps):
+        for req, slot, steps in zip(plan.decode, plan.decode_slots, plan.decode_steps):
+            req.num_pending_tokens -= steps
+            if req.status.finished:
+                continue  # stopped in the previous step (or aborted): these tokens are wasted
+            for j in range(steps):
                 if not result.decode_valid[slot, j]:
-                    break
-                req.num_computed_tokens += 1
+                    raise RuntimeError(f"slot {slot} produced no token at decode step {j}")
                 top = None
                 if result.decode_top_ids is not None:
                     top = (result.decode_top_ids[slot, j], result.decode_top_logprobs[slot, j])
@@ -233,17 +254,19 @@ class LLMEngine:
                 if req.status.finished:
                     break
             touched[req.group_id] = self._groups[req.group_id]
-        for i, chunk in enumerate(plan.prefill):
+        for i, (chunk, forced) in enumerate(zip(plan.prefill, plan.forced)):
             req = chunk.request
-            forced = chunk.is_last and req.forced_token is not None
-            req.num_computed_tokens += chunk.length
             self.num_prefill_tokens += chunk.length
+            sampled = chunk.is_last and not forced
+            req.num_pending_tokens -= int(sampled)
+            if req.status.finished:
+                continue
             if (
                 result.prompt_logprobs is not None
                 and req.sampling_params.prompt_logprobs is not None
             ):
                 self._add_prompt_logprobs(req, chunk, result, i)
-            if chunk.is_last and not forced:
+            if sampled:
                 top = None
                 if result.prefill_top_ids is not None:
                     top = (result.prefill_top_ids[i], result.prefill_top_logprobs[i])

@@ -6,7 +6,9 @@ prompt and differ in seed; the engine groups them back into one `RequestOutput`.
 Token bookkeeping (vLLM's words):
 
     all_token_ids        prompt_token_ids + output_token_ids
-    num_computed_tokens  tokens whose K/V are in the cache
+    num_computed_tokens  tokens whose K/V are in the cache once the dispatched steps finish (the
+                         scheduler advances it when it plans a step, not when the step returns)
+    num_pending_tokens   output tokens of dispatched steps not yet received by the host
     num_prefill_tokens   tokens the current (re)prefill must compute: the prompt, or after a
                          preemption the prompt plus every generated token but the last
     last output token    not yet in the cache: the next decode step feeds it
@@ -58,6 +60,7 @@ class Request:
     stop_reason: int | str | None = None
     num_computed_tokens: int = 0
     num_prefill_tokens: int = 0
+    num_pending_tokens: int = 0  # output tokens scheduled on the device, not yet seen by the host
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     admitted_seq: int = -1  # admission counter: the newest running request is preempted first
@@ -72,6 +75,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_scheduled_tokens_total(self) -> int:
+        """Tokens the sequence will hold once every step already dispatched has returned."""
+        return self.num_tokens + self.num_pending_tokens
 
     @property
     def prefill_done(self) -> bool:

@@ -10,12 +10,14 @@ JetStream's slot API over a paged cache:
                             its slot
     generate()              advances every active slot by `decode_steps` tokens (lax.scan)
 
-`execute(plan)` does one engine step in that order: release / insert / page-table sync, then
-`generate` (the slots decoding before this step), then `prefill`, then ONE device->host transfer of
-the new tokens (and log-probs when any request asked). Every step function is jitted once per
+`dispatch(plan)` queues one engine step in that order: release / insert / page-table sync, then
+`generate` (the slots decoding before this step), then `prefill`; `fetch` then makes ONE
+device->host transfer of the new tokens (and log-probs when any request asked). JAX dispatch is
+asynchronous, so the engine can dispatch the next step before fetching this one. Every step function is jitted once per
 page-table width bucket W (a power of two of pages, capped at max_pages_per_seq) so the reference
-attention's cost follows the real lengths; `warmup()` compiles every bucket, after which nothing
-recompiles. Params are an argument of every jitted function; the KV cache and slot state are donated.
+attention's cost follows the real lengths, and prefill once per row bucket (a power of two of
+chunks, up to R = max_num_batched_tokens // prefill_chunk_size) so a step with one chunk does not
+pay for R; `warmup()` compiles every bucket, after which nothing recompiles. Params are an argument of every jitted function; the KV cache and slot state are donated.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from jaxserve import kv_cache, sampling
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import llama
-from jaxserve.page_allocator import pages_for
 from jaxserve.request import Request
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams, make_slot_row
 from jaxserve.scheduler import SchedulerOutput
@@ -230,7 +231,9 @@ class ModelRunner:
         self.max_pages = engine_config.max_pages_per_seq
         self.rows = max(1, engine_config.max_num_batched_tokens // engine_config.prefill_chunk_size)
         # Prefill row buckets: a step with one chunk (the steady state) computes [1, T], not [R, T].
-        self.row_buckets = sorted({min(1 << i, self.rows) for i in range(self.rows.bit_length() + 1)})
+        self.row_buckets = sorted(
+            {min(1 << i, self.rows) for i in range(self.rows.bit_length() + 1)}
+        )
         self.chunk = engine_config.prefill_chunk_size
         c = model_config
         self.cache = kv_cache.init(
@@ -323,6 +326,11 @@ class ModelRunner:
 
     # -- one engine step ------------------------------------------------------------------------
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        """Runs one plan to completion: `fetch(dispatch(plan))`."""
+        return self.fetch(self.dispatch(plan))
+
+    def dispatch(self, plan: SchedulerOutput) -> dict[str, jax.Array]:
+        """Queues the plan's device work (asynchronously) and returns the arrays to fetch."""
         for slot in plan.released:
             self.release(slot)
         for req in plan.inserted:
@@ -333,10 +341,7 @@ class ModelRunner:
 
         fetch: dict[str, jax.Array] = {}
         if plan.decode:
-            k = plan.num_decode_steps
-            need = max(
-                pages_for(r.num_computed_tokens + k, self.config.page_size) for r in plan.decode
-            )
+            need = max(len(r.pages) for r in plan.decode)  # pages cover this step's tokens
             want_top = any(r.sampling_params.logprobs for r in plan.decode)
             tok, valid, lp, top_ids, top_lp = self.generate(self.width_for(need))
             fetch.update(decode_tokens=tok, decode_valid=valid, decode_logprobs=lp)
@@ -344,8 +349,7 @@ class ModelRunner:
                 fetch.update(decode_top_ids=top_ids, decode_top_logprobs=top_lp)
         if plan.prefill:
             batch, want_prompt = self._prefill_batch(plan)
-            rows = batch.tokens.shape[0]
-            need = max(pages_for(c.start + c.length, self.config.page_size) for c in plan.prefill)
+            need = max(len(c.request.pages) for c in plan.prefill)
             tok, lp, top_ids, top_lp, prompt = self.prefill(
                 batch, self.width_for(need), want_prompt
             )
@@ -362,6 +366,12 @@ class ModelRunner:
                     prompt_top_ids=prompt[1],
                     prompt_top_logprobs=prompt[2],
                 )
+        for x in fetch.values():
+            x.copy_to_host_async()  # the transfer starts as soon as the step is computed
+        return fetch
+
+    def fetch(self, fetch: dict[str, jax.Array]) -> StepResult:
+        """Waits for a dispatched step and brings its outputs to the host in one transfer."""
         if not fetch:
             return StepResult()
         host = jax.device_get(fetch)  # the step's one device->host transfer
@@ -382,7 +392,11 @@ class ModelRunner:
             and c.start + 1 < len(c.request.prompt_token_ids)
             for c in plan.prefill
         )
-        r = self.rows if want_prompt else next(b for b in self.row_buckets if b >= len(plan.prefill))
+        r = (
+            self.rows
+            if want_prompt
+            else next(b for b in self.row_buckets if b >= len(plan.prefill))
+        )
         t, s = self.chunk, self.num_slots
         tokens = np.zeros((r, t), np.int32)
         targets = np.full((r, t), -1, np.int32)
@@ -396,8 +410,8 @@ class ModelRunner:
             ids = req.all_token_ids
             tokens[i, : c.length] = ids[c.start : c.start + c.length]
             slots[i], start[i], length[i], is_last[i] = req.slot, c.start, c.length, c.is_last
-            if c.is_last and req.forced_token is not None:
-                forced[i] = req.forced_token
+            if plan.forced[i]:
+                forced[i] = req.output_token_ids[-1]  # complete: no token of it is in flight
             n_prompt = len(req.prompt_token_ids)
             if req.sampling_params.prompt_logprobs is not None and c.start + 1 < n_prompt:
                 end = min(c.start + c.length, n_prompt - 1)
@@ -423,6 +437,7 @@ class ModelRunner:
                 forced=np.full((r,), -1, np.int32),
                 targets=np.full((r, t), -1, np.int32),
             )
+
         saved = self._active.copy()
         self._active[:] = False
         self._dirty = True

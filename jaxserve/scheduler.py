@@ -15,8 +15,13 @@ calls `finish()` for the requests that stopped. Each plan:
      allow. With batching="static" a new batch is admitted only when every slot is empty, and
      then as many requests as there are slots.
 
-Invariant: the set of slots that decode on the device is exactly `plan.decode`; everything a
-released slot held is gone before the slot is reused (the runner applies `released` first).
+Plans may run one step ahead of the host (EngineConfig.async_scheduling): `_commit` advances
+`num_computed_tokens` and `num_pending_tokens` when a plan is made, so the next plan is exact except
+that a request which stopped (EOS, stop string) in the step still in flight decodes one wasted
+token before it is retired. The device decodes every active slot; a slot left out of `plan.decode`
+is one at its length limit, which the device's own guard skips. Everything a released slot held is
+gone before the slot is reused (the runner applies `released` first, and the device runs steps in
+dispatch order, so a retired request's last writes land before a new owner writes its pages).
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ class SchedulerOutput:
     preempted: list[Request] = dataclasses.field(default_factory=list)
     page_updates: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # slot -> pages
     num_decode_steps: int = 1
+    # Fixed when the plan is made (requests move on before its results come back):
+    decode_slots: list[int] = dataclasses.field(default_factory=list)  # slot of each decode[i]
+    decode_steps: list[int] = dataclasses.field(default_factory=list)  # tokens each decode[i] makes
+    forced: list[bool] = dataclasses.field(default_factory=list)  # prefill[i] installs a token
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -107,9 +116,9 @@ class Scheduler:
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or not req.prefill_done:
                 continue
-            steps = min(k, req.max_total_len - req.num_tokens)
+            steps = min(k, req.max_total_len - req.num_scheduled_tokens_total)
             if steps < 1:
-                raise RuntimeError(f"request {req.request_id} is past its length limit")
+                continue  # reaches its length limit with a step in flight; retired on its return
             if self._grow(req, req.num_computed_tokens + steps, plan, self_preempt=True):
                 plan.decode.append(req)
 
@@ -128,6 +137,8 @@ class Scheduler:
         else:
             while self.waiting and self.free_slots and (rows > 0 or static):
                 req = self.waiting[0]
+                if req.num_pending_tokens:
+                    break  # preempted with tokens in flight: re-prefill once they are known
                 req.begin_prefill()
                 first = pages_for(min(self.chunk, req.num_prefill_tokens), self.page_size)
                 headroom = self.watermark if self.running else 0  # alone, a request always fits
@@ -145,7 +156,25 @@ class Scheduler:
 
         plan.released = self._released
         self._released = []
+        self._commit(plan)
         return plan
+
+    def _commit(self, plan: SchedulerOutput) -> None:
+        """Advances the planned requests as if the plan had run, so the next plan can be made
+        while this one is still on the device (the tokens themselves arrive with its results)."""
+        for req in plan.decode:
+            steps = min(plan.num_decode_steps, req.max_total_len - req.num_scheduled_tokens_total)
+            plan.decode_slots.append(req.slot)
+            plan.decode_steps.append(steps)
+            req.num_computed_tokens += steps
+            req.num_pending_tokens += steps
+        for chunk in plan.prefill:
+            req = chunk.request
+            forced = chunk.is_last and req.forced_token is not None
+            plan.forced.append(forced)
+            req.num_computed_tokens += chunk.length
+            if chunk.is_last and not forced:
+                req.num_pending_tokens += 1
 
     def _schedule_chunk(self, req: Request, plan: SchedulerOutput) -> bool:
         start = req.num_computed_tokens

@@ -61,6 +61,12 @@ class FakeRunner:
         self.max_total[s] = req.max_total_len
         self.seed[s] = req.seed
 
+    def dispatch(self, plan: SchedulerOutput) -> StepResult:
+        return self.execute(plan)  # computed at once; the engine still fetches it a step later
+
+    def fetch(self, handle: StepResult) -> StepResult:
+        return handle
+
     def execute(self, plan: SchedulerOutput) -> StepResult:
         self.plans.append(plan)
         self.log.append(
@@ -77,7 +83,10 @@ class FakeRunner:
             self._insert(req)
         for s, pages in plan.page_updates.items():
             self.page_table[s] = list(pages)
-        assert {r.slot for r in plan.decode} == set(np.flatnonzero(self.active)), "decode set"
+        decoding = set(plan.decode_slots)
+        assert decoding <= set(np.flatnonzero(self.active)), "a planned slot is not active"
+        for s in set(np.flatnonzero(self.active)) - decoding:  # only slots at their length limit
+            assert self.seq_len[s] + 2 > self.max_total[s], f"slot {s} active but not planned"
         k, n = plan.num_decode_steps, self.num_slots
         res = StepResult()
         if plan.decode:
@@ -106,10 +115,9 @@ class FakeRunner:
                     self._write(s, c.start + t, tok)
                 self.seq_len[s] = c.start + c.length
                 if c.is_last:
-                    forced = c.request.forced_token
                     tok = (
-                        forced
-                        if forced is not None
+                        c.request.output_token_ids[-1]
+                        if plan.forced[i]
                         else self.rule(self._read(s, int(self.seq_len[s])), int(self.seed[s]))
                     )
                     self.last[s] = tok

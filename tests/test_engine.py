@@ -39,6 +39,7 @@ def make_engine(
     batching="continuous",
     rule=default_rule,
     tokenizer=None,
+    async_scheduling=True,
 ):
     mc = dataclasses.replace(ModelConfig.preset("tiny"), vocab_size=VOCAB, eos_token_ids=(EOS,))
     ec = EngineConfig(
@@ -51,6 +52,7 @@ def make_engine(
         prefill_chunk_size=chunk,
         decode_steps=decode_steps,
         batching=batching,
+        async_scheduling=async_scheduling,
     )
     runner = FakeRunner(num_slots, num_pages, page_size, decode_steps, rule, rows, chunk)
     return LLMEngine(runner, mc, ec, num_pages, tokenizer=tokenizer, seed=0), runner
@@ -76,8 +78,9 @@ def greedy(**kw):
     return SamplingParams(temperature=0.0, seed=0, **kw)
 
 
-def test_fill_retire_refill_matches_reference():
-    engine, runner = make_engine(num_slots=3)
+@pytest.mark.parametrize("async_sched", [True, False])
+def test_fill_retire_refill_matches_reference(async_sched):
+    engine, runner = make_engine(num_slots=3, async_scheduling=async_sched)
     ps = prompts(10)
     lens = [1, 5, 12, 3, 30, 7, 2, 9, 16, 4]
     for i, (p, n) in enumerate(zip(ps, lens)):
@@ -112,9 +115,12 @@ def test_chunked_prefill_interleaves_with_decode():
     assert all(length <= 4 for p in runner.log for _, _, length in p["prefill"])
 
 
-def test_preemption_resumes_with_identical_tokens():
+@pytest.mark.parametrize("async_sched", [True, False])
+def test_preemption_resumes_with_identical_tokens(async_sched):
     # 8 requests that each need ~10 pages; the pool holds 16: preemption is unavoidable.
-    engine, runner = make_engine(num_slots=4, num_pages=16, page_size=4, max_model_len=64)
+    engine, runner = make_engine(
+        num_slots=4, num_pages=16, page_size=4, max_model_len=64, async_scheduling=async_sched
+    )
     ps = prompts(8, 4, 12)
     for i, p in enumerate(ps):
         engine.add_request(str(i), None, p, greedy(max_tokens=30, ignore_eos=True))
@@ -128,8 +134,11 @@ def test_preemption_resumes_with_identical_tokens():
     assert engine.scheduler.allocator.num_free_pages == 16  # every page came back
 
 
-def test_preemption_with_multistep_decode():
-    engine, _ = make_engine(num_slots=4, num_pages=14, page_size=4, decode_steps=3)
+@pytest.mark.parametrize("async_sched", [True, False])
+def test_preemption_with_multistep_decode(async_sched):
+    engine, _ = make_engine(
+        num_slots=4, num_pages=14, page_size=4, decode_steps=3, async_scheduling=async_sched
+    )
     ps = prompts(6, 4, 10)
     for i, p in enumerate(ps):
         engine.add_request(str(i), None, p, greedy(max_tokens=25 + i, ignore_eos=True))
@@ -139,10 +148,11 @@ def test_preemption_with_multistep_decode():
     assert engine.stats()["num_preemptions"] > 0
 
 
-def test_eos_and_ignore_eos():
+@pytest.mark.parametrize("async_sched", [True, False])
+def test_eos_and_ignore_eos(async_sched):
     # rule: count up from the last token; EOS (2) appears after ...62, 63, 0, 1, 2.
     rule = lambda seq, seed: (seq[-1] + 1) % VOCAB
-    engine, _ = make_engine(rule=rule)
+    engine, _ = make_engine(rule=rule, async_scheduling=async_sched)
     engine.add_request("eos", None, [60], greedy(max_tokens=20))
     engine.add_request("ignore", None, [60], greedy(max_tokens=20, ignore_eos=True))
     engine.add_request("min", None, [0], greedy(max_tokens=20, min_tokens=3))
@@ -173,10 +183,11 @@ def test_stop_token_ids_max_tokens_and_max_model_len():
     assert len(o.token_ids) == 6 and o.finish_reason == "length"  # 10 + 6 = max_model_len
 
 
-def test_stop_strings_truncate_text():
+@pytest.mark.parametrize("async_sched", [True, False])
+def test_stop_strings_truncate_text(async_sched):
     rule = lambda seq, seed: (seq[-1] + 1) % 26 + 26  # letters ... 'x', 'y', 'z', 'a', ...
     tok = LetterTokenizer()
-    engine, _ = make_engine(rule=rule, tokenizer=tok)
+    engine, _ = make_engine(rule=rule, tokenizer=tok, async_scheduling=async_sched)
     engine.add_request("cut", None, [26 + 3], greedy(max_tokens=20, stop=["gh", "zz"]))
     engine.add_request(
         "keep", None, [26 + 3], greedy(max_tokens=20, stop="gh", include_stop_str_in_output=True)

@@ -26,11 +26,13 @@ def req(rid, n_prompt, max_tokens=8):
 
 
 def finish_prefill(plan):
-    """Pretend the device ran the plan's prefill chunks (and produced a first token)."""
-    for c in plan.prefill:
-        c.request.num_computed_tokens += c.length
-        if c.is_last:
+    """Pretend the engine received the plan's prefill results (a first token per finished prompt).
+
+    The scheduler already advanced num_computed_tokens when it made the plan."""
+    for c, forced in zip(plan.prefill, plan.forced):
+        if c.is_last and not forced:
             c.request.output_token_ids.append(5)
+            c.request.num_pending_tokens -= 1
 
 
 def test_admission_is_bounded_by_slots_and_rows():
@@ -64,9 +66,9 @@ def test_long_prompt_is_chunked():
 
 
 def decode(plan):
-    for r in plan.decode:
-        r.num_computed_tokens += 1
-        r.output_token_ids.append(5)
+    for r, steps in zip(plan.decode, plan.decode_steps):
+        r.output_token_ids += [5] * steps
+        r.num_pending_tokens -= steps
 
 
 def test_preemption_evicts_newest_and_requeues_it_first():
@@ -79,6 +81,8 @@ def test_preemption_evicts_newest_and_requeues_it_first():
     finish_prefill(plan)
     plan = s.schedule()  # position 7 still fits in the second page
     assert plan.decode == reqs and not plan.preempted
+    assert [r.num_computed_tokens for r in reqs] == [8, 8, 8]  # advanced when planned
+    assert [r.num_pending_tokens for r in reqs] == [1, 1, 1]
     decode(plan)
     plan = s.schedule()  # position 8 needs a third page each; one is free
     assert plan.decode == reqs[:2] and plan.preempted == [reqs[2]]

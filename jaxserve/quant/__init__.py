@@ -7,6 +7,10 @@ returns the same pytree with every linear weight (layers/{wq, wk, wv, wo, w_gate
 shape (`Int4Weight`, `Int8Weight`, `Fp8Weight`); embeddings, norms and biases keep the model dtype.
 `layers.linear.linear` calls `w.matmul(x)`, so the model runs unchanged.
 
+`with_impl(params, impl)` forces the INT4 matmul implementation (e.g. 'pallas_interpret' on CPU).
+GGUF Q4_0/Q4_1/Q8_0 files import without re-quantizing: `load_model(path, quantization=
+"gguf-native")` (`gguf_import.py`).
+
 Methods live in `METHODS`: name -> fn(params, config, group_size, calib) -> params. Per-weight
 methods (RTN, INT8, FP8) are built with `per_weight(fn)`; calibration-based ones (AWQ, GPTQ) see
 the whole model and register one line each.
@@ -104,20 +108,36 @@ def with_impl(params: dict, impl: str) -> dict:
     )
 
 
+def default_group_size(params: dict, config: ModelConfig) -> int:
+    """The largest supported group size (128, else 64, else 32) dividing every linear's input dim.
+
+    SmolLM2's 576-wide inputs give 64. Raises ValueError when even 32 does not divide one.
+    """
+    for g in sorted(int4.GROUP_SIZES, reverse=True):
+        if all(_get(params, n).shape[-2] % g == 0 for n in linear_weight_names(params, config)):
+            return g
+    check_group_size(params, config, min(int4.GROUP_SIZES))  # raises, naming the weight
+    raise AssertionError("unreachable")
+
+
 def quantize_params(
     params: dict,
     config: ModelConfig,
     method: str,
-    group_size: int = int4.DEFAULT_GROUP_SIZE,
+    group_size: int | None = None,
     calib=None,
 ) -> dict:
     """Quantizes the linear weights of a float params pytree (see the module docstring).
 
-    group_size applies to the INT4 methods (32, 64 or 128, along the input dim); INT8/FP8 are
-    per-output-channel. calib: calibration data for methods that need it (AWQ, GPTQ).
+    group_size applies to the INT4 methods (32, 64 or 128, along the input dim; one that does not
+    divide a weight's input dim raises ValueError naming it); None picks `default_group_size`
+    (128 when it divides every input dim). INT8/FP8 are per-output-channel.
+    calib: calibration data for methods that need it (AWQ, GPTQ).
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; known: {sorted(METHODS)}")
+    if group_size is None:
+        group_size = default_group_size(params, config)
     for name in linear_weight_names(params, config):
         if isinstance(_get(params, name), QUANTIZED_TYPES):
             raise ValueError(f"{name} is already quantized")
@@ -130,6 +150,7 @@ __all__ = [
     "Int4Weight",
     "Int8Weight",
     "check_group_size",
+    "default_group_size",
     "linear_weight_names",
     "pack",
     "per_weight",

@@ -27,11 +27,13 @@ so `unpack_codes` is a shift/mask into [K, 8, N/8] followed by a free reshape to
 Why eight per uint32 in planes along N (not two per uint8, not interleaved, not along K):
   * the fused kernel loads one u32 tile [bk, bc] and gets eight [bk, bc] code tiles with one shift
     and mask each, each multiplying the SAME activation tile x[:, k-block] into the output columns
-    of its plane. No in-register interleave/reshape is needed (the Pallas Triton lowering does not
-    do general reshapes), and the group axis (along K) is untouched by packing, so a scale tile
-    is a plain row slice [1, bc] applied after the dot:
+    of its plane. Nibbles interleaved along a tile axis (two per u8 along K, as many kernels do)
+    need an in-register join/reshape/transpose to un-interleave, which Triton turns into layout
+    conversions through shared memory; planes need none. Packing along N keeps the group axis
+    (K) whole, so a group's scales are a plain row slice [1, bc] applied after the dot:
         x_g @ W_g = scales_g * (x_g @ q_g) + mins_g * sum_k x_g;
-  * one 32-bit load feeds eight planes: a quarter of the load instructions of u8 for the same bytes;
+  * u8 would give two planes per byte and the same bytes; u32 gives eight planes from one 2-D
+    block load with no byte-level indexing, and shifts are native 32-bit integer ops;
   * the XLA/CPU path unpacks with one broadcasted shift and a reshape.
 The cost: N must be a multiple of 8 (true of every real model's projections).
 

@@ -157,3 +157,14 @@ def test_untied_lm_head_is_quantized():
     params = llama.init_params(config, jax.random.key(0), jnp.float32)
     q = quantize_params(params, config, "int4-rtn", 64)
     assert isinstance(q["lm_head"], Int4Weight) and q["lm_head"].shape == (64, 128)
+
+
+def test_default_group_size_is_the_largest_that_divides_every_input_dim():
+    from jaxserve.quant import default_group_size
+
+    tiny = ModelConfig.preset("tiny")  # input dims 64 and 128
+    smol = ModelConfig.preset("smollm2-135m")  # 576 and 1536
+    llama3 = ModelConfig.preset("llama3-8b")
+    for config, want in ((tiny, 64), (smol, 64), (llama3, 128)):
+        abstract = jax.eval_shape(lambda k, c=config: llama.init_params(c, k), jax.random.key(0))
+        assert default_group_size(abstract, config) == want

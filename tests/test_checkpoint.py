@@ -1,0 +1,96 @@
+"""Checkpoints: save -> load gives identical logits (float and INT4); mismatches name the problem."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ptq_testing import tiny_params
+
+from jaxserve import checkpoint
+from jaxserve.config import ModelConfig
+from jaxserve.perplexity import perplexity
+from jaxserve.quant import Int4Weight, replace_weights, rtn
+
+CONFIG = ModelConfig.preset("tiny")
+_rtn = jax.jit(rtn.quantize_int4_rtn, static_argnums=(1, 2))
+NAMES = [f"layers/{n}" for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")] + ["lm_head"]
+
+
+def _get(params, name):
+    for part in name.split("/"):
+        params = params[part]
+    return params
+
+
+def _int4(params, g=32):
+    return replace_weights(params, {n: _rtn(_get(params, n), g, False) for n in NAMES})
+
+
+def _nll(params):
+    ids = np.arange(40) % CONFIG.vocab_size
+    return perplexity(params, CONFIG, ids, window=40)["nll"]
+
+
+@pytest.mark.parametrize("kind", ["float", "int4"])
+def test_round_trip_gives_identical_logits(tmp_path, kind):
+    params = tiny_params(CONFIG, dtype=jnp.bfloat16)
+    recipe = {"quantization": None}
+    if kind == "int4":
+        params = _int4(params)
+        recipe = {"quantization": "int4-rtn", "group_size": 32}
+    path = checkpoint.save_checkpoint(tmp_path / "ck", CONFIG, params, None, recipe)
+    assert checkpoint.is_checkpoint(path) and not checkpoint.is_checkpoint(tmp_path)
+    loaded = checkpoint.load_checkpoint(path)
+    assert loaded.config == CONFIG and loaded.tokenizer is None
+    assert checkpoint.read_recipe(path)["quantization"] == recipe["quantization"]
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    got = jax.tree_util.tree_leaves_with_path(loaded.params)
+    assert [p for p, _ in flat] == [p for p, _ in got]
+    for (p, a), (_, b) in zip(flat, got):
+        assert a.dtype == b.dtype, p
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if kind == "int4":
+        assert isinstance(loaded.params["layers"]["wq"], Int4Weight)
+        assert loaded.params["layers"]["wq"].group_size == 32
+    assert _nll(loaded.params) == _nll(params)
+
+
+def test_mismatched_recipe_or_shapes_are_errors_naming_the_weight(tmp_path):
+    params = _int4(tiny_params(CONFIG))
+    with pytest.raises(ValueError, match="recipe says int8 but weight layers/wq is a Int4Weight"):
+        checkpoint.save_checkpoint(tmp_path / "a", CONFIG, params, None, {"quantization": "int8"})
+    with pytest.raises(ValueError, match="recipe group_size 64 does not match weight layers/wq"):
+        checkpoint.save_checkpoint(
+            tmp_path / "b", CONFIG, params, None, {"quantization": "int4-awq", "group_size": 64}
+        )
+    with pytest.raises(ValueError, match="recipe says unquantized but layers/w_down"):
+        checkpoint.save_checkpoint(tmp_path / "c", CONFIG, params, None, None)
+
+    path = checkpoint.save_checkpoint(
+        tmp_path / "ok", CONFIG, params, None, {"quantization": "int4-rtn", "group_size": 32}
+    )
+    with pytest.raises(ValueError, match="already exists"):
+        checkpoint.save_checkpoint(path, CONFIG, params, None, None)
+    with pytest.raises(ValueError, match="requested quantization 'int4-gptq'.*holds 'int4-rtn'"):
+        checkpoint.load_checkpoint(path, quantization="int4-gptq")
+
+    meta_file = path / checkpoint.META_FILE
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["intermediate_size"] = 96  # the config no longer matches the saved weights
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="layers/w_(gate|up|down)"):
+        checkpoint.load_checkpoint(path)
+
+    meta["config"]["intermediate_size"] = CONFIG.intermediate_size
+    meta["recipe"]["group_size"] = 64
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="recipe group_size 64 does not match weight"):
+        checkpoint.load_checkpoint(path)
+
+    meta["recipe"]["group_size"] = 32
+    meta["weights"]["layers/wq"]["static"]["group_size"] = 64
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="Int4Weight.scales has shape"):
+        checkpoint.load_checkpoint(path)
