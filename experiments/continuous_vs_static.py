@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 
 import jax
@@ -112,17 +113,22 @@ def write_synthetic_model(out: Path, config: ModelConfig = SYNTHETIC) -> Path:
 
 
 def serve(kwargs: dict, workload, **overrides) -> dict:
-    """One engine built with kwargs | overrides, warmed up, serving `workload`: its summary."""
-    args = kwargs | overrides
-    llm, load_s = bench.make_llm(**args)
+    """One engine built with kwargs | overrides, warmed up, serving `workload`: its summary.
+
+    The 1-minute load average before and after is recorded: the 2 cores are shared.
+    """
+    load_before = os.getloadavg()[0]
+    llm, load_s = bench.make_llm(**(kwargs | overrides))
     result = bench.run_benchmark(llm, workload)
     s = result.summary | {
+        "workload": workload.name,
         "load_s": load_s,
         "num_slots": llm.engine_config.num_slots,
         "batching": llm.engine_config.batching,
         "num_pages": llm.num_pages,
+        "loadavg_1m": [load_before, os.getloadavg()[0]],
     }
-    log.info("%s\n%s", {k: v for k, v in overrides.items()}, bench.format_table(s))
+    log.info("%s\n%s", overrides, bench.format_table(s))
     return s | {"steps": result.steps}
 
 

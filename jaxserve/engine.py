@@ -196,7 +196,9 @@ class LLMEngine:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return bool(self._groups or self._pending or self._inflight)
+        """Requests (or outputs) are outstanding. A step still in flight whose requests have all
+        finished holds only wasted tokens; the next `step()` drains it."""
+        return bool(self._groups or self._pending)
 
     # -- the loop -------------------------------------------------------------------------------
     def _schedule_and_dispatch(self):

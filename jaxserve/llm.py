@@ -50,6 +50,7 @@ class LLM:
         prefill_chunk_size: int | None = None,
         decode_steps: int = 1,
         batching: str = "continuous",
+        async_scheduling: bool = True,
         warmup: bool = False,
     ):
         from jaxserve.loading import load_model  # lazy: loading pulls in transformers
@@ -88,6 +89,7 @@ class LLM:
             prefill_chunk_size=prefill_chunk_size,
             decode_steps=decode_steps,
             batching=batching,
+            async_scheduling=async_scheduling,
         )
         self.model_config = config
         self.engine_config = engine_config

@@ -36,105 +36,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.paged_common import (
+    KV_DTYPES,
+    MASK_VALUE,
+    MODEL_HEADS,
+    check_kv_inputs,
+    next_pow2,
+    pool_structs,
+)
 from pallas_kernels.tuning import H200_DECODE, DecodeConfig
-
-# Finite, so fully masked tiles never produce inf - inf = NaN in the online softmax.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-# ------------------------------------------------------------------------------------------------
-# Input checks shared with `paged_prefill.py`.
-
-
-def _is_concrete(x) -> bool:
-    return x is not None and not isinstance(x, jax.core.Tracer)
-
-
-def check_kv_inputs(
-    num_q_heads: int,
-    head_dim: int,
-    k_pages,
-    v_pages,
-    seq_lens,
-    page_table,
-    layer,
-    k_scale,
-    v_scale,
-    batch: int,
-) -> None:
-    """Raises ValueError naming the bad argument and the shape it should have."""
-    if k_pages.ndim != 5:
-        raise ValueError(
-            f"k_pages must be [L, KVH, P, page_size, D], got shape {tuple(k_pages.shape)}"
-        )
-    n_layers, kvh, n_pages, ps, d = k_pages.shape
-    if tuple(v_pages.shape) != tuple(k_pages.shape) or v_pages.dtype != k_pages.dtype:
-        raise ValueError(
-            f"v_pages must match k_pages: expected {k_pages.dtype}{list(k_pages.shape)}, "
-            f"got {v_pages.dtype}{list(v_pages.shape)}"
-        )
-    if d != head_dim:
-        raise ValueError(f"q head_dim {head_dim} does not match k_pages head_dim {d}")
-    if num_q_heads % kvh:
-        raise ValueError(
-            f"q heads ({num_q_heads}) must be a multiple of the KV heads of k_pages ({kvh})"
-        )
-    for name, v in (("page_size", ps), ("head_dim", d)):
-        if v & (v - 1):
-            raise ValueError(f"k_pages {name} must be a power of two (Triton tiles), got {v}")
-    if tuple(seq_lens.shape) != (batch,) or seq_lens.dtype != jnp.int32:
-        raise ValueError(
-            f"seq_lens must be i32[{batch}], got {seq_lens.dtype}{list(seq_lens.shape)}"
-        )
-    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
-        raise ValueError(
-            f"page_table must be i32[{batch}, W], got {page_table.dtype}{list(page_table.shape)}"
-        )
-    if jnp.shape(layer) not in ((), (1,)) or not jnp.issubdtype(
-        jnp.result_type(layer), jnp.integer
-    ):
-        raise ValueError(f"layer must be an integer scalar, got {layer!r}")
-    quantized = jnp.dtype(k_pages.dtype) in QUANTIZED_KV_DTYPES
-    if quantized != (k_scale is not None) or (k_scale is None) != (v_scale is None):
-        raise ValueError(
-            f"k_scale and v_scale must be f32{list(k_pages.shape[:-1])} exactly when the pages "
-            f"are int8/fp8 (k_pages is {k_pages.dtype}, k_scale given: {k_scale is not None}, "
-            f"v_scale given: {v_scale is not None})"
-        )
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is not None and (
-            tuple(s.shape) != tuple(k_pages.shape[:-1]) or s.dtype != jnp.float32
-        ):
-            raise ValueError(
-                f"{name} must be f32{list(k_pages.shape[:-1])}, got {s.dtype}{list(s.shape)}"
-            )
-    # Values: checked only when concrete (inside jit they are tracers and cannot be inspected).
-    if _is_concrete(layer) and not 0 <= int(np.asarray(layer).reshape(())) < n_layers:
-        raise ValueError(f"layer {int(np.asarray(layer).reshape(()))} is outside [0, {n_layers})")
-    w = page_table.shape[1]
-    if _is_concrete(seq_lens):
-        lens = np.asarray(seq_lens)
-        if lens.min(initial=0) < 0 or lens.max(initial=0) > w * ps:
-            raise ValueError(
-                f"seq_lens must lie in [0, W * page_size] = [0, {w * ps}] for page_table "
-                f"[{batch}, {w}], got max {lens.max(initial=0)} min {lens.min(initial=0)}"
-            )
-        if _is_concrete(page_table):
-            pt = np.asarray(page_table)
-            used = np.arange(w)[None, :] < -(-lens[:, None] // ps)  # (B, W) pages holding tokens
-            bad = used & ((pt < 0) | (pt >= n_pages))
-            if bad.any():
-                b, j = map(int, np.argwhere(bad)[0])
-                raise ValueError(
-                    f"page_table[{b}, {j}] = {int(pt[b, j])} points past the pool of {n_pages} "
-                    f"pages (k_pages [L, KVH, P={n_pages}, ps, D])"
-                )
-
 
 # ------------------------------------------------------------------------------------------------
 # Kernel.
@@ -298,6 +208,8 @@ def _decode_jit(
     )
 
 
+# Not jitted itself: the checks run first, outside jit, so a concrete page table and lengths can
+# be checked by value; the work is the jitted `_decode_jit` (static: config, interpret).
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -343,24 +255,6 @@ def paged_attention(
 
 # ------------------------------------------------------------------------------------------------
 # CUDA lowering cases for `python -m pallas_kernels.check`.
-
-# (name, q heads, KV heads, head_dim, layers) of the supported models' attention.
-MODEL_HEADS = (
-    ("smollm2-135m", 9, 3, 64, 30),
-    ("llama3.2-1b", 32, 8, 64, 16),
-    ("llama3-8b", 32, 8, 128, 32),
-    ("qwen2-7b", 28, 4, 128, 28),
-)
-KV_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
-
-
-def pool_structs(layers, kvh, pages, ps, d, q_dtype, kv_cache_dtype):
-    """ShapeDtypeStructs of (k_pages, v_pages, k_scale, v_scale) for a pool."""
-    sds = jax.ShapeDtypeStruct
-    kv_dt = KV_DTYPES[kv_cache_dtype] or q_dtype
-    kv = sds((layers, kvh, pages, ps, d), kv_dt)
-    sc = None if KV_DTYPES[kv_cache_dtype] is None else sds((layers, kvh, pages, ps), jnp.float32)
-    return kv, kv, sc, sc
 
 
 def lowering_cases() -> list:

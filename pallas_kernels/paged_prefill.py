@@ -41,13 +41,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention import (
+from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.paged_common import (
     KV_DTYPES,
     MASK_VALUE,
     MODEL_HEADS,
     check_kv_inputs,
     next_pow2,
-    paged_attention_reference,
     pool_structs,
 )
 from pallas_kernels.tuning import H200_PREFILL, PrefillConfig
@@ -211,6 +211,8 @@ def _prefill_jit(
     )
 
 
+# Not jitted itself: the checks run first, outside jit, so a concrete page table and lengths can
+# be checked by value; the work is the jitted `_prefill_jit` (static: config, interpret).
 def paged_prefill_attention(
     q: jax.Array,
     k_pages: jax.Array,

@@ -52,3 +52,12 @@ def test_a_kernel_that_cannot_lower_is_reported(capsys):
     )
     [(name, ok, _, err)] = check.run([bad])
     assert name == "bad/non-pow2-tile" and not ok and err
+
+
+def test_main_exits_nonzero_on_a_failure(monkeypatch, capsys):
+    bad = check.KernelCheck(
+        "bad/non-pow2-tile", _bad_fn, (jax.ShapeDtypeStruct((8, 576), jnp.float32),)
+    )
+    monkeypatch.setattr(check, "CHECKS", [bad])
+    assert check.main([]) == 1
+    assert "FAIL" in capsys.readouterr().out
