@@ -11,10 +11,12 @@ script writes (once) a small random Llama as a Hugging Face folder, experiments/
 Every step has a fixed shape, so a step's cost does not depend on how many slots are busy; what
 batching changes is how many steps the workload needs, and that shows at any model size.
 
-Measurements (all in one process, one after another, same workload, same engine flags):
+Measurements (all in one process, one after another, same workload, same engine flags; `--parts`
+picks a subset; `--workload` / `--num_requests` are bench's flags, default `longtail`):
   1. `longtail` (256 requests, outputs geometric mean 128 capped at 1024) at --num_slots (32):
-     continuous vs static output tokens/s and their ratio (target >= 3.5x); slot occupancy over
-     time for both -> occupancy.png.
+     continuous vs static output tokens/s and their ratio (target >= 3.5x), also per CPU-second of
+     this process and in engine steps (both less sensitive to other load on a shared CPU); slot
+     occupancy over time for both -> occupancy.png.
   2. Throughput vs slots for both modes over --slot_sweep -> throughput_vs_slots.png.
   3. KV memory: the continuous run's share of allocated page capacity holding live tokens in
      steady state (target >= 96%); then a fixed KV budget of --kv_budget_reservations x
@@ -49,6 +51,9 @@ _KV_BUDGET = flags.DEFINE_integer(
     "kv_budget_reservations", 4, "KV budget in units of max_model_len tokens."
 )
 _KV_SLOTS = flags.DEFINE_integer("kv_num_slots", 64, "Slots for the fixed-KV-budget run.")
+_PARTS = flags.DEFINE_list(
+    "parts", ["side_by_side", "sweep", "kv"], "Which measurements to run (see the docstring)."
+)
 _SWEEP_REQUESTS = flags.DEFINE_integer(
     "sweep_requests", 128, "Requests per point of the slot sweep (the first N of the workload)."
 )
@@ -145,21 +150,42 @@ def main(argv):
     probe, _ = bench.make_llm(**(kwargs | {"num_slots": 1, "num_pages": 1}))
     vocab = probe.model_config.vocab_size
     del probe
-    workload = make_workload(
-        "longtail", vocab, flags.FLAGS.num_requests
-    )  # --num_requests: smoke runs
+    # --workload (default longtail) and --num_requests are bench's flags.
+    workload = make_workload(flags.FLAGS.workload, vocab, flags.FLAGS.num_requests)
     results: dict = {"engine_kwargs": kwargs, "workload": workload.description}
+    parts = set(_PARTS.value)
+    if "side_by_side" in parts:
+        side_by_side(results, kwargs, workload, num_slots, out_dir)
+    if "sweep" in parts:
+        slot_sweep(results, kwargs, workload, out_dir)
+    if "kv" in parts:
+        kv_budget(results, kwargs, workload)
+    (out_dir / "summary.json").write_text(json.dumps(results, indent=1, default=str))
+    print(markdown(results, num_slots))
 
-    # 1. Side by side at the same slot count.
+
+def side_by_side(results: dict, kwargs: dict, workload, num_slots: int, out_dir: Path) -> None:
+    """Continuous then static at the same slot count; the ratio; the occupancy plot."""
     runs = {
         m: serve(kwargs, workload, num_slots=num_slots, batching=m)
         for m in ("continuous", "static")
     }
-    ratio = runs["continuous"]["output_tokens_per_s"] / runs["static"]["output_tokens_per_s"]
-    results["side_by_side"] = {m: _strip(r) for m, r in runs.items()} | {"ratio": ratio}
+    c, st = runs["continuous"], runs["static"]
+    ratio = c["output_tokens_per_s"] / st["output_tokens_per_s"]
+    results["side_by_side"] = {m: _strip(r) for m, r in runs.items()} | {
+        "ratio": ratio,
+        "ratio_per_cpu_s": c["output_tokens_per_cpu_s"] / st["output_tokens_per_cpu_s"],
+        "step_ratio": st["num_steps"] / c["num_steps"],
+    }
+    results.setdefault("targets", {})["continuous_over_static >= 3.5"] = ratio
+    results["targets"]["kv_live_token_share_steady >= 0.96 (continuous run)"] = runs["continuous"][
+        "kv_live_token_share_steady"
+    ]
     plot_occupancy(runs, num_slots, out_dir / "occupancy.png")
 
-    # 2. Throughput vs slots.
+
+def slot_sweep(results: dict, kwargs: dict, workload, out_dir: Path) -> None:
+    """Both modes at each slot count on the first --sweep_requests requests; the plot."""
     sweep_w = dataclasses.replace(workload, requests=workload.requests[: _SWEEP_REQUESTS.value])
     sweep = {m: {} for m in ("continuous", "static")}
     for n in [int(x) for x in _SLOT_SWEEP.value]:
@@ -168,7 +194,9 @@ def main(argv):
     results["slot_sweep"] = {"num_requests": sweep_w.num_requests} | sweep
     plot_sweep(sweep, out_dir / "throughput_vs_slots.png")
 
-    # 3. KV memory at a fixed budget.
+
+def kv_budget(results: dict, kwargs: dict, workload) -> None:
+    """A KV pool of --kv_budget_reservations x max_model_len tokens, --kv_num_slots slots."""
     page_size = kwargs.get("page_size", 16)
     max_len = kwargs["max_model_len"]
     budget_tokens = _KV_BUDGET.value * max_len
@@ -179,29 +207,24 @@ def main(argv):
         batching="continuous",
         num_pages=budget_tokens // page_size,
     )
+    reserved = budget_tokens // max_len
+    reserved_tight = budget_tokens // workload.max_seq_len
     results["kv_budget"] = {
         "budget_tokens": budget_tokens,
         "max_model_len": max_len,
-        "reserved_concurrency": budget_tokens // max_len,
-        "reserved_concurrency_at_workload_max": budget_tokens // workload.max_seq_len,
+        "reserved_concurrency": reserved,
+        "reserved_concurrency_at_workload_max": reserved_tight,
         "workload_max_seq_len": workload.max_seq_len,
         "mean_running_steady": kv["mean_running_steady"],
         "peak_running": kv["peak_running"],
-        "concurrency_ratio": kv["mean_running_steady"] / (budget_tokens // max_len),
-        "concurrency_ratio_vs_workload_max": kv["mean_running_steady"]
-        / (budget_tokens // workload.max_seq_len),
+        "concurrency_ratio": kv["mean_running_steady"] / reserved,
+        "concurrency_ratio_vs_workload_max": kv["mean_running_steady"] / reserved_tight,
         "kv_live_token_share_steady": kv["kv_live_token_share_steady"],
         "run": _strip(kv),
     }
-    results["targets"] = {
-        "continuous_over_static >= 3.5": ratio,
-        "kv_live_token_share_steady >= 0.96 (32-slot continuous run)": runs["continuous"][
-            "kv_live_token_share_steady"
-        ],
-        "concurrency_vs_max_model_len_reservation >= 4": results["kv_budget"]["concurrency_ratio"],
-    }
-    (out_dir / "summary.json").write_text(json.dumps(results, indent=1, default=str))
-    print(markdown(results, num_slots))
+    results.setdefault("targets", {})["concurrency_vs_max_model_len_reservation >= 4"] = results[
+        "kv_budget"
+    ]["concurrency_ratio"]
 
 
 def _strip(s: dict) -> dict:
@@ -253,40 +276,46 @@ def plot_sweep(sweep: dict, path: Path) -> None:
 
 
 def markdown(r: dict, num_slots: int) -> str:
-    sbs = r["side_by_side"]
-    lines = [
-        f"| longtail, {num_slots} slots | output tok/s | req/s | TTFT p50 / p99 s | "
-        "TPOT p50 ms | mean occupancy | steps |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for m in ("continuous", "static"):
-        s = sbs[m]
+    lines = []
+    if "side_by_side" in r:
+        sbs = r["side_by_side"]
+        lines += [
+            f"| {r['workload']}, {num_slots} slots | output tok/s | req/s | TTFT p50 / p99 s | "
+            "TPOT p50 ms | mean occupancy | KV live share (steady) | steps |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for m in ("continuous", "static"):
+            s = sbs[m]
+            lines.append(
+                f"| {m} | {s['output_tokens_per_s']:.1f} | {s['requests_per_s']:.2f} | "
+                f"{s['ttft_s']['p50']:.2f} / {s['ttft_s']['p99']:.2f} | "
+                f"{1000 * s['tpot_s']['p50']:.1f} | {s['mean_slot_occupancy']:.3f} | "
+                f"{s['kv_live_token_share_steady']:.4f} | {s['num_steps']} |"
+            )
         lines.append(
-            f"| {m} | {s['output_tokens_per_s']:.1f} | {s['requests_per_s']:.2f} | "
-            f"{s['ttft_s']['p50']:.2f} / {s['ttft_s']['p99']:.2f} | {1000 * s['tpot_s']['p50']:.1f} | "
-            f"{s['mean_slot_occupancy']:.3f} | {s['num_steps']} |"
+            f"\ncontinuous / static: {sbs['ratio']:.2f}x output tokens/s, "
+            f"{sbs['ratio_per_cpu_s']:.2f}x output tokens per CPU-second, "
+            f"{sbs['step_ratio']:.2f}x fewer engine steps\n"
         )
-    lines.append(f"\ncontinuous / static = {sbs['ratio']:.2f}x\n")
-    lines.append("| slots | " + " | ".join(str(n) for n in r["slot_sweep"]["continuous"]) + " |")
-    lines.append("|---" * (1 + len(r["slot_sweep"]["continuous"])) + "|")
-    for m in ("continuous", "static"):
-        pts = r["slot_sweep"][m]
+    if "slot_sweep" in r:
+        cont = r["slot_sweep"]["continuous"]
+        lines.append("| slots | " + " | ".join(str(n) for n in cont) + " |")
+        lines.append("|---" * (1 + len(cont)) + "|")
+        for m in ("continuous", "static"):
+            pts = r["slot_sweep"][m]
+            cells = " | ".join(f"{p['output_tokens_per_s']:.1f}" for p in pts.values())
+            lines.append(f"| {m} tok/s | {cells} |")
+    if "kv_budget" in r:
+        kv = r["kv_budget"]
         lines.append(
-            f"| {m} tok/s | "
-            + " | ".join(f"{p['output_tokens_per_s']:.1f}" for p in pts.values())
-            + " |"
+            f"\nFixed KV budget {kv['budget_tokens']} tokens: mean {kv['mean_running_steady']:.1f} "
+            f"concurrent in steady state (peak {kv['peak_running']}) vs "
+            f"{kv['reserved_concurrency']} reserving max_model_len={kv['max_model_len']} "
+            f"({kv['concurrency_ratio']:.1f}x) and {kv['reserved_concurrency_at_workload_max']} "
+            f"reserving the workload's longest sequence, {kv['workload_max_seq_len']} "
+            f"({kv['concurrency_ratio_vs_workload_max']:.1f}x); KV live share "
+            f"{kv['kv_live_token_share_steady']:.4f}; preemptions {kv['run']['num_preemptions']}"
         )
-    kv = r["kv_budget"]
-    lines.append(
-        f"\nKV live-token share (steady state, 32-slot continuous): "
-        f"{sbs['continuous']['kv_live_token_share_steady']:.4f}\n"
-        f"Fixed budget {kv['budget_tokens']} tokens: mean {kv['mean_running_steady']:.1f} concurrent "
-        f"(peak {kv['peak_running']}) vs {kv['reserved_concurrency']} reserving max_model_len="
-        f"{kv['max_model_len']} ({kv['concurrency_ratio']:.1f}x) and "
-        f"{kv['reserved_concurrency_at_workload_max']} reserving the workload's longest sequence "
-        f"({kv['concurrency_ratio_vs_workload_max']:.1f}x); live share {kv['kv_live_token_share_steady']:.4f}, "
-        f"preemptions {kv['run']['num_preemptions']}"
-    )
     return "\n".join(lines)
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 log = logging.getLogger("hf_baseline")
@@ -115,35 +116,38 @@ def main() -> None:
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     warm_s, _ = run_batch(model, [{"prompt_token_ids": [40] * 8, "max_tokens": 4}] * 2, pad_id)
 
-    times, useful, raw = [], 0, 0
+    times, useful, raw, done = [], 0, 0, 0
     for i, b in enumerate(batches):
         dt, new = run_batch(model, b, pad_id)
         times.append(dt)
         useful += sum(r["max_tokens"] for r in b)
         raw += new * len(b)
+        done += len(b)
         log.info(
             "batch %d/%d: %d rows x %d new tokens in %.1f s", i + 1, len(batches), len(b), new, dt
         )
-    total = float(np.sum(times))
-    summary = {
-        "engine": f"hf-transformers {__import__('transformers').__version__} torch {torch.__version__}",
-        "dtype": args.dtype,
-        "threads": args.threads,
-        "workload": workload["name"],
-        "num_requests": sum(len(b) for b in batches),
-        "batch_size": args.batch_size,
-        "load_s": load_s,
-        "warmup_s": warm_s,
-        "elapsed_s": total,
-        "output_tokens": useful,
-        "output_tokens_per_s": useful / total,
-        "raw_tokens_per_s": raw / total,
-        "requests_per_s": sum(len(b) for b in batches) / total,
-        "batch_seconds": times,
-    }
+        total = float(np.sum(times))
+        summary = {
+            "engine": f"hf-transformers {transformers.__version__} torch {torch.__version__}",
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "workload": workload["name"],
+            "num_requests": done,
+            "num_batches_done": i + 1,
+            "num_batches": len(batches),
+            "batch_size": args.batch_size,
+            "load_s": load_s,
+            "warmup_s": warm_s,
+            "elapsed_s": total,
+            "output_tokens": useful,
+            "output_tokens_per_s": useful / total,
+            "raw_tokens_per_s": raw / total,
+            "requests_per_s": done / total,
+            "batch_seconds": times,
+        }
+        if args.out:  # after every batch, so a run cut short still reports what it measured
+            args.out.write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "batch_seconds"}, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ Texts (both offline, disjoint):
   calibration  Python's `pydoc_data.topics` (the language reference topics, in the stdlib)
   evaluation   /usr/share/common-licenses/GPL-3 (Debian base-files), first --max_tokens tokens
 
-Every INT4 model is quantized from the f32 weights and evaluated with f32 activations, so rows
-differ only in the weights. SmolLM2's 576-wide inputs (wq/wk/wv/w_gate/w_up: hidden 576; wo: 9x64)
+Every quantized model is quantized from the f32 weights and evaluated with f32 activations, so rows
+differ only in the weights. Rows quantize the linear layers only (the embedding table, tied to the
+output projection in SmolLM2, stays f32), except the "+ embed int4" row, which also quantizes the
+table (RTN asymmetric, lm_head view) as `quantize_params` does by default. SmolLM2's 576-wide inputs (wq/wk/wv/w_gate/w_up: hidden 576; wo: 9x64)
 are not a multiple of 128: at "g128" those weights use g64 and w_down (input 1536) uses g128
 (`calibration.group_size_for(..., allow_smaller=True)`); the table names this "g128/64".
 
@@ -25,6 +27,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # GPTQ's small BLAS calls th
 import argparse
 import json
 import logging
+import pickle
 import time
 from pathlib import Path
 
@@ -39,6 +42,7 @@ from jaxserve.quant import (
     calibration,
     gptq,
     linear_weight_names,
+    quantize_embedding_table,
     quantize_params,
     replace_weights,
     rtn,
@@ -86,9 +90,20 @@ def main() -> None:
     ap.add_argument(
         "--methods",
         default="rtn,rtn-asym,awq,gptq,int8,fp8",
-        help="comma-separated subset of rtn,rtn-asym,awq,gptq,gptq-act,int8,fp8",
+        help="comma-separated subset of rtn,rtn-asym,awq,gptq,gptq-act,awq-gptq,int8,fp8",
     )
     ap.add_argument("--out", default="experiments/out/quant_quality", help="output directory")
+    ap.add_argument(
+        "--stats_cache",
+        default=None,
+        help="pickle of the calibration statistics: loaded if it exists, else written (reruns)",
+    )
+    ap.add_argument(
+        "--embedding_row",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also score AWQ with the embedding table in INT4 (quantize_params' default)",
+    )
     ap.add_argument("--skip_bf16", action="store_true", help="no bf16 row (saves a model load)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -110,6 +125,20 @@ def main() -> None:
     )
 
     rows = []
+    stats = None
+    if args.stats_cache and Path(args.stats_cache).exists():
+        with open(args.stats_cache, "rb") as f:
+            stats = pickle.load(f)
+        log.info("calibration statistics from %s", args.stats_cache)
+
+    def get_stats():
+        nonlocal stats
+        if stats is None:  # float-model statistics, shared by AWQ, GPTQ and group sizes
+            stats = calibration.collect_stats(p32, cfg, calib)
+            if args.stats_cache:
+                with open(args.stats_cache, "wb") as f:
+                    pickle.dump(stats, f)
+        return stats
 
     def record(name, group, params, qtime):
         t = time.perf_counter()
@@ -133,7 +162,6 @@ def main() -> None:
     record("f32", "-", p32, 0.0)
     if not args.skip_bf16:
         record("bf16", "-", load_model(args.model, dtype="bfloat16").params, 0.0)
-    stats = None
     for g in [int(x) for x in args.group_sizes.split(",")]:
         label = f"g{g}" if cfg.hidden_size % g == 0 else f"g{g}/{64 if g == 128 else g // 2}"
         for meth in methods:
@@ -141,30 +169,39 @@ def main() -> None:
             if meth in ("rtn", "rtn-asym"):
                 q = rtn_params(p32, cfg, g, symmetric=meth == "rtn")
             elif meth == "awq":
-                if stats is None:  # float-model statistics, shared by AWQ, GPTQ, group sizes
-                    stats = calibration.collect_stats(p32, cfg, calib)
-                q = awq.quantize_awq(p32, cfg, g, stats, allow_smaller_groups=True)
-            elif meth in ("gptq", "gptq-act"):
-                if stats is None:
-                    stats = calibration.collect_stats(p32, cfg, calib)
+                q = awq.quantize_awq(p32, cfg, g, get_stats(), allow_smaller_groups=True)
+            elif meth in ("gptq", "gptq-act", "awq-gptq"):
                 q = gptq.quantize_gptq(
-                    p32, cfg, g, stats, act_order=meth == "gptq-act", allow_smaller_groups=True
+                    p32,
+                    cfg,
+                    g,
+                    get_stats(),
+                    act_order=meth == "gptq-act",
+                    allow_smaller_groups=True,
+                    awq_scales=meth == "awq-gptq",
                 )
             else:
                 continue
             jax.block_until_ready(q)
             record(f"int4-{meth}", label, q, time.perf_counter() - t)
+            if meth == "awq" and args.embedding_row:
+                # What quantize_params serves by default: the tied embedding table INT4 too.
+                g_e = calibration.group_size_for("embed", cfg.hidden_size, g, allow_smaller=True)
+                qe = quantize_embedding_table(q, "int4-awq", g_e)
+                record("int4-awq + embed int4", label, qe, time.perf_counter() - t)
     for meth in ("int8", "fp8"):
         if meth in methods:
             t = time.perf_counter()
-            q = jax.block_until_ready(quantize_params(p32, cfg, meth))
+            q = quantize_params(p32, cfg, meth, quantize_embedding=False)
+            jax.block_until_ready(q)
             record(meth, "per-channel", q, time.perf_counter() - t)
 
     bf16 = next((r["ppl"] for r in rows if r["method"] == "bf16"), rows[0]["ppl"])
     lines = [
         f"SmolLM2-135M-Instruct (source: {m32.source}); eval: {args.text}, {rows[0]['tokens']} "
         f"scored tokens in windows of {args.window}; calibration: {calibration.CALIBRATION_SOURCE}, "
-        f"{calib.shape[0]}x{calib.shape[1]} tokens. INT4/INT8/FP8 rows: f32 activations.",
+        f"{calib.shape[0]}x{calib.shape[1]} tokens. Quantized rows: f32 activations, linear layers "
+        "quantized, embedding table f32 unless the row says otherwise.",
         "",
         "| weights | group | perplexity | vs bf16 | linear bytes vs bf16 | quantize s |",
         "|---|---|---:|---:|---:|---:|",

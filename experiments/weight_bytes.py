@@ -4,8 +4,10 @@
 
 Runs the real `quantize_params` under `jax.eval_shape` on abstract bf16 params of each preset, so
 the byte counts are exactly those of the arrays the quantizers would produce (packed codes,
-float16 scales and mins, int8/fp8 values, f32 per-channel scales). Embeddings and norms stay bf16.
-Prints a table (whole model, and the quantized linear weights alone) and writes JSON.
+float16 scales and mins, int8/fp8 values, f32 per-channel scales). The embedding table is quantized
+too (`quantize_embedding=True`, its [D, V] lm_head view; for a tied model it is also the output
+head); norms stay bf16. Prints a table (whole model; whole model with the embedding kept bf16,
+`quantize_embedding=False`; the quantized linear weights alone) and writes JSON.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def measure(preset: str) -> list[dict]:
         try:
             fn = functools.partial(quantize_params, config=config, method=method, group_size=g)
             q = jax.eval_shape(fn, abstract)
+            q_float_embed = jax.eval_shape(
+                functools.partial(fn, quantize_embedding=False), abstract
+            )
         except ValueError as e:  # e.g. SmolLM2's 576 inputs are not a multiple of 128
             rows.append({**row, "error": str(e)})
             continue
@@ -68,6 +73,10 @@ def measure(preset: str) -> list[dict]:
                 "bytes": total,
                 "bf16_bytes": bf16_total,
                 "ratio": total / bf16_total,
+                "embed_bytes": nbytes(q["embed"]),
+                "bf16_embed_bytes": nbytes(abstract["embed"]),
+                "float_embed_bytes": nbytes(q_float_embed),
+                "float_embed_ratio": nbytes(q_float_embed) / bf16_total,
                 "linear_bytes": linear,
                 "bf16_linear_bytes": bf16_linear,
                 "linear_ratio": linear / bf16_linear,
@@ -84,7 +93,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     rows = [r for m in opts.models.split(",") for r in measure(m)]
     print(
-        f"{'model':<14} {'method':<14} {'g':>4} {'MB':>9} {'bf16 MB':>9} {'x bf16':>7} {'linear x':>8}"
+        f"{'model':<14} {'method':<14} {'g':>4} {'MB':>9} {'bf16 MB':>9} {'x bf16':>7} "
+        f"{'embed MB':>9} {'x (bf16 embed)':>14} {'linear x':>8}"
     )
     for r in rows:
         g = r["group_size"] or "-"
@@ -93,7 +103,8 @@ def main() -> None:
             continue
         print(
             f"{r['model']:<14} {r['method']:<14} {g:>4} {r['bytes'] / 1e6:9.1f} "
-            f"{r['bf16_bytes'] / 1e6:9.1f} {r['ratio']:7.3f} {r['linear_ratio']:8.3f}"
+            f"{r['bf16_bytes'] / 1e6:9.1f} {r['ratio']:7.3f} {r['embed_bytes'] / 1e6:9.1f} "
+            f"{r['float_embed_ratio']:14.3f} {r['linear_ratio']:8.3f}"
         )
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)

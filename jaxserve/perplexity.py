@@ -74,7 +74,7 @@ def perplexity(
         lens[w] = len(chunk)
 
     ppr = math.ceil(window / page_size)  # pages per row
-    dtype = params["embed"].dtype
+    dtype = llama.model_dtype(params)
     cache = kvc.init(
         config.num_layers,
         config.num_kv_heads,

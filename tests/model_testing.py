@@ -76,7 +76,7 @@ def forward_logits(params, config, tokens: np.ndarray, page_size: int = 8) -> np
         page_size,
         config.head_dim,
         "auto",
-        params["embed"].dtype,
+        llama.model_dtype(params),
     )
     meta = sequence_meta(pages, [0] * b, [t] * b, t, page_size, per_seq)
     logits, _ = model_step(params, tokens, meta, cache, config)
@@ -114,7 +114,7 @@ def greedy_generate(
     per_seq = -(-total // page_size)
     width = 1 << (per_seq - 1).bit_length()
     pages = assign_pages(b, per_seq, shuffle_seed)
-    dtype = params["embed"].dtype
+    dtype = llama.model_dtype(params)
     cache = kvc.init(
         config.num_layers,
         config.num_kv_heads,

@@ -11,21 +11,14 @@ from ptq_testing import tiny_params
 from jaxserve import checkpoint
 from jaxserve.config import ModelConfig
 from jaxserve.perplexity import perplexity
-from jaxserve.quant import Int4Weight, replace_weights, rtn
+from jaxserve.quant import Int4Weight, quantize_params
 
 CONFIG = ModelConfig.preset("tiny")
-_rtn = jax.jit(rtn.quantize_int4_rtn, static_argnums=(1, 2))
-NAMES = [f"layers/{n}" for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")] + ["lm_head"]
-
-
-def _get(params, name):
-    for part in name.split("/"):
-        params = params[part]
-    return params
 
 
 def _int4(params, g=32):
-    return replace_weights(params, {n: _rtn(_get(params, n), g, False) for n in NAMES})
+    """Every linear, lm_head and the embedding table (lm_head view) as Int4Weight."""
+    return quantize_params(params, CONFIG, "int4-rtn", g)
 
 
 def _nll(params):
@@ -56,6 +49,7 @@ def test_round_trip_gives_identical_logits(tmp_path, kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if kind == "int4":
         assert isinstance(loaded.params["layers"]["wq"], Int4Weight)
+        assert isinstance(loaded.params["embed"], Int4Weight)
         assert loaded.params["layers"]["wq"].group_size == 32
     assert _nll(loaded.params) == _nll(params)
 
@@ -68,7 +62,7 @@ def test_mismatched_recipe_or_shapes_are_errors_naming_the_weight(tmp_path):
         checkpoint.save_checkpoint(
             tmp_path / "b", CONFIG, params, None, {"quantization": "int4-awq", "group_size": 64}
         )
-    with pytest.raises(ValueError, match="recipe says unquantized but layers/w_down"):
+    with pytest.raises(ValueError, match="recipe says unquantized but embed is a Int4Weight"):
         checkpoint.save_checkpoint(tmp_path / "c", CONFIG, params, None, None)
 
     path = checkpoint.save_checkpoint(

@@ -192,3 +192,13 @@ def test_static_batching_same_tokens_more_steps(llm):
 def test_bad_arguments_raise(kw, word):
     with pytest.raises(ValueError, match=word):
         make_llm(**kw)
+
+
+def test_pallas_interpret_attention_gives_reference_tokens(llm):
+    """EngineConfig.attention_impl reaches the kernels: Pallas (interpret mode on CPU) decodes the
+    same greedy tokens as the jnp reference."""
+    ps = ids([[5, 6, 7, 8, 9, 10, 11], list(range(3, 30))])
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = tokens(llm.generate(ps, sp, use_tqdm=False))
+    pallas = make_llm(attention_impl="pallas_interpret", num_slots=4)
+    assert tokens(pallas.generate(ps, sp, use_tqdm=False)) == want

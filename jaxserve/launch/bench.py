@@ -13,7 +13,8 @@ Dataflow:
      so every prefill/decode shape the timed run can meet compiles here. JAX's backend-compile
      events are counted separately for warm-up and for the timed run (the latter should be 0).
   4. Timed run: `llm.generate(all prompts)`; wall time from submission to the last output.
-  5. Summary: output tokens/s, requests/s, TTFT and TPOT p50/p90/p99 (from each output's
+  5. Summary: output tokens/s (and per CPU-second of this process, a figure less sensitive to
+     other processes on a shared CPU), requests/s, TTFT and TPOT p50/p90/p99 (from each output's
      `RequestMetrics`), mean slot occupancy and KV-page utilization (from `llm.stats()`), and the
      request timeline (first-token and finish times relative to submission) for occupancy plots.
 
@@ -137,9 +138,10 @@ def run_benchmark(llm, workload: Workload, *, do_warmup: bool = True) -> BenchRe
     prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in workload.requests]
     params = sampling_params_for(workload)
     with CompileCounter() as cc:
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.monotonic() - t0
+        cpu_s = time.process_time() - cpu0  # all threads of this process (XLA's included)
     after = llm.stats()
 
     errors = [o.error for o in outputs if o.error]
@@ -169,6 +171,8 @@ def run_benchmark(llm, workload: Workload, *, do_warmup: bool = True) -> BenchRe
         "output_tokens": n_tokens,
         "prompt_tokens": workload.total_prompt_tokens,
         "output_tokens_per_s": n_tokens / elapsed,
+        "cpu_s": cpu_s,
+        "output_tokens_per_cpu_s": n_tokens / cpu_s if cpu_s > 0 else None,
         "requests_per_s": len(outputs) / elapsed,
         "ttft_s": percentiles([o.metrics.ttft for o, _ in ok if o.metrics.ttft is not None]),
         "tpot_s": percentiles([o.metrics.tpot for o, _ in ok if o.metrics.tpot is not None]),
@@ -224,6 +228,7 @@ def format_table(summary: dict) -> str:
         ("timed run s (compiles)", _with_count(summary["elapsed_s"], summary["timed_compiles"])),
         ("engine steps", summary["num_steps"]),
         ("output tokens/s", summary["output_tokens_per_s"]),
+        ("output tokens/CPU-s", summary["output_tokens_per_cpu_s"]),
         ("requests/s", summary["requests_per_s"]),
         ("TTFT p50/p90/p99 ms", _pcts_ms(summary["ttft_s"])),
         ("TPOT p50/p90/p99 ms", _pcts_ms(summary["tpot_s"])),

@@ -1,6 +1,6 @@
 """Convert a model to a jaxserve checkpoint, quantizing its weights offline.
 
-    python -m jaxserve.launch.convert --model path/to/hf_dir_or.gguf --quantization int4-awq \
+    python -m jaxserve.launch.convert --model path/to/hf_dir_or.gguf --quantization int4-awq \\
         --group_size 64 --output checkpoints/smollm2-awq-g64
 
 Dataflow: load_model(--model, float32) -> [calibration tokens from the stdlib's pydoc topics,
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,25 +30,29 @@ log = logging.getLogger("jaxserve.convert")
 METHODS = ("int4-rtn", "int4-awq", "int4-gptq", "int8", "fp8")
 CALIBRATED = ("int4-awq", "int4-gptq")
 
-flags.DEFINE_string(
-    "output", None, "Checkpoint directory to create (e.g. checkpoints/<name>); must not exist."
-)
-flags.DEFINE_integer(
-    "group_size",
-    128,
-    "INT4 group size along the input dim: 32, 64 or 128; must divide every linear's input dim "
-    "(SmolLM2's 576-wide inputs need 64 or 32). Ignored for int8/fp8 (per output channel).",
-)
-flags.DEFINE_integer(
-    "calib_tokens",
-    16384,
-    "Calibration tokens for int4-awq / int4-gptq (from the stdlib's pydoc_data topics).",
-    lower_bound=1,
-)
-flags.DEFINE_integer(
-    "calib_seqlen", 512, "Length of each calibration window (tokens).", lower_bound=2
-)
-flags.DEFINE_bool("act_order", False, "int4-gptq: quantize inputs by decreasing activity.")
+
+def define_flags() -> None:
+    """Convert's own flags, defined only when it runs as a program (so importing `convert` for
+    the library function never collides with another launcher's --output)."""
+    flags.DEFINE_string(
+        "output", None, "Checkpoint directory to create (e.g. checkpoints/<name>); must not exist."
+    )
+    flags.DEFINE_integer(
+        "group_size",
+        128,
+        "INT4 group size along the input dim: 32, 64 or 128; must divide every linear's input dim "
+        "(SmolLM2's 576-wide inputs need 64 or 32). Ignored for int8/fp8 (per output channel).",
+    )
+    flags.DEFINE_integer(
+        "calib_tokens",
+        16384,
+        "Calibration tokens for int4-awq / int4-gptq (from the stdlib's pydoc_data topics).",
+        lower_bound=1,
+    )
+    flags.DEFINE_integer(
+        "calib_seqlen", 512, "Length of each calibration window (tokens).", lower_bound=2
+    )
+    flags.DEFINE_bool("act_order", False, "int4-gptq: quantize inputs by decreasing activity.")
 
 
 def _cast_float_leaves(params: dict, dtype) -> dict:
@@ -80,6 +85,8 @@ def convert(
 
     if method is not None and method not in METHODS:
         raise ValueError(f"--quantization must be one of {METHODS}, got {method!r}")
+    if Path(output).exists():
+        raise ValueError(f"--output {output} already exists")
     loaded = load_model(model, dtype="float32")
     params = loaded.params
     recipe = {"quantization": method, "dtype": dtype, "source": loaded.source}
@@ -137,4 +144,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -6,7 +6,7 @@
 Params are a plain pytree passed into jit (never closed over). Per-layer weights are stacked on a
 leading layer axis and the layers run under `lax.scan`, so compile time does not depend on depth:
 
-    embed        [V, D]
+    embed        [V, D]           or a quantized weight in the lm_head view [D, V] (see below)
     layers/
       attn_norm  [L, D]
       wq         [L, D, H*Dh]     (+ bq [L, H*Dh] when config.attention_bias, Qwen2)
@@ -20,8 +20,10 @@ leading layer axis and the layers run under `lax.scan`, so compile time does not
     lm_head      [D, V]           absent when config.tie_word_embeddings (logits use embed^T)
 
 Linear weights are `[in, out]` arrays or quantized-weight pytrees (see `jaxserve.quant`) with the
-same logical shape; `layers.linear.linear` multiplies either. Norms and softmax run in f32; matmuls
-in the params' dtype.
+same logical shape; `layers.linear.linear` multiplies either. A quantized embedding is stored as the
+output projection it is when tied, logical [D, V] (`layers.embedding`): the lookup gathers its
+columns and tied logits are `linear(hidden, embed)`. Norms and softmax run in f32; matmuls in the
+params' dtype (`model_dtype`: the float embedding's, else final_norm's).
 """
 
 from __future__ import annotations
@@ -32,13 +34,17 @@ import jax.numpy as jnp
 from jaxserve import kv_cache as kvc
 from jaxserve.config import ModelConfig
 from jaxserve.layers.attention import AttentionMetadata, attention
+from jaxserve.layers.embedding import embed, is_quantized
 from jaxserve.layers.linear import linear
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
 
 
 def param_shapes(config: ModelConfig) -> dict:
-    """The logical shape of every parameter, as a nested dict of tuples (the name map's contract)."""
+    """The logical shape of every parameter, as a nested dict of tuples (the name map's contract).
+
+    embed is (V, D) as a plain array; `check_params` accepts a quantized embed as (D, V).
+    """
     c = config
     L, D, I, V = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size
     qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -75,12 +81,27 @@ def check_params(params: dict, config: ModelConfig) -> None:
         for k, shape in w.items():
             if isinstance(shape, dict):
                 walk(shape, p[k], prefix + k + "/")
-            elif tuple(p[k].shape) != tuple(shape):
+                continue
+            shape = tuple(shape)
+            if prefix + k == "embed" and is_quantized(p[k]):
+                shape = shape[::-1]  # the lm_head view (D, V): see layers/embedding.py
+                if tuple(p[k].shape) != shape:
+                    raise ValueError(
+                        f"parameter embed is a quantized {type(p[k]).__name__} of logical shape "
+                        f"{tuple(p[k].shape)}, expected the lm_head view (D, V) = {shape}"
+                    )
+            elif tuple(p[k].shape) != shape:
                 raise ValueError(
-                    f"parameter {prefix + k} has shape {tuple(p[k].shape)}, expected {tuple(shape)}"
+                    f"parameter {prefix + k} has shape {tuple(p[k].shape)}, expected {shape}"
                 )
 
     walk(want, params, "")
+
+
+def model_dtype(params: dict):
+    """The dtype activations run in: the float embedding table's, else final_norm's."""
+    table = params["embed"]
+    return table.dtype if not is_quantized(table) else params["final_norm"].dtype
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
@@ -117,8 +138,8 @@ def forward(
     b, t = tokens.shape
     h, kvh, dh = c.num_heads, c.num_kv_heads, c.head_dim
     inv_freq = c.inv_freq()
-    x = params["embed"][tokens]  # (B, T, D)
-    dtype = x.dtype
+    dtype = model_dtype(params)
+    x = embed(params["embed"], tokens, dtype)  # (B, T, D)
 
     def layer(carry, xs):
         x, cache = carry
@@ -151,8 +172,10 @@ def forward(
 def compute_logits(params: dict, hidden: jax.Array, config: ModelConfig) -> jax.Array:
     """hidden[..., D] -> f32 logits[..., V]."""
     if config.tie_word_embeddings:
-        w = params["embed"]  # (V, D)
-        return jnp.einsum(
+        w = params["embed"]
+        if is_quantized(w):  # the lm_head view (D, V)
+            return linear(hidden, w).astype(jnp.float32)
+        return jnp.einsum(  # (V, D)
             "...d,vd->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32
         )
     return linear(hidden, params["lm_head"]).astype(jnp.float32)

@@ -115,33 +115,34 @@ def _tie_kv(absmean: jax.Array, config: ModelConfig) -> jax.Array:
     return absmean.reshape(c.num_kv_heads, c.q_per_kv, c.head_dim).mean(axis=1).reshape(-1)
 
 
+def layer_group_sizes(lp: dict, group_size: int, allow_smaller: bool = False) -> dict[str, int]:
+    """The group size of each input ("attn", "o", "mlp", "down") of one layer's linears."""
+    return {
+        src: calibration.group_size_for(
+            f"layers/{names[0]}", lp[names[0]].shape[0], group_size, allow_smaller
+        )
+        for src, names in calibration.LINEAR_INPUTS.items()
+    }
+
+
 @functools.partial(
-    jax.jit,
-    static_argnames=("config", "group_size", "n_grid", "clip", "allow_smaller_groups"),
+    jax.jit, static_argnames=("config", "group_size", "n_grid", "allow_smaller_groups")
 )
-def awq_layer(
+def awq_fold(
     lp: dict,
     hessian: dict,
     absmean: dict,
     config: ModelConfig,
     group_size: int,
     n_grid: int = 20,
-    clip: bool = True,
     allow_smaller_groups: bool = False,
-) -> dict:
-    """One layer's f32 params -> AWQ-scaled, folded and INT4-packed params (see module docstring).
-
-    hessian / absmean: a `calibration.LayerStats`'s fields. One compiled program per layer shape.
-    """
+) -> tuple[dict, dict]:
+    """Steps 1-2: search each input's scales and fold them. -> (float lp computing the same
+    function, with scaled linears; the H of each scaled input, H / (s s^T))."""
     c = config
     lp = dict(lp)
     hs, am = hessian, absmean
-    gs = {
-        src: calibration.group_size_for(
-            f"layers/{names[0]}", lp[names[0]].shape[0], group_size, allow_smaller_groups
-        )
-        for src, names in calibration.LINEAR_INPUTS.items()
-    }
+    gs = layer_group_sizes(lp, group_size, allow_smaller_groups)
     cat = lambda names: jnp.concatenate([lp[n] for n in names], axis=1)
 
     s_attn, _ = search_scale(cat(("wq", "wk", "wv")), hs["attn"], am["attn"], gs["attn"], n_grid)
@@ -173,6 +174,29 @@ def awq_layer(
         "mlp": hs["mlp"] / jnp.outer(s_mlp, s_mlp),
         "down": hs["down"] / jnp.outer(s_down, s_down),
     }
+    return lp, scaled_h
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "group_size", "n_grid", "clip", "allow_smaller_groups"),
+)
+def awq_layer(
+    lp: dict,
+    hessian: dict,
+    absmean: dict,
+    config: ModelConfig,
+    group_size: int,
+    n_grid: int = 20,
+    clip: bool = True,
+    allow_smaller_groups: bool = False,
+) -> dict:
+    """One layer's f32 params -> AWQ-scaled, folded and INT4-packed params (see module docstring).
+
+    hessian / absmean: a `calibration.LayerStats`'s fields. One compiled program per layer shape.
+    """
+    lp, scaled_h = awq_fold(lp, hessian, absmean, config, group_size, n_grid, allow_smaller_groups)
+    gs = layer_group_sizes(lp, group_size, allow_smaller_groups)
     for src, names in calibration.LINEAR_INPUTS.items():
         for n in names:
             codes, scales, mins = quantize_clipped(

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.layers.embedding import embed
 from jaxserve.layers.linear import linear
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
@@ -191,7 +192,7 @@ def _embed(params: dict, tokens: np.ndarray, config: ModelConfig) -> jax.Array:
         raise ValueError(f"calibration tokens must be int[N, T], got {tokens.dtype}{tokens.shape}")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
         raise ValueError(f"calibration tokens must lie in [0, {config.vocab_size})")
-    return params["embed"].astype(jnp.float32)[jnp.asarray(tokens)]  # (N, T, D)
+    return embed(params["embed"], jnp.asarray(tokens), jnp.float32)  # (N, T, D)
 
 
 def collect_stats(params: dict, config: ModelConfig, tokens: np.ndarray, batch: int = 4):

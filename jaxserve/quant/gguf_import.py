@@ -15,12 +15,14 @@ the file; llama.cpp's q/k row permutation is undone on those rows (it only moves
 rows, `gguf_file.unpermute_rows`), then they are transposed to our [in, out] and packed with
 `int4.pack` at group_size 32. Every weight value is then exactly GGUF's dequantized value.
 
-    import_gguf_params(reader, config, dtype) -> params   linear weights quantized, the rest float
+    import_gguf_params(reader, config, dtype) -> params   linear weights and embed quantized, rest float
     load_model_gguf_native(model, dtype)      -> LoadedModel (`load_model(..., quantization="gguf-native")`)
 
 Linear weights of any other type (F32, F16, K-quants) are dequantized to `dtype` floats. The token
-embedding (SmolLM2: Q8_0, tied with the output) stays a float array because the model gathers
-rows from it and reuses it for the logits.
+embedding token_embd (numpy [V, D], blocks along D) is already the lm_head view [D, V] the model
+takes a quantized embed in (`layers/embedding.py`): rows = outputs V, blocks along the input D. So
+a Q8_0/Q4_0/Q4_1 token_embd imports through the same `import_linear` (SmolLM2: Q8_0 -> Int8Weight
+g=32, which then also computes the tied logits), exactly GGUF's dequantized values.
 """
 
 from __future__ import annotations
@@ -136,14 +138,17 @@ def import_linear(tensors: list, heads: int | None, stacked: bool):
 
 
 def import_gguf_params(reader, config: ModelConfig, dtype: str = "float32") -> dict:
-    """Params with Q4_0/Q4_1 linears as Int4Weight (g=32), Q8_0 linears as Int8Weight, rest float."""
+    """Params with Q4_0/Q4_1 linears (and token_embd, as the [D, V] lm_head view) as Int4Weight
+    (g=32), Q8_0 ones as Int8Weight (g=32); everything else float."""
     dt = np_dtype(dtype)
     shapes = flat_shapes(config)
     floats, quantized = {}, {}
     for path, tensors in gguf_file.gguf_tensor_map(reader, config).items():
         stacked = path.startswith("layers/")
         is_linear = path != "embed" and len(shapes[path]) - int(stacked) == 2
-        if is_linear and tensors[0].tensor_type in NATIVE_TYPES:
+        if (is_linear or _native_embed(path, tensors, config)) and (
+            tensors[0].tensor_type in NATIVE_TYPES
+        ):
             quantized[path] = import_linear(
                 tensors, gguf_file.unpermute_heads(path, config), stacked
             )
@@ -164,6 +169,13 @@ def import_gguf_params(reader, config: ModelConfig, dtype: str = "float32") -> d
         len(floats),
     )
     return params
+
+
+def _native_embed(path: str, tensors: list, config: ModelConfig) -> bool:
+    """token_embd imports as a quantized lm_head view unless INT4 cannot pack its V columns."""
+    if path != "embed":
+        return False
+    return tensors[0].tensor_type == Q.Q8_0 or config.vocab_size % int4.PACK == 0
 
 
 def load_model_gguf_native(model=None, dtype: str = "float32", load_format: str = "auto"):

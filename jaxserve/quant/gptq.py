@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.quant import calibration
+from jaxserve.quant import awq, calibration
 
 log = logging.getLogger(__name__)
 
@@ -153,16 +153,29 @@ def quantize_gptq(
     act_order: bool = False,
     damp: float = DEFAULT_DAMP,
     allow_smaller_groups: bool = False,
+    awq_scales: bool = False,
 ) -> dict:
     """GPTQ over every layer. calib: calibration tokens int[N, T] (layers quantized sequentially,
     each on the outputs of the quantized layers before it), or a list of LayerStats from
     `calibration.collect_stats` (float-model statistics, shared with AWQ and across group sizes).
 
-    An untied lm_head gets asymmetric RTN (as AWQ's).
+    awq_scales: first apply AWQ's activation-aware scales (`awq.awq_fold`), then run GPTQ on the
+    scaled weights with the scaled inputs' H. An untied lm_head gets asymmetric RTN (as AWQ's).
     """
-    quantize_layer = lambda lp, stats, i: gptq_layer(
-        lp, stats, group_size, act_order, damp, allow_smaller_groups
-    )
+
+    def quantize_layer(lp, stats, i):
+        if awq_scales:
+            lp, h = awq.awq_fold(
+                lp,
+                stats.hessian,
+                stats.absmean,
+                config,
+                group_size,
+                allow_smaller_groups=allow_smaller_groups,
+            )
+            stats = calibration.LayerStats({k: np.asarray(v) for k, v in h.items()}, {}, 0)
+        return gptq_layer(lp, stats, group_size, act_order, damp, allow_smaller_groups)
+
     if isinstance(calib, list | tuple) and len(calib) == config.num_layers:
         layers = []
         for i, st in enumerate(calib):

@@ -42,7 +42,9 @@ g=128 the INT4 weight is (0.5 + 4/128) bytes per value = 0.266x of bf16. Quantiz
 codes against the stored scales: round with `to_stored(scales)` first (RTN in `rtn.py` does).
 
 Every leaf may carry leading axes (a stacked layer axis [L, ...]), so params scanned with
-`lax.scan` slice Int4Weight like any array; `matmul` needs a 2-D weight (one layer).
+`lax.scan` slice Int4Weight like any array; `matmul` needs a 2-D weight (one layer). So does
+`take(ids)`, the column gather W[:, ids].T that looks up an embedding table stored in the
+lm_head view [D, V] (it unpacks only the gathered columns).
 """
 
 from __future__ import annotations
@@ -99,6 +101,29 @@ class Int4Weight:
         """-> f32[..., K, N]."""
         self.check()
         return dequantize_arrays(self.packed, self.scales, self.mins, self.group_size)
+
+    def take(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """Columns of W: ids int[...] -> W[:, ids].T [..., K] in dtype, unpacking only those.
+
+        The embedding lookup of a table stored in the lm_head view [D, V] (`layers.embedding`).
+        Column n is nibble n // (N/8) of packed[:, n % (N/8)] (see the layout diagram), scaled by
+        scales[:, n], mins[:, n]. ids outside [0, N) are clamped.
+        """
+        self.check()
+        if self.packed.ndim != 2:
+            raise ValueError(f"Int4Weight.take needs one weight [K, N]; got shape {self.shape}")
+        ids = jnp.asarray(ids)
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"Int4Weight.take: ids must be integers, got {ids.dtype}")
+        k, n8 = self.packed.shape
+        flat = jnp.clip(ids.reshape(-1).astype(jnp.int32), 0, n8 * PACK - 1)  # (n,)
+        words = jnp.take(self.packed, flat % n8, axis=1)  # (K, n)
+        shifts = (4 * (flat // n8)).astype(jnp.uint32)  # (n,) the column's nibble
+        codes = ((words >> shifts) & jnp.uint32(0xF)).astype(jnp.float32)  # (K, n)
+        s = expand_groups(jnp.take(self.scales, flat, axis=1).astype(jnp.float32), self.group_size)
+        m = expand_groups(jnp.take(self.mins, flat, axis=1).astype(jnp.float32), self.group_size)
+        cols = codes * s + m  # (K, n)
+        return cols.T.reshape(*ids.shape, k).astype(dtype)  # (..., K)
 
     def matmul(self, x: jax.Array, impl: str | None = None) -> jax.Array:
         """x[..., K] @ W[K, N] -> [..., N] in x.dtype (f32 accumulation)."""

@@ -10,6 +10,8 @@ an f16 scale each) imports exactly as g = 32 (`gguf_import.py`); that path dequa
     fp8:  scale = amax / 448,  q = float8_e4m3fn(w / scale)  (448 = e4m3's largest finite value)
 
 Leaves may carry a leading layer axis [L, ...] (scanned like any array); `matmul` needs one layer.
+`take(ids)` gathers columns W[:, ids].T: the lookup of an embedding table kept in the lm_head
+view [D, V] (GGUF's Q8_0 token_embd imports that way, exactly).
 """
 
 from __future__ import annotations
@@ -57,6 +59,23 @@ def _matmul(name: str, q, scales, group_size: int, x: jax.Array) -> jax.Array:
     return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def _take(name: str, q, scales, group_size: int, ids, dtype) -> jax.Array:
+    """Columns of W = q * scales: ids int[...] -> W[:, ids].T [..., K] in dtype (clamped ids).
+
+    The embedding lookup of a table stored in the lm_head view [D, V] (`layers.embedding`).
+    """
+    if q.ndim != 2:
+        raise ValueError(f"{name}.take needs one weight [K, N]; got shape {q.shape}")
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name}.take: ids must be integers, got {ids.dtype}")
+    k, n = q.shape
+    flat = jnp.clip(ids.reshape(-1).astype(jnp.int32), 0, n - 1)  # (n_ids,)
+    cols = jnp.take(q, flat, axis=1).astype(jnp.float32)  # (K, n_ids)
+    cols = cols * jnp.repeat(jnp.take(scales, flat, axis=1), group_size, axis=0)
+    return cols.T.reshape(*ids.shape, k).astype(dtype)  # (..., K)
+
+
 def _nbytes(*arrays) -> int:
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in arrays)
 
@@ -85,6 +104,11 @@ class Int8Weight:
         self.check()
         return _matmul("Int8Weight", self.q, self.scales, self.group_size, x)
 
+    def take(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """Columns ids int[...] -> W[:, ids].T [..., K] in dtype (an embedding lookup)."""
+        self.check()
+        return _take("Int8Weight", self.q, self.scales, self.group_size, ids, dtype)
+
 
 @struct.dataclass
 class Fp8Weight:
@@ -109,6 +133,11 @@ class Fp8Weight:
     def matmul(self, x: jax.Array) -> jax.Array:
         self.check()
         return _matmul("Fp8Weight", self.q, self.scales, self.group_size, x)
+
+    def take(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """Columns ids int[...] -> W[:, ids].T [..., K] in dtype (an embedding lookup)."""
+        self.check()
+        return _take("Fp8Weight", self.q, self.scales, self.group_size, ids, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("fp8",))

@@ -12,7 +12,7 @@ from jaxserve.launch import bench
 from jaxserve.workloads import make_workload
 
 FLAGS = flags.FLAGS
-TINY = ["--model=tiny", "--load_format=dummy", "--dtype=float32", "--page_size=64"]
+TINY = ["--model=tiny", "--load_format=dummy", "--dtype=float32", "--page_size=128"]
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def run_main():
 def test_static_run_end_to_end(run_main, tmp_path, capsys):
     out = tmp_path / "s.json"
     args = ["--workload=longtail-small", "--num_requests=5", "--num_slots=2", "--batching=static"]
-    rc = run_main(*TINY, *args, "--max_model_len=512", f"--summary_json={out}")
+    rc = run_main(*TINY, *args, "--max_model_len=256", f"--summary_json={out}")
     assert rc == 0
     s = json.loads(out.read_text())
     w = make_workload("longtail-small", vocab_size=128, num_requests=5)

@@ -89,7 +89,12 @@ def test_smollm2_every_q4_1_tensor_dequantizes_exactly(smollm2_native):
     w8 = gguf_import.import_linear([emb], None, stacked=False)
     ref = dequantize(emb.data, Q.Q8_0).reshape(config.vocab_size, config.hidden_size)
     np.testing.assert_array_equal(np.asarray(w8.dequantize()), ref.T)
-    np.testing.assert_array_equal(np.asarray(params["embed"]), ref)  # embed stays float
+    # ... and the model's embed is that Int8Weight: lookups (take) and tied logits, no floats.
+    assert isinstance(params["embed"], Int8Weight) and params["embed"].group_size == 32
+    np.testing.assert_array_equal(np.asarray(params["embed"].q), np.asarray(w8.q))
+    np.testing.assert_array_equal(np.asarray(params["embed"].scales), np.asarray(w8.scales))
+    ids = np.array([0, 1, 2, config.vocab_size - 1, 12345])
+    np.testing.assert_array_equal(np.asarray(params["embed"].take(jnp.asarray(ids))), ref[ids])
 
 
 @pytest.mark.smollm2

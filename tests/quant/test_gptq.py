@@ -93,3 +93,22 @@ def test_quantize_gptq_tiny_model_beats_rtn_on_hidden_states():
     e_gptq = float(jnp.mean((hidden(q) - ref) ** 2))
     e_rtn = float(jnp.mean((hidden(r_params) - ref) ** 2))
     assert e_gptq < 0.8 * e_rtn, (e_gptq, e_rtn)
+
+
+def test_gptq_on_float_stats_with_awq_scales_keeps_the_network():
+    """The one-pass mode (float-model LayerStats) with AWQ's folded scales: still closer than RTN."""
+    c = ModelConfig.preset("tiny")
+    p = tiny_params(c, seed=3)
+    calib = np.random.default_rng(1).integers(0, c.vocab_size, (4, 32)).astype(np.int32)
+    stats = calibration.collect_stats(p, c, calib)
+    q = gptq.quantize_gptq(p, c, 32, stats, awq_scales=True)
+    assert not np.allclose(np.asarray(q["layers"]["mlp_norm"]), 1.0)  # scales were folded
+    x, xq, xr = (p["embed"][calib],) * 3
+    for i in range(c.num_layers):
+        x, _ = calibration.layer_forward(calibration.layer_slice(p, i), x, c)
+        lq = calibration.float_view(calibration.layer_slice(q, i))
+        xq, _ = calibration.layer_forward(lq, xq, c)
+        lr = calibration.layer_slice(p, i)
+        lr = {k: _rtn(v, 32, False) if k.startswith("w") else v for k, v in lr.items()}
+        xr, _ = calibration.layer_forward(calibration.float_view(lr), xr, c)
+    assert float(jnp.mean((xq - x) ** 2)) < 0.8 * float(jnp.mean((xr - x) ** 2))

@@ -110,10 +110,10 @@ def test_tiny_model_on_quantized_params_equals_dequantized_floats(method):
     qparams = quantize_params(params, config, method, group_size=32)
     llama.check_params(qparams, config)  # same logical shapes
     assert type(qparams["layers"]["wq"]).__name__ in ("Int4Weight", "Int8Weight", "Fp8Weight")
-    assert (
-        qparams["embed"] is params["embed"] and qparams["layers"]["attn_norm"].dtype == jnp.float32
-    )
-    deq = dict(qparams, layers=dict(qparams["layers"]))
+    assert qparams["embed"].shape == (64, 128)  # quantized in the lm_head view [D, V]
+    assert qparams["layers"]["attn_norm"].dtype == jnp.float32
+    deq = dict(qparams, layers=dict(qparams["layers"]), embed=qparams["embed"].dequantize().T)
+    deq["lm_head"] = qparams["lm_head"].dequantize()
     for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
         deq["layers"][name] = qparams["layers"][name].dequantize()
     got, want, orig = (
