@@ -29,6 +29,7 @@ Writes summary.json and the PNGs to --out_dir and prints a markdown table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -41,7 +42,7 @@ from absl import app, flags
 from jaxserve.config import ModelConfig
 from jaxserve.launch import bench
 from jaxserve.launch import flags as engine_flags
-from jaxserve.workloads import make_workload
+from jaxserve.workloads import SPECS, make_workload
 
 _OUT_DIR = flags.DEFINE_string(
     "out_dir", "experiments/out/continuous_vs_static", "Where summary.json and PNGs go."
@@ -117,13 +118,18 @@ def write_synthetic_model(out: Path, config: ModelConfig = SYNTHETIC) -> Path:
     return out
 
 
-def serve(kwargs: dict, workload, **overrides) -> dict:
-    """One engine built with kwargs | overrides, warmed up, serving `workload`: its summary.
+def serve(kwargs: dict, workload_for, num_requests: int | None = None, **overrides) -> dict:
+    """One engine built with kwargs | overrides, warmed up, serving the workload: its summary.
 
-    The 1-minute load average before and after is recorded: the 2 cores are shared.
+    `workload_for(vocab_size)` draws the workload for the engine's model (so the model is loaded
+    once per engine); `num_requests` keeps only its first requests. The 1-minute load average
+    before and after is recorded: the 2 cores are shared.
     """
     load_before = os.getloadavg()[0]
     llm, load_s = bench.make_llm(**(kwargs | overrides))
+    workload = workload_for(llm.model_config.vocab_size)
+    if num_requests is not None:
+        workload = dataclasses.replace(workload, requests=workload.requests[:num_requests])
     result = bench.run_benchmark(llm, workload)
     s = result.summary | {
         "workload": workload.name,
@@ -134,7 +140,7 @@ def serve(kwargs: dict, workload, **overrides) -> dict:
         "loadavg_1m": [load_before, os.getloadavg()[0]],
     }
     log.info("%s\n%s", overrides, bench.format_table(s))
-    return s | {"steps": result.steps}
+    return s | {"steps": result.steps, "max_seq_len": workload.max_seq_len}
 
 
 def main(argv):
@@ -147,27 +153,31 @@ def main(argv):
         kwargs["model"] = str(write_synthetic_model(out_dir.parent / "bench-small-llama"))
     kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
     num_slots = kwargs.pop("num_slots", 32)
-    probe, _ = bench.make_llm(**(kwargs | {"num_slots": 1, "num_pages": 1}))
-    vocab = probe.model_config.vocab_size
-    del probe
-    # --workload (default longtail) and --num_requests are bench's flags.
-    workload = make_workload(flags.FLAGS.workload, vocab, flags.FLAGS.num_requests)
-    results: dict = {"engine_kwargs": kwargs, "workload": workload.description}
+
+    @functools.cache
+    def workload_for(vocab_size: int):
+        # --workload (default longtail) and --num_requests are bench's flags.
+        return make_workload(flags.FLAGS.workload, vocab_size, flags.FLAGS.num_requests)
+
+    results: dict = {
+        "engine_kwargs": kwargs,
+        "workload": SPECS[flags.FLAGS.workload].description,
+    }
     parts = set(_PARTS.value)
     if "side_by_side" in parts:
-        side_by_side(results, kwargs, workload, num_slots, out_dir)
+        side_by_side(results, kwargs, workload_for, num_slots, out_dir)
     if "sweep" in parts:
-        slot_sweep(results, kwargs, workload, out_dir)
+        slot_sweep(results, kwargs, workload_for, out_dir)
     if "kv" in parts:
-        kv_budget(results, kwargs, workload)
+        kv_budget(results, kwargs, workload_for)
     (out_dir / "summary.json").write_text(json.dumps(results, indent=1, default=str))
     print(markdown(results, num_slots))
 
 
-def side_by_side(results: dict, kwargs: dict, workload, num_slots: int, out_dir: Path) -> None:
+def side_by_side(results: dict, kwargs: dict, workload_for, num_slots: int, out_dir: Path) -> None:
     """Continuous then static at the same slot count; the ratio; the occupancy plot."""
     runs = {
-        m: serve(kwargs, workload, num_slots=num_slots, batching=m)
+        m: serve(kwargs, workload_for, num_slots=num_slots, batching=m)
         for m in ("continuous", "static")
     }
     c, st = runs["continuous"], runs["static"]
@@ -184,37 +194,38 @@ def side_by_side(results: dict, kwargs: dict, workload, num_slots: int, out_dir:
     plot_occupancy(runs, num_slots, out_dir / "occupancy.png")
 
 
-def slot_sweep(results: dict, kwargs: dict, workload, out_dir: Path) -> None:
+def slot_sweep(results: dict, kwargs: dict, workload_for, out_dir: Path) -> None:
     """Both modes at each slot count on the first --sweep_requests requests; the plot."""
-    sweep_w = dataclasses.replace(workload, requests=workload.requests[: _SWEEP_REQUESTS.value])
     sweep = {m: {} for m in ("continuous", "static")}
     for n in [int(x) for x in _SLOT_SWEEP.value]:
         for m in sweep:
-            sweep[m][n] = _strip(serve(kwargs, sweep_w, num_slots=n, batching=m))
-    results["slot_sweep"] = {"num_requests": sweep_w.num_requests} | sweep
+            sweep[m][n] = _strip(
+                serve(kwargs, workload_for, _SWEEP_REQUESTS.value, num_slots=n, batching=m)
+            )
+    results["slot_sweep"] = {"num_requests": sweep["continuous"][n]["num_requests"]} | sweep
     plot_sweep(sweep, out_dir / "throughput_vs_slots.png")
 
 
-def kv_budget(results: dict, kwargs: dict, workload) -> None:
+def kv_budget(results: dict, kwargs: dict, workload_for) -> None:
     """A KV pool of --kv_budget_reservations x max_model_len tokens, --kv_num_slots slots."""
     page_size = kwargs.get("page_size", 16)
     max_len = kwargs["max_model_len"]
     budget_tokens = _KV_BUDGET.value * max_len
     kv = serve(
         kwargs,
-        workload,
+        workload_for,
         num_slots=_KV_SLOTS.value,
         batching="continuous",
         num_pages=budget_tokens // page_size,
     )
     reserved = budget_tokens // max_len
-    reserved_tight = budget_tokens // workload.max_seq_len
+    reserved_tight = budget_tokens // kv["max_seq_len"]
     results["kv_budget"] = {
         "budget_tokens": budget_tokens,
         "max_model_len": max_len,
         "reserved_concurrency": reserved,
         "reserved_concurrency_at_workload_max": reserved_tight,
-        "workload_max_seq_len": workload.max_seq_len,
+        "workload_max_seq_len": kv["max_seq_len"],
         "mean_running_steady": kv["mean_running_steady"],
         "peak_running": kv["peak_running"],
         "concurrency_ratio": kv["mean_running_steady"] / reserved,
@@ -249,7 +260,7 @@ def plot_occupancy(runs: dict, num_slots: int, path: Path) -> None:
     ax.set(
         xlabel="seconds since submission",
         ylabel=f"busy slots (of {num_slots})",
-        title="Slot occupancy, longtail workload",
+        title=f"Slot occupancy, {next(iter(runs.values()))['workload']} workload",
     )
     ax.legend()
     fig.tight_layout()

@@ -17,9 +17,11 @@ import logging
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.loading import load_model
+from jaxserve.models import llama
 from jaxserve.perplexity import perplexity
 from jaxserve.quant import calibration, quantize_params
 
@@ -62,7 +64,7 @@ def main() -> None:
     r.update(
         model=m.source,
         text=args.text,
-        dtype=args.dtype,
+        dtype=str(jnp.dtype(llama.model_dtype(params))),  # a checkpoint keeps its stored dtype
         quantization=args.quantization,
         seconds=round(time.perf_counter() - t, 1),
     )

@@ -5,7 +5,7 @@ one at a time and spreads each row's rounding error over the rows not yet quanti
 minimize ||X (W - Q)||^2 = tr((W - Q)^T H (W - Q)) with H = X^T X / n (`calibration.LayerStats`):
 
     H += damp * mean(diag H) * I                   (dead inputs, diag 0, get H_ii = 1 and W_i = 0)
-    U = chol(H^-1)^T                               upper triangular, H^-1 = U^T U       f64[K, K]
+    U = chol(H^-1)^T          upper triangular, H^-1 = U^T U   [K, K] (f64 factorization, f32 use)
     for each block of B = 128 rows (lazy batch updates):
         for row r in the block:
             at a group start (r % g == 0): scale, min of that group from the CURRENT rows r..r+g-1

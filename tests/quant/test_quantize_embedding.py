@@ -67,6 +67,8 @@ def test_embedding_is_rtn_of_the_lm_head_view_and_can_stay_float():
     )
     kept = quantize_params(params, config, "int8", quantize_embedding=False)
     assert kept["embed"] is params["embed"] and is_quantized(kept["layers"]["wq"])
+    mixed = quantize_params(params, config, "int4-rtn-asym", 64, embedding_method="int8")
+    assert isinstance(mixed["embed"], int8.Int8Weight) and mixed["embed"].shape == (64, 128)
 
 
 def test_bad_embeddings_raise():
