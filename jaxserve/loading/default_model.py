@@ -94,3 +94,9 @@ def smollm2_gguf_path(cache_dir: str | Path | None = None) -> Path:
         os.replace(part, target)  # atomic: readers never see a partial file
     log.info("default model cached at %s", target)
     return target
+
+
+if __name__ == "__main__":
+    # `python -m jaxserve.loading.default_model`: fetch (once) and print the GGUF's path.
+    logging.basicConfig(level=logging.INFO)
+    print(smollm2_gguf_path())
