@@ -119,11 +119,11 @@ def _sync(state: SlotState, page_table, active) -> SlotState:
     static_argnames=("config", "width", "num_steps", "impl"),
     donate_argnames=("cache", "state"),
 )
-def _generate(params, cache, state, *, config, width, num_steps, impl):
+def _generate(params, cache, state, want_top, *, config, width, num_steps, impl):
     """JetStream `generate`: every active slot advances `num_steps` tokens.
 
-    The top-K log-probs are always computed (one top_k over [S, V], cheap next to the model) so
-    that asking for log-probs never compiles a second variant; the host fetches them only on demand.
+    want_top (bool[], traced: no second variant is compiled) turns the top-K log-prob search on
+    for steps where some request asked for log-probs; otherwise those outputs are zeros.
 
     Returns (cache, state, (tokens i32[k, S], valid bool[k, S], logprobs f32[k, S],
     top_ids i32[k, S, K], top_logprobs f32[k, S, K])).
@@ -146,7 +146,7 @@ def _generate(params, cache, state, *, config, width, num_steps, impl):
         )
         hidden, cache = llama.forward(params, st.last_token[:, None], meta, cache, config, impl)
         logits = llama.compute_logits(params, hidden[:, 0], config)  # (S, V)
-        out = sampling.sample(logits, st.sampling, st.num_generated, MAX_LOGPROBS)
+        out = sampling.sample(logits, st.sampling, st.num_generated, MAX_LOGPROBS, want_top)
         tok = jnp.where(alive, out.tokens, st.last_token)
         inc = alive.astype(jnp.int32)
         st = st.replace(
@@ -166,7 +166,9 @@ def _generate(params, cache, state, *, config, width, num_steps, impl):
     static_argnames=("config", "width", "prompt_logprobs", "impl"),
     donate_argnames=("cache", "state"),
 )
-def _prefill(params, cache, state, batch: PrefillBatch, *, config, width, prompt_logprobs, impl):
+def _prefill(
+    params, cache, state, batch: PrefillBatch, want_top, *, config, width, prompt_logprobs, impl
+):
     """JetStream `prefill` over fixed [R, T] chunks, K/V written into each row's slot pages.
 
     Returns (cache, state, (tokens i32[R], logprobs f32[R], top_ids i32[R, K], top_lp f32[R, K],
@@ -191,7 +193,7 @@ def _prefill(params, cache, state, batch: PrefillBatch, *, config, width, prompt
     last = hidden[jnp.arange(r), jnp.maximum(batch.length - 1, 0)]  # (R, D)
     logits = llama.compute_logits(params, last, config)  # (R, V)
     sub = jax.tree.map(lambda x: x[slot], state.sampling)  # the rows' sampling state (R, ...)
-    out = sampling.sample(logits, sub, state.num_generated[slot], MAX_LOGPROBS)
+    out = sampling.sample(logits, sub, state.num_generated[slot], MAX_LOGPROBS, want_top)
     finishing = row_valid & batch.is_last
     sampled = finishing & (batch.forced < 0)
     tok = jnp.where(batch.forced >= 0, batch.forced, out.tokens)
@@ -301,23 +303,27 @@ class ModelRunner:
             self.num_h2d_transfers += 1
             self._dirty = False
 
-    def generate(self, width: int):
+    def generate(self, width: int, want_top: bool = False):
         self.cache, self.state, out = _generate(
             self.params,
             self.cache,
             self.state,
+            np.bool_(want_top),
             width=width,
             num_steps=self.config.decode_steps,
             **self._static(),
         )
         return out
 
-    def prefill(self, batch: PrefillBatch, width: int, prompt_logprobs: bool):
+    def prefill(
+        self, batch: PrefillBatch, width: int, prompt_logprobs: bool, want_top: bool = False
+    ):
         self.cache, self.state, out = _prefill(
             self.params,
             self.cache,
             self.state,
             batch,
+            np.bool_(want_top),
             width=width,
             prompt_logprobs=prompt_logprobs,
             **self._static(),
@@ -343,22 +349,23 @@ class ModelRunner:
         if plan.decode:
             need = max(len(r.pages) for r in plan.decode)  # pages cover this step's tokens
             want_top = any(r.sampling_params.logprobs for r in plan.decode)
-            tok, valid, lp, top_ids, top_lp = self.generate(self.width_for(need))
+            tok, valid, lp, top_ids, top_lp = self.generate(self.width_for(need), want_top)
             fetch.update(decode_tokens=tok, decode_valid=valid, decode_logprobs=lp)
             if want_top:
                 fetch.update(decode_top_ids=top_ids, decode_top_logprobs=top_lp)
         if plan.prefill:
             batch, want_prompt = self._prefill_batch(plan)
             need = max(len(c.request.pages) for c in plan.prefill)
+            want_top_pf = any(c.request.sampling_params.logprobs for c in plan.prefill)
             tok, lp, top_ids, top_lp, prompt = self.prefill(
-                batch, self.width_for(need), want_prompt
+                batch, self.width_for(need), want_prompt, want_top_pf
             )
             self.num_h2d_transfers += 1
             for c in plan.prefill:
                 if c.is_last:
                     self._active[c.request.slot] = True  # the device activated it too
             fetch.update(prefill_tokens=tok, prefill_logprobs=lp)
-            if any(c.request.sampling_params.logprobs for c in plan.prefill):
+            if want_top_pf:
                 fetch.update(prefill_top_ids=top_ids, prefill_top_logprobs=top_lp)
             if want_prompt:
                 fetch.update(

@@ -222,16 +222,29 @@ def sample(
     state: SamplingState,
     num_generated: jax.Array,
     num_top_logprobs: int,
+    want_top: jax.Array | bool = True,
 ) -> SampleOutput:
     """One token per slot. logits f32[S, V]; num_generated i32[S] (tokens generated so far).
 
     num_top_logprobs (static, <= MAX_LOGPROBS) sizes top_ids/top_logprobs [S, K]; 0 gives [S, 0].
+    want_top (bool[], may be traced): False skips the top-K search (its outputs are then zeros),
+    so a step where no request asked for logprobs does not pay for it.
     """
     if not 0 <= num_top_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"num_top_logprobs must be in [0, {MAX_LOGPROBS}], got {num_top_logprobs}")
     logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # (S, V)
-    penalized = apply_penalties(logits, state, num_generated)
+    s = logits.shape[0]
+    lse = jax.nn.logsumexp(logits, axis=-1)  # (S,)
+    neutral = (
+        jnp.all(state.repetition_penalty == 1.0)
+        & jnp.all(state.presence_penalty == 0.0)
+        & jnp.all(state.frequency_penalty == 0.0)
+        & jnp.all(num_generated >= state.min_tokens)
+    )
+    # The penalty passes over [S, V] are skipped when no slot uses one (the common case).
+    penalized = jax.lax.cond(
+        neutral, lambda: logits, lambda: apply_penalties(logits, state, num_generated)
+    )
     greedy_tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
     greedy = state.temperature <= 0
     tokens = jax.lax.cond(
@@ -239,11 +252,19 @@ def sample(
         lambda: greedy_tokens,
         lambda: jnp.where(greedy, greedy_tokens, _sample_random(penalized, state, num_generated)),
     )
-    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
-    return SampleOutput(
-        tokens=tokens, logprobs=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
+    k = num_top_logprobs
+
+    def top():
+        top_logits, top_ids = jax.lax.top_k(logits, k)
+        return top_logits - lse[:, None], top_ids.astype(jnp.int32)
+
+    top_logprobs, top_ids = jax.lax.cond(
+        jnp.asarray(want_top),
+        top,
+        lambda: (jnp.zeros((s, k), jnp.float32), jnp.zeros((s, k), jnp.int32)),
     )
+    return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
 def token_logprobs(
