@@ -140,6 +140,10 @@ def serve(kwargs: dict, workload_for, num_requests: int | None = None, **overrid
         "loadavg_1m": [load_before, os.getloadavg()[0]],
     }
     log.info("%s\n%s", overrides, bench.format_table(s))
+    raw = f"raw_{s['batching']}_{s['num_slots']}slots_{s['num_pages']}pages.json"
+    (Path(_OUT_DIR.value) / raw).write_text(
+        json.dumps({"summary": result.summary, "requests": result.requests, "steps": result.steps})
+    )
     return s | {"steps": result.steps, "max_seq_len": workload.max_seq_len}
 
 
@@ -278,8 +282,10 @@ def plot_sweep(sweep: dict, path: Path) -> None:
     for mode, pts in sweep.items():
         xs = sorted(pts)
         ax.plot(xs, [pts[n]["output_tokens_per_s"] for n in xs], "o-", label=mode)
+    xs = sorted({n for pts in sweep.values() for n in pts})
     ax.set(xscale="log", xlabel="slots", ylabel="output tokens/s", title="Throughput vs slots")
-    ax.set_xticks(sorted(next(iter(sweep.values()))), labels=sorted(next(iter(sweep.values()))))
+    ax.minorticks_off()
+    ax.set_xticks(xs, labels=[str(n) for n in xs])
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

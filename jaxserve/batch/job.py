@@ -144,6 +144,7 @@ def run_job(
     output_token_ids: bool = False,
     stop: StopFlag | None = None,
     progress: bool = True,
+    print_outputs: bool = False,
     stats: JobStats | None = None,
 ) -> JobStats:
     """Runs every row whose key is not in `done_keys`, writing one output row per input row.
@@ -165,6 +166,9 @@ def run_job(
             usage = record["usage"]
             metrics = getattr(out, "metrics", None)
             stats.add_output(usage["prompt_tokens"], usage["completion_tokens"], metrics)
+        if print_outputs:  # above the bar, one block per finished row
+            body = record["error"] if record.get("error") is not None else record["text"]
+            tqdm.write(f"--- {record['id']} ({record.get('finish_reason')})\n{body}")
         bar.update(1)
         bar.set_postfix_str(f"{stats.tokens_per_s():.1f} tok/s, {stats.num_failed} failed")
 

@@ -181,35 +181,41 @@ def run_benchmark(llm, workload: Workload, *, do_warmup: bool = True) -> BenchRe
         "num_h2d_transfers": after["num_h2d_transfers"] - before["num_h2d_transfers"],
         "num_d2h_transfers": after["num_d2h_transfers"] - before["num_d2h_transfers"],
         "num_kv_pages": after["num_kv_pages"],
-    } | step_summary(steps, config.num_slots)
+    } | step_summary(
+        steps, config.num_slots, max((q["first_token_s"] for q in requests), default=0.0)
+    )
     if errors:
         log.error("%d requests failed; first: %s", len(errors), errors[0])
     return BenchResult(summary=summary, requests=requests, steps=steps)
 
 
-def step_summary(steps: list[dict], num_slots: int) -> dict:
+def step_summary(steps: list[dict], num_slots: int, saturated_until_s: float) -> dict:
     """Slot occupancy and KV use over the timed steps.
 
     mean_slot_occupancy: running requests / num_slots, averaged per step.
     kv_page_utilization: live K/V tokens / (allocated pages * page_size), averaged over steps
       with pages in use (the engine's own measure).
-    kv_live_token_share_steady: the same, over the steady state = the steps from the first to the
-      last step at the run's peak occupancy (ramp-up before and drain after are excluded).
-    mean_running_steady: running requests averaged over the steady state.
+    The steady state is the saturated phase: steps up to `saturated_until_s`, the first-token time
+    of the last request to start, so requests were still waiting and the engine ran as many as its
+    slots and KV pages allowed (the drain after it, with ever fewer requests, is excluded).
+    kv_live_token_share_steady / mean_running_steady: KV utilization and running requests
+      averaged over the steady state.
     """
     if not steps:
         return {}
     occ = np.array([s["occupancy"] for s in steps])
     util = np.array([np.nan if s["kv_live_share"] is None else s["kv_live_share"] for s in steps])
-    peak = np.flatnonzero(occ >= occ.max() - 1e-9)
-    steady = slice(peak[0], peak[-1] + 1)
+    t = np.array([s["t_s"] for s in steps])
+    steady = t <= saturated_until_s
+    if not steady.any():
+        steady[:] = True
     return {
         "mean_slot_occupancy": float(occ.mean()),
         "kv_page_utilization": float(np.nanmean(util)),
         "kv_live_token_share_steady": float(np.nanmean(util[steady])),
         "mean_running_steady": float(occ[steady].mean() * num_slots),
         "peak_running": int(round(occ.max() * num_slots)),
-        "steady_steps": int(peak[-1] + 1 - peak[0]),
+        "steady_steps": int(steady.sum()),
     }
 
 

@@ -85,6 +85,7 @@ flags.DEFINE_bool(
     "('messages' rows always use it).",
 )
 flags.DEFINE_bool("progress", True, "Show a tqdm progress bar (finished rows, tokens/s).")
+flags.DEFINE_bool("print_outputs", False, "Print each finished row's id and text as it finishes.")
 flags.DEFINE_bool("fsync", True, "fsync the output after every row (off: faster, not crash-safe).")
 
 SAMPLING_FLAGS = (
@@ -179,6 +180,7 @@ def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -
                 output_token_ids=FLAGS.output_token_ids,
                 stop=stop,
                 progress=FLAGS.progress,
+                print_outputs=FLAGS.print_outputs,
                 stats=stats,
             )
     except KeyboardInterrupt:  # a second signal: stop now; every row written so far is on disk
