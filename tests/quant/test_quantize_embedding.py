@@ -58,7 +58,12 @@ def test_model_on_a_quantized_tied_embedding_equals_its_dequantized_floats():
 def test_embedding_is_rtn_of_the_lm_head_view_and_can_stay_float():
     config = dataclasses.replace(TINY, tie_word_embeddings=True)
     params = llama.init_params(config, jax.random.key(1), jnp.float32)
-    q = quantize_params(params, config, "int4-rtn-asym", group_size=64)
+    # A tied table defaults to INT8 (it is also the lm_head); INT4 is asked for explicitly.
+    default = quantize_params(params, config, "int4-rtn-asym", group_size=64)
+    assert isinstance(default["embed"], int8.Int8Weight)
+    q = quantize_params(
+        params, config, "int4-rtn-asym", group_size=64, embedding_method="int4-rtn-asym"
+    )
     ref = rtn.quantize_int4_rtn(params["embed"].T, 64, symmetric=False)  # (D, V)
     np.testing.assert_array_equal(np.asarray(q["embed"].packed), np.asarray(ref.packed))
     ids = jnp.arange(config.vocab_size)
@@ -80,7 +85,7 @@ def test_bad_embeddings_raise():
     odd = dataclasses.replace(TINY, vocab_size=100, tie_word_embeddings=True)  # 100 % 8 != 0
     p_odd = llama.init_params(odd, jax.random.key(3), jnp.float32)
     with pytest.raises(ValueError, match="vocab size 100 is not a multiple of 8"):
-        quantize_params(p_odd, odd, "int4-rtn", group_size=32)
+        quantize_params(p_odd, odd, "int4-rtn", group_size=32, embedding_method="int4-rtn")
     wrong = int8.quantize_int8(params["embed"])  # (V, D): not the lm_head view
     with pytest.raises(ValueError, match=r"embed is a quantized Int8Weight .* lm_head view"):
         llama.check_params({**done, "embed": wrong}, TINY)
