@@ -5,7 +5,8 @@
 # geometric mean 96 capped at 512, greedy, EOS ignored so every engine makes the same tokens) at
 # the same concurrency (32). Every engine is pinned to cores 0-1 with 2 threads.
 #
-#   [STATIC=1] [HF_TIMEOUT=s] experiments/run_cpu_comparison.sh [OUT_DIR]
+#   [STATIC=1] [MODES="continuous static"] [HF_TIMEOUT=s] experiments/run_cpu_comparison.sh [OUT_DIR]
+# (MODES="" skips jaxserve and merges the jaxserve_*.json already in OUT_DIR)
 #                                           (default OUT_DIR experiments/out/cpu_comparison)
 # HF runs under `timeout HF_TIMEOUT` (default 1800 s); hf.json is rewritten after every static
 # batch, so a run cut short reports the batches it finished (num_batches_done of num_batches).
@@ -30,7 +31,7 @@ import sys
 from jaxserve.workloads import make_workload
 make_workload(sys.argv[1], vocab_size=49152).to_json(sys.argv[2])  # SmolLM2's vocabulary
 EOF
-for MODE in continuous ${STATIC:+static}; do
+for MODE in ${MODES-continuous ${STATIC:+static}}; do
   echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): jaxserve $MODE"
   $PIN .venv/bin/python -m jaxserve.launch.bench --model="$GGUF" --dtype=bfloat16 \
     --workload="$WORKLOAD" --num_slots="$SLOTS" --batching="$MODE" \

@@ -72,10 +72,14 @@ class LLM:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{config.max_position_embeddings}"
             )
+        # Defaults: 64-token prefill chunks, 8 per step. A chunk is padded to its fixed length, so
+        # short chat prompts (~40 tokens) waste little, and 8 prompts are admitted per step; on
+        # the CPU this ran a 96-prompt chat job 1.9x faster than 2 chunks of 256 (experiments/prefill_chunk_ab.py).
+        # Long prompts take one chunk per step: raise prefill_chunk_size for long-prompt TTFT.
         if prefill_chunk_size is None:
-            prefill_chunk_size = min(256, 1 << (max_model_len - 1).bit_length())
+            prefill_chunk_size = min(64, 1 << (max_model_len - 1).bit_length())
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2 * prefill_chunk_size
+            max_num_batched_tokens = 8 * prefill_chunk_size
         engine_config = EngineConfig(
             num_slots=num_slots,
             max_model_len=max_model_len,
