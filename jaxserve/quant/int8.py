@@ -80,64 +80,53 @@ def _nbytes(*arrays) -> int:
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in arrays)
 
 
+class _ScaledWeight:
+    """Shared methods of the per-channel 8-bit weights; subclasses set QDTYPE and the fields."""
+
+    QDTYPE = None  # element dtype of q
+
+    shape = property(lambda self: tuple(self.q.shape))
+    ndim = property(lambda self: self.q.ndim)
+    nbytes = property(lambda self: _nbytes(self.q, self.scales))
+
+    def check(self) -> None:
+        _check(type(self).__name__, self.q, self.scales, self.group_size, self.QDTYPE)
+
+    def dequantize(self) -> jax.Array:
+        """-> f32[..., K, N]."""
+        self.check()
+        return _dequantize(self.q, self.scales, self.group_size)
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        self.check()
+        return _matmul(type(self).__name__, self.q, self.scales, self.group_size, x)
+
+    def take(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """Columns ids int[...] -> W[:, ids].T [..., K] in dtype (an embedding lookup)."""
+        self.check()
+        return _take(type(self).__name__, self.q, self.scales, self.group_size, ids, dtype)
+
+
 @struct.dataclass
-class Int8Weight:
+class Int8Weight(_ScaledWeight):
     """INT8 weight of logical shape [..., K, N]; group_size == K is per-output-channel."""
+
+    QDTYPE = jnp.int8
 
     q: jax.Array  # i8[..., K, N]
     scales: jax.Array  # f32[..., K // group_size, N]
     group_size: int = struct.field(pytree_node=False)
 
-    shape = property(lambda self: tuple(self.q.shape))
-    ndim = property(lambda self: self.q.ndim)
-    nbytes = property(lambda self: _nbytes(self.q, self.scales))
-
-    def check(self) -> None:
-        _check("Int8Weight", self.q, self.scales, self.group_size, jnp.int8)
-
-    def dequantize(self) -> jax.Array:
-        """-> f32[..., K, N]."""
-        self.check()
-        return _dequantize(self.q, self.scales, self.group_size)
-
-    def matmul(self, x: jax.Array) -> jax.Array:
-        self.check()
-        return _matmul("Int8Weight", self.q, self.scales, self.group_size, x)
-
-    def take(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """Columns ids int[...] -> W[:, ids].T [..., K] in dtype (an embedding lookup)."""
-        self.check()
-        return _take("Int8Weight", self.q, self.scales, self.group_size, ids, dtype)
-
 
 @struct.dataclass
-class Fp8Weight:
+class Fp8Weight(_ScaledWeight):
     """FP8 (e4m3fn) weight of logical shape [..., K, N] with per-output-channel scales."""
+
+    QDTYPE = jnp.float8_e4m3fn
 
     q: jax.Array  # f8e4m3fn[..., K, N]
     scales: jax.Array  # f32[..., K // group_size, N]
     group_size: int = struct.field(pytree_node=False)
-
-    shape = property(lambda self: tuple(self.q.shape))
-    ndim = property(lambda self: self.q.ndim)
-    nbytes = property(lambda self: _nbytes(self.q, self.scales))
-
-    def check(self) -> None:
-        _check("Fp8Weight", self.q, self.scales, self.group_size, jnp.float8_e4m3fn)
-
-    def dequantize(self) -> jax.Array:
-        """-> f32[..., K, N]."""
-        self.check()
-        return _dequantize(self.q, self.scales, self.group_size)
-
-    def matmul(self, x: jax.Array) -> jax.Array:
-        self.check()
-        return _matmul("Fp8Weight", self.q, self.scales, self.group_size, x)
-
-    def take(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """Columns ids int[...] -> W[:, ids].T [..., K] in dtype (an embedding lookup)."""
-        self.check()
-        return _take("Fp8Weight", self.q, self.scales, self.group_size, ids, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("fp8",))
