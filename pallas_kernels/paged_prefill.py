@@ -271,9 +271,9 @@ def lowering_cases() -> list:
     sds = jax.ShapeDtypeStruct
     cases = []
     pages = 4096
-    # (rows, chunk tokens, page-table width): a 256-token prefill chunk of one or two sequences,
-    # and a mixed step of many rows with a few tokens each.
-    shapes = ((2, 256, 64), (16, 16, 64))
+    # (rows, chunk tokens, page-table width): the engine's default step (8 chunks of 64 tokens),
+    # a 256-token chunk of one or two sequences, and many rows with a few tokens each.
+    shapes = ((8, 64, 64), (2, 256, 64), (16, 16, 64))
     for model, h, kvh, d, layers in MODEL_HEADS:
         for ps in (16, 32):
             for q_dt in (jnp.bfloat16, jnp.float32):
