@@ -18,7 +18,7 @@ import numpy as np
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = ("auto", "ragged", "reference", "pallas", "pallas_interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,8 +257,10 @@ class EngineConfig:
 
     num_pages: KV pages in the pool. If None, derived from kv_cache_memory (bytes) when given,
       else enough for every slot to reach max_model_len.
-    attention_impl: 'auto' = Pallas kernels on GPU, the jnp reference elsewhere; 'pallas_interpret'
-      runs the Pallas kernels in interpret mode (CPU tests).
+    attention_impl: 'auto' = Pallas kernels on GPU, 'ragged' elsewhere (XLA decode attention over
+      the step's live pages, cost following the live tokens; prefill chunks use the reference);
+      'reference' = the jnp gather reference for everything; 'pallas_interpret' runs the Pallas
+      kernels in interpret mode (CPU tests).
     """
 
     num_slots: int = 32

@@ -200,6 +200,13 @@ class LLMEngine:
         finished holds only wasted tokens; the next `step()` drains it."""
         return bool(self._groups or self._pending)
 
+    def drain(self) -> None:
+        """Waits for a step still in flight once no request is left (async scheduling queues one
+        more step for requests that then finish): its tokens are discarded, so no device work or
+        device->host copy outlives the caller's use of the engine (e.g. into interpreter exit)."""
+        while self._inflight is not None and not self.has_unfinished():
+            self.step()
+
     # -- the loop -------------------------------------------------------------------------------
     def _schedule_and_dispatch(self):
         plan = self.scheduler.schedule()

@@ -158,11 +158,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def iter_generate(
-        self, prompts, sampling_params=None, use_tqdm: bool = False
+        self, prompts, sampling_params=None, use_tqdm: bool = False, stop=None
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Yields (input index, finished output) in completion order as each request finishes.
 
-        Closing the iterator early aborts the requests it has not yielded yet.
+        Closing the iterator early aborts the requests it has not yielded yet. `stop` (a callable
+        -> bool) is checked before every engine step: once it returns True, the outputs that have
+        already finished are yielded and the iterator ends without stepping again (the rest are
+        aborted) -- how a batch job drains on SIGTERM without redoing finished rows.
         """
         prompts = _as_list(prompts)
         params = self._per_prompt_params(sampling_params, len(prompts))
@@ -179,13 +182,15 @@ class LLM:
                     pbar.update(1)
                     pbar.set_postfix(output_tok_s=f"{out_tokens / (time.perf_counter() - t0):.1f}")
                     yield index.pop(rid), out
-                if index:
-                    self._step()
+                if not index or (stop is not None and stop()):
+                    break
+                self._step()
         finally:
             pbar.close()
             for rid in index:
                 self.engine.abort(rid)
                 self._outbox.pop(rid, None)
+            self.engine.drain()
 
     def stream(
         self, prompt, sampling_params: SamplingParams | None = None, delta: bool = False
@@ -209,6 +214,7 @@ class LLM:
         finally:
             self.engine.abort(rid)
             self._outbox.pop(rid, None)
+            self.engine.drain()
 
     def stats(self) -> dict:
         """Engine counters: steps, tokens, preemptions, occupancy, KV utilization, transfers."""

@@ -34,7 +34,8 @@ from flax import struct
 
 from jaxserve import kv_cache, sampling
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.layers.attention import AttentionMetadata, resolve_impl
+from jaxserve.layers.ragged_attention import flat_bucket, flat_buckets
 from jaxserve.models import llama
 from jaxserve.request import Request
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams, make_slot_row
@@ -116,11 +117,14 @@ def _sync(state: SlotState, page_table, active) -> SlotState:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "width", "num_steps", "impl"),
+    static_argnames=("config", "width", "num_flat", "num_steps", "impl"),
     donate_argnames=("cache", "state"),
 )
-def _generate(params, cache, state, want_top, *, config, width, num_steps, impl):
+def _generate(params, cache, state, want_top, *, config, width, num_flat, num_steps, impl):
     """JetStream `generate`: every active slot advances `num_steps` tokens.
+
+    num_flat: the 'ragged' attention's live-page bucket (>= the decoding slots' pages; 0 for the
+    other implementations, whose cost follows the page-table width instead).
 
     want_top (bool[], traced: no second variant is compiled) turns the top-K log-prob search on
     for steps where some request asked for log-probs; otherwise those outputs are zeros.
@@ -143,6 +147,7 @@ def _generate(params, cache, state, want_top, *, config, width, num_steps, impl)
             slot_mapping=jnp.where(alive, page * ps + pos % ps, -1)[:, None],
             page_table=pt,
             seq_lens=jnp.where(alive, pos + 1, 0),
+            num_flat_pages=num_flat,
         )
         hidden, cache = llama.forward(params, st.last_token[:, None], meta, cache, config, impl)
         logits = llama.compute_logits(params, hidden[:, 0], config)  # (S, V)
@@ -251,6 +256,10 @@ class ModelRunner:
         self.widths = sorted(
             {min(1 << i, self.max_pages) for i in range(self.max_pages.bit_length() + 1)}
         )
+        # 'ragged' decode: one width (the whole table), buckets of the decoding slots' total pages
+        self.ragged = resolve_impl(engine_config.attention_impl) == "ragged"
+        self.max_flat = min(num_pages, self.num_slots * self.max_pages)
+        self.flat_buckets = flat_buckets(self.max_flat) if self.ragged else [0]
         self._page_table = np.zeros((self.num_slots, self.max_pages), np.int32)  # host mirror
         self._active = np.zeros((self.num_slots,), bool)  # host mirror of state.active
         self._dirty = False
@@ -303,13 +312,20 @@ class ModelRunner:
             self.num_h2d_transfers += 1
             self._dirty = False
 
-    def generate(self, width: int, want_top: bool = False):
+    def decode_shape(self, decoding: list[Request]) -> tuple[int, int]:
+        """(width, num_flat) of the decode step over `decoding` (their pages cover its tokens)."""
+        if self.ragged:
+            return self.max_pages, flat_bucket(sum(len(r.pages) for r in decoding), self.max_flat)
+        return self.width_for(max(len(r.pages) for r in decoding)), 0
+
+    def generate(self, width: int, num_flat: int = 0, want_top: bool = False):
         self.cache, self.state, out = _generate(
             self.params,
             self.cache,
             self.state,
             np.bool_(want_top),
             width=width,
+            num_flat=num_flat,
             num_steps=self.config.decode_steps,
             **self._static(),
         )
@@ -347,9 +363,9 @@ class ModelRunner:
 
         fetch: dict[str, jax.Array] = {}
         if plan.decode:
-            need = max(len(r.pages) for r in plan.decode)  # pages cover this step's tokens
             want_top = any(r.sampling_params.logprobs for r in plan.decode)
-            tok, valid, lp, top_ids, top_lp = self.generate(self.width_for(need), want_top)
+            width, num_flat = self.decode_shape(plan.decode)
+            tok, valid, lp, top_ids, top_lp = self.generate(width, num_flat, want_top)
             fetch.update(decode_tokens=tok, decode_valid=valid, decode_logprobs=lp)
             if want_top:
                 fetch.update(decode_top_ids=top_ids, decode_top_logprobs=top_lp)
@@ -451,8 +467,10 @@ class ModelRunner:
         self._flush()
         row = make_slot_row(SamplingParams(), [0], [], (), 0, self.config.max_model_len)
         self.state = _insert(self.state, np.int32(0), row, np.int32(0), np.int32(0))
+        for f in self.flat_buckets:
+            for w in [self.max_pages] if self.ragged else self.widths:
+                self.generate(w, f)
         for w in self.widths:
-            self.generate(w)
             for r in self.row_buckets:
                 self.prefill(padding(r), w, False)
             self.prefill(padding(self.rows), w, True)
@@ -462,7 +480,9 @@ class ModelRunner:
         jax.block_until_ready(self.state)
         dt = time.perf_counter() - t0
         logger.info(
-            "warm-up: %d widths x (generate + %d prefill row buckets + prompt log-probs) in %.1f s",
+            "warm-up: %d decode buckets, %d widths x (%d prefill row buckets + prompt log-probs) "
+            "in %.1f s",
+            len(self.flat_buckets) if self.ragged else len(self.widths),
             len(self.widths),
             len(self.row_buckets),
             dt,

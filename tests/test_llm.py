@@ -135,6 +135,13 @@ def test_bad_prompts_and_params_fail_alone(llm):
 def test_stream_and_iter_generate(llm):
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     final = llm.generate(ids([[4, 5, 6]]), sp, use_tqdm=False)[0]
+    # A stop token ends the request where the scheduler could not foresee it, so async scheduling
+    # has queued one more step; generate drains it: no step or host copy outlives the call.
+    stop_at = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[final.outputs[0].token_ids[2]]
+    )
+    assert len(llm.generate(ids([[4, 5, 6]]), stop_at, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    assert llm.engine._inflight is None
     snaps = list(llm.stream({"prompt_token_ids": [4, 5, 6]}, sp))
     assert [len(s.outputs[0].token_ids) for s in snaps] == [1, 2, 3, 4, 5, 6]
     assert snaps[-1].finished and snaps[-1].outputs[0].token_ids == final.outputs[0].token_ids
@@ -150,6 +157,15 @@ def test_stream_and_iter_generate(llm):
     it = llm.iter_generate(ids([[4, 5]] * 3), params)
     next(it)
     it.close()
+    assert not llm.engine.has_unfinished()
+    # stop: the outputs finished in the step already run are all yielded, then no more steps
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 3, 9)]
+    flag = []
+    got = []
+    for i, o in llm.iter_generate(ids([[4, 5]] * 3), params, stop=lambda: bool(flag)):
+        got.append((i, len(o.outputs[0].token_ids)))
+        flag.append(1)  # the "signal" arrives after the first output
+    assert sorted(got) == [(0, 3), (1, 3)]  # both finished in the same step
     assert not llm.engine.has_unfinished()
 
 
@@ -192,6 +208,16 @@ def test_static_batching_same_tokens_more_steps(llm):
 def test_bad_arguments_raise(kw, word):
     with pytest.raises(ValueError, match=word):
         make_llm(**kw)
+
+
+def test_ragged_and_reference_attention_give_the_same_tokens(llm):
+    """The CPU default ('ragged' decode attention over the live pages) decodes the same greedy
+    tokens as the gather reference, over lengths spanning one and two pages."""
+    assert llm.engine.runner.ragged
+    ps = ids(prompts(12, seed=4, lo=3, hi=50))
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = tokens(make_llm(attention_impl="reference").generate(ps, sp, use_tqdm=False))
+    assert tokens(llm.generate(ps, sp, use_tqdm=False)) == want
 
 
 def test_pallas_interpret_attention_gives_reference_tokens(llm):

@@ -9,10 +9,9 @@ Dataflow:
       -> output row {id, line, text, finish_reason, usage, ...} -> writer.write (appended + fsync)
 
 Stopping (SIGINT / SIGTERM): the signal handler only sets `StopFlag`. The engine step under way
-completes; the loop writes the next finished row and closes the generator, which aborts every
-request not yet yielded, so nothing new is admitted. Rows still running (and any other row that
-finished in that same step but was not yet yielded) are redone by the next run; `LLM.iter_generate`
-has no public way to tell "already finished" from "needs another step". A second signal raises
+completes; `LLM.iter_generate(..., stop=...)` then yields every row that has already finished
+(all are written) and ends without another step, aborting the requests still running, so nothing
+new is admitted. Only rows that had not finished are redone by the next run. A second signal raises
 KeyboardInterrupt at once (rows already written stay written).
 
 Host code only: no jax import here.
@@ -190,12 +189,10 @@ def run_job(
         params.append(row.sampling)
 
     if runnable and not stop.requested:
-        outputs = llm.iter_generate(prompts, params)
+        outputs = llm.iter_generate(prompts, params, stop=lambda: stop.requested)
         try:
             for index, out in outputs:
                 finish(output_row(runnable[index], out, token_ids=output_token_ids), out)
-                if stop.requested:
-                    break
         finally:
             close = getattr(outputs, "close", None)
             if close is not None:

@@ -80,8 +80,9 @@ flags.DEFINE_enum(
     "attention_impl",
     None,
     list(ATTENTION_IMPLS),
-    "Attention: auto = Pallas kernels on GPU, the jnp reference elsewhere; pallas_interpret runs "
-    f"the kernels in interpret mode (CPU). Unset: {_DEFAULTS.attention_impl}.",
+    "Attention: auto = Pallas kernels on GPU, ragged elsewhere (XLA decode over the live pages); "
+    "reference = the jnp gather reference; pallas_interpret runs the kernels in interpret mode "
+    f"(CPU). Unset: {_DEFAULTS.attention_impl}.",
 )
 flags.DEFINE_integer(
     "seed",

@@ -1,4 +1,5 @@
-"""Paged attention dispatch: the model calls `attention`, which picks a Pallas kernel or the jnp reference.
+"""Paged attention dispatch: the model calls `attention`, which picks a Pallas kernel, the ragged
+XLA decode path (CPU) or the jnp reference.
 
 The metadata pytree is built by the runner once per step and passed explicitly through the model
 (no hidden global context). Shapes are fixed per compiled step; padding rows/tokens are marked by
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxserve.kv_cache import KVCache
+from jaxserve.layers.ragged_attention import ragged_decode_attention
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_prefill as pp
 
@@ -22,12 +24,14 @@ class AttentionMetadata:
     slot_mapping: jax.Array  # i32[B, T]   flat KV slot of each new token, -1 = padding
     page_table: jax.Array  # i32[B, W]   pages of each row's sequence (W = pages visible this step)
     seq_lens: jax.Array  # i32[B]      KV length after this step's writes, 0 = inactive row
+    # Static: flat live-page bucket of a decode step for the 'ragged' impl (0 = not used).
+    num_flat_pages: int = struct.field(pytree_node=False, default=0)
 
 
 def resolve_impl(impl: str) -> str:
-    """'auto' -> 'pallas' on GPU, 'reference' elsewhere."""
+    """'auto' -> 'pallas' on GPU, 'ragged' elsewhere."""
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return "pallas" if jax.default_backend() == "gpu" else "ragged"
     return impl
 
 
@@ -38,8 +42,26 @@ def attention(
 
     'pallas' / 'pallas_interpret': T == 1 runs the flash-decoding kernel, T > 1 the ragged
     chunked-prefill kernel; both read the whole stacked pool at the traced `layer`.
+    'ragged' (XLA, the CPU default): decode over the step's live pages laid end to end
+    (`ragged_attention.py`, needs meta.num_flat_pages); prefill chunks use the reference.
     """
     impl = resolve_impl(impl)
+    if impl == "ragged":
+        if q.shape[1] == 1 and meta.num_flat_pages > 0:
+            kv_len = jnp.minimum(meta.seq_lens, meta.positions[:, 0] + 1)
+            out = ragged_decode_attention(
+                q[:, 0],
+                cache.k,
+                cache.v,
+                jnp.maximum(kv_len, 0),
+                meta.page_table,
+                meta.num_flat_pages,
+                layer,
+                cache.k_scale,
+                cache.v_scale,
+            )
+            return out[:, None]  # (B, 1, H, D)
+        impl = "reference"
     if impl in ("pallas", "pallas_interpret"):
         interpret = impl == "pallas_interpret"
         if q.shape[1] == 1:

@@ -39,8 +39,9 @@ class FakeTokenizer:
 class FakeLLM:
     source = "fake"
 
-    def __init__(self, max_model_len: int = 64, on_output=None):
+    def __init__(self, max_model_len: int = 64, on_output=None, per_step: int = 1):
         self.max_model_len = max_model_len
+        self.per_step = per_step  # outputs finishing in one engine "step"
         self.on_output = on_output  # called with the number of outputs yielded so far
         self.submitted: list = []  # every prompt passed to iter_generate
         self.closed = False
@@ -52,18 +53,23 @@ class FakeLLM:
     def stats(self):
         return {"steps": self.yielded, "preemptions": 0, "kv_page_utilization": 0.25}
 
-    def iter_generate(self, prompts, sampling_params):
+    def iter_generate(self, prompts, sampling_params, stop=None):
+        """As `LLM.iter_generate`: outputs finish `per_step` per step; `stop` is checked before
+        every step, and the outputs of the step already run are all yielded first."""
         self.submitted.extend(prompts)
         order = sorted(range(len(prompts)), key=lambda i: (sampling_params[i].max_tokens, -i))
+        steps = [order[s : s + self.per_step] for s in range(0, len(order), self.per_step)]
         try:
-            for i in order:
-                yield i, self._run(i, prompts[i], sampling_params[i])
-                self.yielded += 1
-                if self.on_output is not None:
-                    self.on_output(self.yielded)
-        except GeneratorExit:
+            for step in steps:
+                if stop is not None and stop():
+                    break
+                for i in step:
+                    yield i, self._run(i, prompts[i], sampling_params[i])
+                    self.yielded += 1
+                    if self.on_output is not None:
+                        self.on_output(self.yielded)
+        finally:  # ended (stop) or closed early by the job
             self.closed = True
-            raise
 
     def _run(self, i, prompt, sp):
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else list(prompt.encode())

@@ -73,11 +73,11 @@ def test_resume_skips_done_rows(tmp_path):
     lines = [b'{"id": %d, "prompt": "p%d"}' % (i, i) for i in range(6)] + [b"{broken"]
     inp = make_input(tmp_path, lines)
     stop = StopFlag()
-    llm = FakeLLM(on_output=lambda n: n == 2 and stop._handle(signal.SIGTERM, None))
+    llm = FakeLLM(per_step=3, on_output=lambda n: n == 1 and stop._handle(signal.SIGTERM, None))
     _, stats, out = run(tmp_path, inp, llm, stop=stop)
-    # The bad row is written at once. The signal arrives while the engine works on the 3rd
-    # output (after the 2nd was taken): that step's output is still written, then the job stops.
-    assert stats.num_ok == 3 and len(out) == 4 and llm.closed
+    # The bad row is written at once. The signal arrives after the 1st of the 3 outputs that
+    # finished in the first step: all 3 are still written (none is redone), no step runs after.
+    assert stats.num_ok == 3 and len(out) == 4 and llm.closed and llm.yielded == 3
     assert stop.requested and stop.name == "SIGTERM"
     llm2 = FakeLLM()
     _, stats2, out2 = run(tmp_path, inp, llm2)

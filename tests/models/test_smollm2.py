@@ -40,3 +40,33 @@ def test_greedy_tokens_match_hf(smollm2_f32):
             assert ours == theirs, f"{rec['prompt']!r}: step {step}: {ours} != HF {theirs}"
             compared += 1
     assert compared >= 0.8 * n * len(recs)
+
+
+def test_engine_greedy_tokens_match_hf(smollm2_gguf_path):
+    """The serving path (LLM: paged cache, chunked prefill beside decodes, the CPU default 'ragged'
+    decode attention, on-device sampling) decodes HF's greedy tokens for all five prompts at once."""
+    from jaxserve import LLM, SamplingParams
+
+    golden = json.loads((GOLDEN_DIR / "smollm2_greedy.json").read_text())
+    recs, n = golden["prompts"], golden["new_tokens"]
+    llm = LLM(
+        str(smollm2_gguf_path),
+        dtype="float32",
+        num_slots=4,  # five prompts: one waits for a free slot
+        max_model_len=128,
+        prefill_chunk_size=16,  # prompts of 35-40 tokens take three chunks
+        max_num_batched_tokens=32,
+    )
+    assert llm.engine.runner.ragged
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in recs], sp, False)
+    compared = 0
+    for out, rec in zip(outs, recs):
+        for step, (ours, theirs, margin) in enumerate(
+            zip(out.outputs[0].token_ids, rec["token_ids"], rec["top2_margin"])
+        ):
+            if margin < NEAR_TIE:
+                break
+            assert ours == theirs, f"{rec['prompt']!r}: step {step}: {ours} != HF {theirs}"
+            compared += 1
+    assert compared >= 0.8 * n * len(recs)

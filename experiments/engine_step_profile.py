@@ -1,0 +1,120 @@
+r"""Time the engine's jitted step functions on SmolLM2 shapes, per page-table width and pool size.
+
+Random bf16 weights at the smollm2-135m preset, `ModelRunner` as the engine builds it; every slot
+active with `ctx` cached tokens (so the attention really reads ctx tokens per slot). For each
+(attention impl, pool pages, width) it times `generate` (one decode step of all slots) and, per
+prefill row bucket, `prefill` (R chunks of 64 tokens). Median of --reps calls, in one process.
+'reference' decodes at page-table width W (cost ~ slots x W); 'ragged' over the slots' live pages.
+
+    .venv/bin/python experiments/engine_step_profile.py --pools=1024,4096 --widths=8,64
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.layers.ragged_attention import flat_bucket
+from jaxserve.models import llama
+from jaxserve.runner import ModelRunner, PrefillBatch
+
+_POOLS = flags.DEFINE_list("pools", ["1024", "4096"], "KV pool sizes (pages) to time.")
+_WIDTHS = flags.DEFINE_list("widths", ["8", "64"], "Page-table width buckets to time.")
+_ROWS = flags.DEFINE_list("rows", ["1", "8"], "Prefill row buckets to time.")
+_SLOTS = flags.DEFINE_integer("num_slots", 32, "Slots.")
+_REPS = flags.DEFINE_integer("reps", 5, "Timed calls per point (median).")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights / activations dtype.")
+_IMPLS = flags.DEFINE_list("impls", ["reference", "ragged"], "Attention implementations to time.")
+_JSON = flags.DEFINE_string("json", None, "Write the results here.")
+
+
+def timed(fn, reps):
+    out = fn()
+    jax.block_until_ready(out)  # compile
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def main(argv):
+    del argv
+    c = ModelConfig.preset("smollm2-135m")
+    s, ps = _SLOTS.value, 16
+    params = jax.jit(lambda k: llama.init_params(c, k, jnp.dtype(_DTYPE.value)))(jax.random.key(0))
+    results = []
+    for impl, pool in [(i, int(p)) for p in _POOLS.value for i in _IMPLS.value]:
+        widths = [int(w) for w in _WIDTHS.value]
+        ec = EngineConfig(
+            num_slots=s,
+            max_model_len=max(widths) * ps,
+            page_size=ps,
+            num_pages=pool,
+            dtype=_DTYPE.value,
+            attention_impl=impl,
+            prefill_chunk_size=64,
+            max_num_batched_tokens=64 * max(int(r) for r in _ROWS.value),
+        )
+        runner = ModelRunner(params, c, ec, pool)
+        for w in widths:
+            ctx = w * ps - 2
+            rng = np.random.default_rng(0)
+            for slot in range(s):
+                pages = rng.choice(pool, size=w, replace=False).tolist()
+                runner.set_pages(slot, pages)
+                runner._active[slot] = True
+            runner._dirty = True
+            runner._flush()
+            runner.state = runner.state.replace(
+                seq_len=jnp.full((s,), ctx, jnp.int32),
+                max_total_len=jnp.full((s,), 10**6, jnp.int32),
+            )
+
+            if runner.ragged:  # as `decode_shape`: the whole table, a bucket of the live pages
+                shape = (runner.max_pages, flat_bucket(s * w, runner.max_flat))
+            else:
+                shape = (w, 0)
+
+            def gen(shape=shape, runner=runner, ctx=ctx):
+                # seq_len grows each call; reset so every rep sees the same ctx
+                runner.state = runner.state.replace(seq_len=jnp.full((s,), ctx, jnp.int32))
+                return runner.generate(*shape)[0]
+
+            row = {"impl": impl, "pool_pages": pool, "width": w, "ctx": ctx, "num_flat": shape[1]}
+            row["generate_ms"] = timed(gen, _REPS.value) * 1e3
+            for r in map(int, _ROWS.value):
+                batch = PrefillBatch(
+                    tokens=np.ones((r, 64), np.int32),
+                    slots=np.arange(r, dtype=np.int32),
+                    start=np.full((r,), max(ctx - 64, 0), np.int32),
+                    length=np.full((r,), 64, np.int32),
+                    is_last=np.zeros((r,), bool),
+                    forced=np.full((r,), -1, np.int32),
+                    targets=np.full((r, 64), -1, np.int32),
+                )
+                row[f"prefill_r{r}_ms"] = (
+                    timed(
+                        lambda b=batch, w=w, runner=runner: runner.prefill(b, w, False)[0],
+                        _REPS.value,
+                    )
+                    * 1e3
+                )
+            print(
+                json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
+            )
+            results.append(row)
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,101 @@
+"""Ragged paged decode attention in plain XLA: the CPU path whose cost follows the live tokens.
+
+The reference (`pallas_kernels.paged_attention.paged_attention_reference`) gathers a [B, W * ps]
+block per row, so a decode step costs B x W pages, W being the step's page-table width: the
+*longest* live sequence sets the cost of every row. Here the step's live pages are laid out end to
+end instead, F of them (a static bucket >= sum of the rows' pages), and attention is a segmented
+softmax over that flat list -- the cost follows the sum of the lengths, as the Pallas kernel's does
+on the GPU:
+
+    n_b     = ceil(kv_len_b / ps)                       pages of row b       i32[B]
+    ends    = cumsum(n)                                  row b owns flat pages [ends_b - n_b, ends_b)
+    owner_f = searchsorted(ends, f, side="right")        row of flat page f   i32[F]  (B = padding)
+    page_f  = page_table[owner_f, f - start(owner_f)]
+    K, V    = pool[layer][:, page]                       [KVH, F, ps, D]      (only live pages read)
+    s       = q[owner] . K / sqrt(D)                     [F, KVH, G, ps]      masked to token < kv_len
+    m_b     = segment_max over the row's pages of max_s  [B, KVH, G]
+    out_b   = segment_sum(exp(s - m) V) / segment_sum(exp(s - m))
+
+Equal to the reference up to f32 summation order (tests/layers/test_ragged_attention.py). A row with
+kv_len 0 owns no page and gets zeros, as in the reference. Quantized (int8/fp8) pools multiply the
+per-token scales in after the gather. Decode only (one query token per row); prefill chunks keep
+the reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def flat_bucket(total_pages: int, max_pages: int) -> int:
+    """The static flat-page count F for a step whose rows hold `total_pages` pages: the smallest
+    power of two >= total_pages (at least 8), capped at `max_pages` (the most a step can hold)."""
+    f = 8
+    while f < total_pages:
+        f *= 2
+    return min(f, max_pages)
+
+
+def flat_buckets(max_pages: int) -> list[int]:
+    """Every F that `flat_bucket` can return for a step holding at most `max_pages` pages."""
+    out, f = [], 8
+    while f < max_pages:
+        out.append(f)
+        f *= 2
+    return out + [max_pages]
+
+
+def ragged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    num_flat_pages: int,
+    layer: jax.Array | int = 0,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> jax.Array:
+    """q [B, H, D], pools [L, KVH, P, ps, D], kv_lens i32[B] (keys visible to each row's query),
+    page_table i32[B, W] -> [B, H, D] in q.dtype.
+
+    num_flat_pages (static) must be >= sum(ceil(kv_lens / ps)); pages beyond it would be dropped.
+    """
+    b, h, d = q.shape
+    kvh, ps = k_pages.shape[1], k_pages.shape[3]
+    g = h // kvh
+    w = page_table.shape[1]
+    f = num_flat_pages
+
+    kv_lens = jnp.clip(kv_lens, 0, w * ps)
+    n_pages = (kv_lens + ps - 1) // ps  # (B,)
+    ends = jnp.cumsum(n_pages)
+    owner = jnp.searchsorted(ends, jnp.arange(f, dtype=ends.dtype), side="right")  # (F,) in [0, B]
+    row = jnp.minimum(owner, b - 1)
+    j = jnp.arange(f) - (ends - n_pages)[row]  # page index within the row's sequence
+    live = owner < b
+    page = jnp.where(live, page_table[row, jnp.clip(j, 0, w - 1)], 0)  # (F,)
+
+    def gather(pages, scale):
+        x = pages[layer][:, page].astype(jnp.float32)  # (KVH, F, ps, D)
+        if scale is not None:
+            x = x * scale[layer][:, page][..., None]
+        return x
+
+    k = gather(k_pages, k_scale)
+    v = gather(v_pages, v_scale)
+    qf = q.astype(jnp.float32).reshape(b, kvh, g, d)[row]  # (F, KVH, G, D)
+    s = jnp.einsum("fkgd,kfsd->fkgs", qf, k) / jnp.sqrt(jnp.float32(d))  # (F, KVH, G, ps)
+    tok = j[:, None] * ps + jnp.arange(ps)[None, :]  # (F, ps)
+    visible = (live[:, None] & (tok < kv_lens[row][:, None]))[:, None, None, :]  # (F, 1, 1, ps)
+    s = jnp.where(visible, s, -jnp.inf)
+
+    seg = dict(segment_ids=owner, num_segments=b + 1, indices_are_sorted=True)  # segment B: padding
+    m = jax.ops.segment_max(jnp.max(s, axis=-1), **seg)[:b]  # (B, KVH, G)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(visible, jnp.exp(s - m[row][..., None]), 0.0)  # (F, KVH, G, ps)
+    denom = jax.ops.segment_sum(jnp.sum(p, axis=-1), **seg)[:b]  # (B, KVH, G)
+    o = jax.ops.segment_sum(jnp.einsum("fkgs,kfsd->fkgd", p, v), **seg)[:b]  # (B, KVH, G, D)
+    o = o / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return o.reshape(b, h, d).astype(q.dtype)
