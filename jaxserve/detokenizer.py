@@ -52,3 +52,16 @@ def find_stop(
         return None
     i, stop = best
     return (text[: i + len(stop)] if include else text[:i]), stop
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of `text` that could be the start of a stop string (the longest
+    suffix that is a proper prefix of one), held back from streamed snapshots as vLLM does: text
+    shown while streaming is then never retracted when the stop string completes."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best

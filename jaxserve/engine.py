@@ -12,7 +12,8 @@
 
 Stop conditions, checked per token on the host once `min_tokens` are out: EOS (unless ignore_eos),
 `stop_token_ids`, `stop` strings (the text is cut before the stop string unless
-include_stop_str_in_output), then `max_tokens` and `max_model_len` (finish_reason "length").
+include_stop_str_in_output; streamed snapshots hold back a tail that could start one), then
+`max_tokens` and `max_model_len` (finish_reason "length").
 
 The runner is duck-typed (`dispatch(plan)`, `fetch(handle) -> StepResult`, transfer counters), so the host loop is
 tested against a fake model whose tokens are computable by hand (tests/test_engine.py).
@@ -28,7 +29,7 @@ import time
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.detokenizer import IncrementalDetokenizer, find_stop
+from jaxserve.detokenizer import IncrementalDetokenizer, find_stop, held_back
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.page_allocator import pages_for
 from jaxserve.request import Request, RequestStatus
@@ -341,7 +342,10 @@ class LLMEngine:
         outs = [
             CompletionOutput(
                 index=c.index,
-                text=c.text,
+                # A snapshot of a running request holds back a possible stop-string start.
+                text=c.text
+                if c.status.finished or not c.sampling_params.stop
+                else c.text[: len(c.text) - held_back(c.text, c.sampling_params.stop)],
                 token_ids=list(c.output_token_ids),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,

@@ -12,6 +12,7 @@ import pytest
 from fake_runner import FakeRunner, default_rule, fake_logprob, reference
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.detokenizer import held_back
 from jaxserve.engine import LLMEngine, derive_seed
 from jaxserve.sampling_params import SamplingParams
 
@@ -273,3 +274,21 @@ def test_streamed_request_reports_every_step():
     assert [s.finished for s in snaps] == [False] * 4 + [True]
     m = snaps[-1].metrics
     assert m.ttft >= 0 and m.tpot >= 0 and m.finished_time >= m.first_token_time
+
+
+def test_streamed_snapshots_hold_back_a_possible_stop_string():
+    """While streaming, a tail that could start a stop string is not shown yet: shown text is never
+    retracted, and a false start is released once it cannot match any more."""
+    rule = lambda seq, seed: (seq[-1] + 1) % 26 + 26  # letters e, f, g, h, i, ...
+    engine, _ = make_engine(rule=rule, tokenizer=LetterTokenizer())
+    engine.add_request("a", None, [26 + 3], greedy(max_tokens=20, stop=["gh"]), stream=True)
+    engine.add_request("b", None, [26 + 3], greedy(max_tokens=5, stop=["gx", "fgz"]), stream=True)
+    texts = {"a": [], "b": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts[out.request_id].append(out.outputs[0].text)
+    assert texts["a"] == ["e", "ef", "ef", "ef"]  # 'g' held back, then the stop cut the text
+    assert texts["b"] == ["e", "e", "e", "efgh", "efghi"]  # 'f', 'fg' held; released at 'h'
+    for t in texts.values():
+        assert all(t[i + 1].startswith(t[i]) for i in range(len(t) - 1))
+    assert held_back("abc", ("cd", "bcx")) == 2 and held_back("abc", ("zz",)) == 0
