@@ -13,11 +13,13 @@ JetStream's slot API over a paged cache:
 `dispatch(plan)` queues one engine step in that order: release / insert / page-table sync, then
 `generate` (the slots decoding before this step), then `prefill`; `fetch` then makes ONE
 device->host transfer of the new tokens (and log-probs when any request asked). JAX dispatch is
-asynchronous, so the engine can dispatch the next step before fetching this one. Every step function is jitted once per
-page-table width bucket W (a power of two of pages, capped at max_pages_per_seq) so the reference
-attention's cost follows the real lengths, and prefill once per row bucket (a power of two of
+asynchronous, so the engine can dispatch the next step before fetching this one. Step functions
+are jitted once per shape bucket so attention's cost follows the real lengths: `generate` per
+flat live-page bucket F (a power of two >= the decoding slots' pages) with the CPU's 'ragged'
+attention, or per page-table width bucket W (a power of two of pages, capped at
+max_pages_per_seq) with the others; `prefill` per width W and row bucket (a power of two of
 chunks, up to R = max_num_batched_tokens // prefill_chunk_size) so a step with one chunk does not
-pay for R; `warmup()` compiles every bucket, after which nothing recompiles. Params are an argument of every jitted function; the KV cache and slot state are donated.
+pay for R. `warmup()` compiles every bucket, after which nothing recompiles. Params are an argument of every jitted function; the KV cache and slot state are donated.
 """
 
 from __future__ import annotations
