@@ -144,6 +144,11 @@ def serve(kwargs: dict, workload_for, num_requests: int | None = None, **overrid
     (Path(_OUT_DIR.value) / raw).write_text(
         json.dumps({"summary": result.summary, "requests": result.requests, "steps": result.steps})
     )
+    del llm
+    # Drop this engine's compiled programs: a sweep builds ~50 per slot count, and after ~450 in
+    # one process XLA:CPU failed to map code memory ("LLVM compilation error: Cannot allocate
+    # memory", 15:55 UTC run of --slot_sweep=4,8,16,32,64).
+    jax.clear_caches()
     return s | {"steps": result.steps, "max_seq_len": workload.max_seq_len}
 
 

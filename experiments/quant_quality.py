@@ -89,8 +89,13 @@ def main() -> None:
     ap.add_argument("--group_sizes", default="128,32", help="comma-separated INT4 group sizes")
     ap.add_argument(
         "--methods",
-        default="rtn,rtn-asym,awq,gptq,int8,fp8",
-        help="comma-separated subset of rtn,rtn-asym,awq,gptq,gptq-act,awq-gptq,int8,fp8",
+        default="rtn,rtn-asym,awq,gptq,gptq-plain,int8,fp8",
+        help="comma-separated subset of rtn,rtn-asym,awq,awq-duo,gptq,gptq-act,gptq-seq,gptq-plain,"
+        "int8,fp8 (gptq: the default recipe, GPTQ on AWQ scales with damp gptq.DEFAULT_DAMP, on "
+        "float-model statistics; gptq-seq: the same recipe layer by layer on the quantized "
+        "prefix's activations, as quantize_params and convert run it; "
+        "gptq-plain: GPTQ without AWQ scales at damp 0.1, the first recipe; awq-duo: AWQ with "
+        "the duo scale search)",
     )
     ap.add_argument("--out", default="experiments/out/quant_quality", help="output directory")
     ap.add_argument(
@@ -168,9 +173,11 @@ def main() -> None:
             t = time.perf_counter()
             if meth in ("rtn", "rtn-asym"):
                 q = rtn_params(p32, cfg, g, symmetric=meth == "rtn")
-            elif meth == "awq":
-                q = awq.quantize_awq(p32, cfg, g, get_stats(), allow_smaller_groups=True)
-            elif meth in ("gptq", "gptq-act", "awq-gptq"):
+            elif meth in ("awq", "awq-duo"):
+                q = awq.quantize_awq(
+                    p32, cfg, g, get_stats(), allow_smaller_groups=True, duo=meth == "awq-duo"
+                )
+            elif meth in ("gptq", "gptq-act"):
                 q = gptq.quantize_gptq(
                     p32,
                     cfg,
@@ -178,7 +185,12 @@ def main() -> None:
                     get_stats(),
                     act_order=meth == "gptq-act",
                     allow_smaller_groups=True,
-                    awq_scales=meth == "awq-gptq",
+                )
+            elif meth == "gptq-seq":  # what quantize_params / convert run given tokens
+                q = gptq.quantize_gptq(p32, cfg, g, calib, allow_smaller_groups=True)
+            elif meth == "gptq-plain":
+                q = gptq.quantize_gptq(
+                    p32, cfg, g, get_stats(), damp=0.1, allow_smaller_groups=True, awq_scales=False
                 )
             else:
                 continue

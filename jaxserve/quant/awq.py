@@ -12,7 +12,9 @@ Per decoder layer, for each group of linears sharing one input (the "attn" q/k/v
   1. scale search: s = a^alpha / sqrt(max * min) with a = mean|x| per input channel, alpha on a grid
      in [0, 1); quantize diag(s) W group-wise (asymmetric, f16 scales/mins) and keep the alpha whose
      diag(1/s) Q(diag(s) W) - W has the least output error (alpha = 0 is plain RTN, so AWQ never
-     loses to RTN on the calibration objective).
+     loses to RTN on the calibration objective). With duo (off by default) the search also tries
+     s = a^alpha / m^(1 - alpha), m = `weight_magnitude` (AutoAWQ's duo scaling), for q/k/v,
+     gate/up and w_down (wo's scales must stay tied per KV head, so it keeps a^alpha).
   2. fold 1/s into the op that produces the input, so the float network is unchanged:
         attn: attn_norm /= s            mlp:  mlp_norm /= s
         o:    wv (and bv) columns /= s  (s tied across the q heads that share a KV head, since the
@@ -40,6 +42,7 @@ from jaxserve.quant import calibration, int4
 log = logging.getLogger(__name__)
 
 NO_CLIP = ("wq", "wk")  # clipping q/k hurts attention logits more than the linear error shows
+DUO = False  # default of `awq_fold`'s duo (see `search_scale`): measured worse on SmolLM2
 
 
 def quantize_range(wg: jax.Array, lo: jax.Array, hi: jax.Array):
@@ -61,51 +64,82 @@ def fake_quant(w: jax.Array, group_size: int) -> jax.Array:
     return (codes * scales[:, None, :] + mins[:, None, :]).reshape(k, n)
 
 
-def awq_scales(absmean: jax.Array, alpha) -> jax.Array:
-    """Per-input-channel scales s f32[K] = a^alpha, normalized so sqrt(max(s) * min(s)) = 1."""
+def awq_scales(absmean: jax.Array, alpha, wmag: jax.Array | None = None, beta=0.0) -> jax.Array:
+    """Per-input-channel scales s f32[K] = a^alpha / wmag^beta, normalized so
+    sqrt(max(s) * min(s)) = 1 (wmag None: a^alpha)."""
     s = jnp.maximum(absmean, 1e-8) ** alpha
+    if wmag is not None:
+        s = s / jnp.maximum(wmag, 1e-8) ** beta
     s = jnp.maximum(s, 1e-4)
     return s / jnp.sqrt(jnp.max(s) * jnp.min(s))
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "n_grid"))
-def search_scale(w, h, absmean, group_size: int, n_grid: int = 20):
-    """w f32[K, N], h f32[K, K], absmean f32[K] -> (best s f32[K], errors f32[n_grid] per alpha)."""
-    alphas = jnp.arange(n_grid, dtype=jnp.float32) / n_grid
+def weight_magnitude(w: jax.Array, group_size: int) -> jax.Array:
+    """w f32[K, N] -> f32[K]: mean over outputs of |w| relative to its group's max |w| (AutoAWQ's
+    "duo scaling" weight statistic)."""
+    k, n = w.shape
+    wg = jnp.abs(w).reshape(k // group_size, group_size, n)
+    rel = wg / jnp.maximum(wg.max(axis=1, keepdims=True), 1e-12)
+    return rel.reshape(k, n).mean(axis=1)
 
-    def err(alpha):
-        s = awq_scales(absmean, alpha)
+
+@functools.partial(jax.jit, static_argnames=("group_size", "n_grid", "duo"))
+def search_scale(w, h, absmean, group_size: int, n_grid: int = 20, duo: bool = False):
+    """w f32[K, N], h f32[K, K], absmean f32[K] -> (best s f32[K], errors f32[n_grid] per alpha).
+
+    duo: also try s = a^alpha / wmag^(1 - alpha) (`weight_magnitude`) for every alpha and keep the
+    best of both families; the returned errors are the a^alpha family's (errors[0] is RTN's).
+    """
+    alphas = jnp.arange(n_grid, dtype=jnp.float32) / n_grid
+    wmag = weight_magnitude(w, group_size)
+
+    def err(s):
         e = fake_quant(w * s[:, None], group_size) / s[:, None] - w  # (K, N)
         return jnp.sum(e * (h @ e))
 
-    errs = jax.lax.map(err, alphas)
-    return awq_scales(absmean, alphas[jnp.argmin(errs)]), errs
+    errs = jax.lax.map(lambda a: err(awq_scales(absmean, a)), alphas)
+    best = awq_scales(absmean, alphas[jnp.argmin(errs)])
+    if duo:
+        errs_duo = jax.lax.map(lambda a: err(awq_scales(absmean, a, wmag, 1.0 - a)), alphas)
+        a_duo = alphas[jnp.argmin(errs_duo)]
+        best = jnp.where(
+            jnp.min(errs_duo) < jnp.min(errs), awq_scales(absmean, a_duo, wmag, 1.0 - a_duo), best
+        )
+    return best, errs
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "clip", "n_grid"))
-def quantize_clipped(w, h, group_size: int, clip: bool = True, n_grid: int = 10):
-    """w f32[K, N], h f32[K, K] -> (codes u8[K, N], scales, mins f32[K/g, N]).
+def clip_range(w, h, group_size: int, clip: bool = True, n_grid: int = 10):
+    """w f32[K, N], h f32[K, K] -> the (lo, hi) f32[K/g, N] of each (group, column)'s grid.
 
     With clip, each (group, column) range is shrunk by the ratio in {1, 0.95, ..., 0.55} with the
-    least error e^T H_gg e on that group's block of H.
+    least error e^T H_gg e on that group's block of H; without, [min, max].
     """
     k, n = w.shape
     g = k // group_size
     wg = w.reshape(g, group_size, n)
     lo0, hi0 = wg.min(axis=1), wg.max(axis=1)  # (G, N)
-    if clip:
-        hb = h.reshape(g, group_size, g, group_size)[jnp.arange(g), :, jnp.arange(g), :]  # (G,g,g)
-        ratios = 1.0 - jnp.arange(n_grid, dtype=jnp.float32) * 0.05
+    if not clip:
+        return lo0, hi0
+    hb = h.reshape(g, group_size, g, group_size)[jnp.arange(g), :, jnp.arange(g), :]  # (G,g,g)
+    ratios = 1.0 - jnp.arange(n_grid, dtype=jnp.float32) * 0.05
 
-        def err(r):
-            codes, s, m = quantize_range(wg, r * lo0, r * hi0)
-            e = codes * s[:, None, :] + m[:, None, :] - wg  # (G, g, N)
-            return jnp.einsum("gab,gan,gbn->gn", hb, e, e)
+    def err(r):
+        codes, s, m = quantize_range(wg, r * lo0, r * hi0)
+        e = codes * s[:, None, :] + m[:, None, :] - wg  # (G, g, N)
+        return jnp.einsum("gab,gan,gbn->gn", hb, e, e)
 
-        errs = jax.lax.map(err, ratios)  # (R, G, N)
-        r = ratios[jnp.argmin(errs, axis=0)]  # (G, N)
-        lo0, hi0 = r * lo0, r * hi0
-    codes, scales, mins = quantize_range(wg, lo0, hi0)
+    errs = jax.lax.map(err, ratios)  # (R, G, N)
+    r = ratios[jnp.argmin(errs, axis=0)]  # (G, N)
+    return r * lo0, r * hi0
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "clip", "n_grid"))
+def quantize_clipped(w, h, group_size: int, clip: bool = True, n_grid: int = 10):
+    """w f32[K, N], h f32[K, K] -> (codes u8[K, N], scales, mins f32[K/g, N]) on `clip_range`'s grid."""
+    k, n = w.shape
+    lo, hi = clip_range(w, h, group_size, clip, n_grid)
+    codes, scales, mins = quantize_range(w.reshape(k // group_size, group_size, n), lo, hi)
     return codes.reshape(k, n), scales, mins
 
 
@@ -126,7 +160,7 @@ def layer_group_sizes(lp: dict, group_size: int, allow_smaller: bool = False) ->
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "group_size", "n_grid", "allow_smaller_groups")
+    jax.jit, static_argnames=("config", "group_size", "n_grid", "allow_smaller_groups", "duo")
 )
 def awq_fold(
     lp: dict,
@@ -136,6 +170,7 @@ def awq_fold(
     group_size: int,
     n_grid: int = 20,
     allow_smaller_groups: bool = False,
+    duo: bool = DUO,
 ) -> tuple[dict, dict]:
     """Steps 1-2: search each input's scales and fold them. -> (float lp computing the same
     function, with scaled linears; the H of each scaled input, H / (s s^T))."""
@@ -145,9 +180,10 @@ def awq_fold(
     gs = layer_group_sizes(lp, group_size, allow_smaller_groups)
     cat = lambda names: jnp.concatenate([lp[n] for n in names], axis=1)
 
-    s_attn, _ = search_scale(cat(("wq", "wk", "wv")), hs["attn"], am["attn"], gs["attn"], n_grid)
-    s_mlp, _ = search_scale(cat(("w_gate", "w_up")), hs["mlp"], am["mlp"], gs["mlp"], n_grid)
-    s_down, _ = search_scale(lp["w_down"], hs["down"], am["down"], gs["down"], n_grid)
+    w_attn, w_mlp = cat(("wq", "wk", "wv")), cat(("w_gate", "w_up"))
+    s_attn, _ = search_scale(w_attn, hs["attn"], am["attn"], gs["attn"], n_grid, duo)
+    s_mlp, _ = search_scale(w_mlp, hs["mlp"], am["mlp"], gs["mlp"], n_grid, duo)
+    s_down, _ = search_scale(lp["w_down"], hs["down"], am["down"], gs["down"], n_grid, duo)
     # o: search over the KV-tied statistic, then expand each KV channel to its G query heads.
     am_o = jnp.repeat(
         _tie_kv(am["o"], c).reshape(c.num_kv_heads, 1, c.head_dim), c.q_per_kv, axis=1
@@ -179,7 +215,14 @@ def awq_fold(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "group_size", "n_grid", "clip", "allow_smaller_groups"),
+    static_argnames=(
+        "config",
+        "group_size",
+        "n_grid",
+        "clip",
+        "allow_smaller_groups",
+        "duo",
+    ),
 )
 def awq_layer(
     lp: dict,
@@ -190,12 +233,15 @@ def awq_layer(
     n_grid: int = 20,
     clip: bool = True,
     allow_smaller_groups: bool = False,
+    duo: bool = DUO,
 ) -> dict:
     """One layer's f32 params -> AWQ-scaled, folded and INT4-packed params (see module docstring).
 
     hessian / absmean: a `calibration.LayerStats`'s fields. One compiled program per layer shape.
     """
-    lp, scaled_h = awq_fold(lp, hessian, absmean, config, group_size, n_grid, allow_smaller_groups)
+    lp, scaled_h = awq_fold(
+        lp, hessian, absmean, config, group_size, n_grid, allow_smaller_groups, duo
+    )
     gs = layer_group_sizes(lp, group_size, allow_smaller_groups)
     for src, names in calibration.LINEAR_INPUTS.items():
         for n in names:
@@ -214,6 +260,7 @@ def quantize_awq(
     n_grid: int = 20,
     clip: bool = True,
     allow_smaller_groups: bool = False,
+    duo: bool = DUO,
 ) -> dict:
     """AWQ over every layer. calib: calibration tokens int[N, T] or a list of LayerStats (one per
     layer, from `calibration.collect_stats`, reusable across group sizes).
@@ -233,7 +280,15 @@ def quantize_awq(
         lp = calibration.layer_slice(params, i)
         layers.append(
             awq_layer(
-                lp, st.hessian, st.absmean, config, group_size, n_grid, clip, allow_smaller_groups
+                lp,
+                st.hessian,
+                st.absmean,
+                config,
+                group_size,
+                n_grid,
+                clip,
+                allow_smaller_groups,
+                duo,
             )
         )
         log.info("awq: layer %d/%d", i + 1, config.num_layers)

@@ -92,3 +92,18 @@ def test_awq_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="group_size 128 does not divide the input dim 64"):
         calibration.group_size_for("layers/wq", 64, 128)
     assert calibration.group_size_for("layers/wq", 576, 128, allow_smaller=True) == 64
+
+
+def test_duo_scale_search_never_loses_to_the_activation_only_search():
+    w, h, am = _outlier_inputs(seed=3)
+    w[:, :4] *= 8.0  # a few large output columns: the weight statistic differs from the inputs'
+    w, h, am = jnp.asarray(w), jnp.asarray(h), jnp.asarray(am)
+    s1, errs = awq.search_scale(w, h, am, 32)
+    s2, errs2 = awq.search_scale(w, h, am, 32, duo=True)
+    np.testing.assert_allclose(np.asarray(errs2), np.asarray(errs))  # the a^alpha family's errors
+    e = lambda s: float(
+        jnp.sum((d := awq.fake_quant(w * s[:, None], 32) / s[:, None] - w) * (h @ d))
+    )
+    assert e(s2) <= e(s1) * (1 + 1e-6)
+    mag = awq.weight_magnitude(w, 32)
+    assert mag.shape == (256,) and float(mag.max()) <= 1.0

@@ -35,7 +35,9 @@ def _rtn_err(w, h, g):
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_beats_rtn_on_correlated_inputs(g, act_order):
     w, h = _correlated()
-    codes, scales, mins = gptq.gptq_matrix(w, h, g, act_order=act_order)
+    # damp 0.1: the algorithm's own compensation (the model recipe's larger DEFAULT_DAMP trades
+    # some of it for robustness, see gptq.py).
+    codes, scales, mins = gptq.gptq_matrix(w, h, g, act_order=act_order, damp=0.1)
     packed = int4.pack(codes, scales, mins, g)
     # The codes were computed against the stored (f16) grid: packing changes nothing.
     np.testing.assert_array_equal(np.asarray(int4.unpack(packed)[0]), codes)
@@ -112,3 +114,21 @@ def test_gptq_on_float_stats_with_awq_scales_keeps_the_network():
         lr = {k: _rtn(v, 32, False) if k.startswith("w") else v for k, v in lr.items()}
         xr, _ = calibration.layer_forward(calibration.float_view(lr), xr, c)
     assert float(jnp.mean((xq - x) ** 2)) < 0.8 * float(jnp.mean((xr - x) ** 2))
+
+
+def test_gptq_clip_search_lowers_the_error_of_heavy_tailed_weights():
+    w, h = _correlated(k=128, n=32, seed=2)
+    w = w * np.random.default_rng(3).standard_t(2, size=w.shape).astype(np.float32)  # outliers
+    plain = gptq.gptq_matrix(w, h, 32)
+    clipped = gptq.gptq_matrix(w, h, 32, clip=True)
+    errs = [_out_err(w, h, int4.pack(*r, 32).dequantize()) for r in (plain, clipped)]
+    assert errs[1] < errs[0], errs
+
+
+def test_gptq_clip_search_with_act_order_only_shrinks_the_static_groups():
+    w, h = _correlated(k=128, n=32, seed=2)
+    _, s_plain, m_plain = gptq.gptq_matrix(w, h, 32, act_order=True)
+    _, s_clip, m_clip = gptq.gptq_matrix(w, h, 32, act_order=True, clip=True)
+    # Ratios are <= 1 of the contiguous group's own [min, max]; some groups are shrunk.
+    assert np.all(s_clip <= s_plain * (1 + 2e-3)) and np.any(s_clip < s_plain * 0.99)
+    assert np.all(m_clip >= m_plain - 1e-3)
