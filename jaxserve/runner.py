@@ -469,9 +469,12 @@ class ModelRunner:
         self._flush()
         row = make_slot_row(SamplingParams(), [0], [], (), 0, self.config.max_model_len)
         self.state = _insert(self.state, np.int32(0), row, np.int32(0), np.int32(0))
-        for f in self.flat_buckets:
-            for w in [self.max_pages] if self.ragged else self.widths:
-                self.generate(w, f)
+        if self.ragged:  # every (width, num_flat) that `decode_shape` can return
+            decode_shapes = [(self.max_pages, f) for f in self.flat_buckets]
+        else:
+            decode_shapes = [(w, 0) for w in self.widths]
+        for width, num_flat in decode_shapes:
+            self.generate(width, num_flat)
         for w in self.widths:
             for r in self.row_buckets:
                 self.prefill(padding(r), w, False)

@@ -57,7 +57,6 @@ BLOCK = 128  # lazy-update block; a multiple of every supported group size
 # The same trend held with statistics of the evaluation text itself (GPTQ at 0.1: 32.70), so it
 # is not overfitting to the calibration text's domain.
 DEFAULT_DAMP = 1.0
-CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(10))  # as `awq.clip_range`
 
 
 def _stored(x: np.ndarray) -> np.ndarray:
@@ -67,25 +66,14 @@ def _stored(x: np.ndarray) -> np.ndarray:
 def _group_params(rows: np.ndarray, hb: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """rows f32[g, N] -> (scale, min) f32[N] of the asymmetric grid over [min, max] (f16-rounded).
 
-    With hb f32[g, g] (the group's diagonal block of H), each column's range is shrunk by the ratio
-    in CLIP_RATIOS with the least rounding error e^T hb e (AWQ's clip search, on the current rows).
+    With hb f32[g, g] (the group's diagonal block of H), the range is AWQ's clip search
+    (`awq.clip_range`: each column's [min, max] shrunk by the ratio with the least e^T hb e).
     """
-    lo, hi = rows.min(axis=0), rows.max(axis=0)
     if hb is None:
-        return _stored(np.where(hi > lo, (hi - lo) / 15.0, 1.0)), _stored(lo)
-    best = best_s = best_m = None
-    for r in CLIP_RATIOS:
-        m = _stored(r * lo)
-        s = _stored(np.where(hi > lo, r * (hi - lo) / 15.0, 1.0))
-        e = np.clip(np.round((rows - m) / s), 0, 15) * s + m - rows  # (g, N)
-        err = np.einsum("an,an->n", e, hb @ e)
-        if best is None:
-            best, best_s, best_m = err, s, m
-        else:
-            take = err < best
-            best = np.where(take, err, best)
-            best_s, best_m = np.where(take, s, best_s), np.where(take, m, best_m)
-    return best_s, best_m
+        lo, hi = rows.min(axis=0), rows.max(axis=0)
+    else:
+        lo, hi = map(np.asarray, awq.clip_range(rows, hb.astype(np.float32), rows.shape[0]))
+    return _stored(np.where(hi > lo, (hi - lo) / 15.0, 1.0)), _stored(lo)
 
 
 def gptq_matrix(
@@ -114,13 +102,14 @@ def gptq_matrix(
     W[dead] = 0.0
     n_groups = k // group_size
     H0 = H.copy() if clip else None  # natural order, undamped
-    hblock = (
-        lambda gi: (  # noqa: E731  the group's diagonal block of the undamped H, or None
-            H0[gi * group_size : (gi + 1) * group_size, gi * group_size : (gi + 1) * group_size]
-            if clip
-            else None
-        )
-    )
+
+    def hblock(gi: int) -> np.ndarray | None:
+        """Group gi's diagonal block of the undamped H (None without clip search)."""
+        if not clip:
+            return None
+        sl = slice(gi * group_size, (gi + 1) * group_size)
+        return H0[sl, sl]
+
     scales = np.zeros((n_groups, n), np.float32)
     mins = np.zeros((n_groups, n), np.float32)
     if act_order:
