@@ -44,6 +44,7 @@ from jaxserve.quant import (
     linear_weight_names,
     quantize_embedding_table,
     quantize_params,
+    refine,
     replace_weights,
     rtn,
 )
@@ -90,12 +91,22 @@ def main() -> None:
     ap.add_argument(
         "--methods",
         default="rtn,rtn-asym,awq,gptq,gptq-plain,int8,fp8",
-        help="comma-separated subset of rtn,rtn-asym,awq,awq-duo,gptq,gptq-act,gptq-seq,gptq-plain,"
-        "int8,fp8 (gptq: the default recipe, GPTQ on AWQ scales with damp gptq.DEFAULT_DAMP, on "
-        "float-model statistics; gptq-seq: the same recipe layer by layer on the quantized "
-        "prefix's activations, as quantize_params and convert run it; "
+        help="comma-separated subset of rtn,rtn-asym,awq,awq-duo,gptq,gptq-act,gptq-seq,"
+        "gptq-refine,gptq-refine-act,gptq-plain,int8,fp8 (gptq: the default recipe, GPTQ on AWQ "
+        "scales with damp gptq.DEFAULT_DAMP, on float-model statistics; gptq-seq: the same recipe "
+        "layer by layer on the quantized prefix's activations, as quantize_params and convert run "
+        "it; gptq-refine(-act): gptq-seq (with act-order) plus the block-wise optax refinement of "
+        "jaxserve.quant.refine; "
         "gptq-plain: GPTQ without AWQ scales at damp 0.1, the first recipe; awq-duo: AWQ with "
         "the duo scale search)",
+    )
+    ap.add_argument("--refine_steps", type=int, default=64, help="gptq-refine: Adam steps/layer")
+    ap.add_argument("--refine_lr", type=float, default=3e-3, help="gptq-refine: Adam lr")
+    ap.add_argument(
+        "--refine_per_token",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="gptq-refine: per-token relative output error (else plain MSE)",
     )
     ap.add_argument("--out", default="experiments/out/quant_quality", help="output directory")
     ap.add_argument(
@@ -188,6 +199,19 @@ def main() -> None:
                 )
             elif meth == "gptq-seq":  # what quantize_params / convert run given tokens
                 q = gptq.quantize_gptq(p32, cfg, g, calib, allow_smaller_groups=True)
+            elif meth in ("gptq-refine", "gptq-refine-act"):  # gptq-seq + optax refinement
+                rc = refine.RefineConfig(
+                    steps=args.refine_steps, lr=args.refine_lr, per_token=args.refine_per_token
+                )
+                q = gptq.quantize_gptq(
+                    p32,
+                    cfg,
+                    g,
+                    calib,
+                    act_order=meth == "gptq-refine-act",
+                    allow_smaller_groups=True,
+                    refine_config=rc,
+                )
             elif meth == "gptq-plain":
                 q = gptq.quantize_gptq(
                     p32, cfg, g, get_stats(), damp=0.1, allow_smaller_groups=True, awq_scales=False

@@ -53,6 +53,13 @@ def define_flags() -> None:
         "calib_seqlen", 512, "Length of each calibration window (tokens).", lower_bound=2
     )
     flags.DEFINE_bool("act_order", False, "int4-gptq: quantize inputs by decreasing activity.")
+    flags.DEFINE_integer(
+        "refine_steps",
+        0,
+        "int4-gptq: Adam steps per layer of the block-wise refinement of the group scales/mins "
+        "and norms towards the float layer's output (jaxserve.quant.refine); 0 = off.",
+        lower_bound=0,
+    )
 
 
 def _cast_float_leaves(params: dict, dtype) -> dict:
@@ -76,6 +83,7 @@ def convert(
     calib_tokens: int = 16384,
     calib_seqlen: int = 512,
     act_order: bool = False,
+    refine_steps: int = 0,
 ):
     """Loads, quantizes (method None: keeps float weights) and saves; returns the output path."""
     from jaxserve.checkpoint import save_checkpoint
@@ -105,15 +113,20 @@ def convert(
                 "windows": int(calib.shape[0]),
                 "seqlen": int(calib.shape[1]),
             }
-        if method == "int4-gptq" and act_order:
-            from jaxserve.quant import gptq
+        if refine_steps and method != "int4-gptq":
+            raise ValueError(f"--refine_steps applies to int4-gptq only, not {method}")
+        options = {}
+        if method == "int4-gptq":
+            from jaxserve.quant import refine
 
-            recipe["act_order"] = True
-            params = gptq.quantize_gptq(params, loaded.config, group_size, calib, act_order=True)
-        elif method not in REGISTRY:
+            recipe.update(act_order=act_order, refine_steps=refine_steps)
+            rc = refine.RefineConfig(steps=refine_steps) if refine_steps else None
+            options = dict(act_order=act_order, refine_config=rc)
+        elif act_order:
+            raise ValueError(f"--act_order applies to int4-gptq only, not {method}")
+        if method not in REGISTRY:
             raise ValueError(f"quantization method {method!r} is not registered in jaxserve.quant")
-        else:
-            params = quantize_params(params, loaded.config, method, group_size, calib)
+        params = quantize_params(params, loaded.config, method, group_size, calib, **options)
     params = _cast_float_leaves(params, jnp.dtype(dtype))
     return save_checkpoint(output, loaded.config, params, loaded.tokenizer, recipe)
 
@@ -135,6 +148,7 @@ def main(argv: list[str]) -> int:
             calib_tokens=FLAGS.calib_tokens,
             calib_seqlen=FLAGS.calib_seqlen,
             act_order=FLAGS.act_order,
+            refine_steps=FLAGS.refine_steps,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -112,10 +112,12 @@ def _awq(params, config, group_size, calib):
     return awq.quantize_awq(params, config, group_size, calib)
 
 
-def _gptq(params, config, group_size, calib):
+def _gptq(params, config, group_size, calib, act_order=False, refine_config=None):
     from jaxserve.quant import gptq  # lazy: gptq imports this package
 
-    return gptq.quantize_gptq(params, config, group_size, calib)
+    return gptq.quantize_gptq(
+        params, config, group_size, calib, act_order=act_order, refine_config=refine_config
+    )
 
 
 METHODS["int4-awq"] = _awq
@@ -200,6 +202,7 @@ def quantize_params(
     calib=None,
     quantize_embedding: bool = True,
     embedding_method: str | None = None,
+    **method_options,
 ) -> dict:
     """Quantizes the linear weights of a float params pytree (see the module docstring).
 
@@ -212,6 +215,8 @@ def quantize_params(
       table, else `method`'s own). E.g.
       "int8" keeps a tied table's logits near float while the layers are INT4 (SmolLM2, GPL-3
       text: INT4-g64 layers ppl 33.1 with a float or INT8 table, 37.0 with an INT4-g64 table).
+    method_options: passed to the method (int4-gptq: `act_order`, `refine_config`); a method that
+      takes none, given some, raises TypeError.
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; known: {sorted(METHODS)}")
@@ -224,7 +229,7 @@ def quantize_params(
     embedding_method = embedding_method or ("int8" if config.tie_word_embeddings else method)
     if quantize_embedding:
         check_embedding(params, embedding_method, None)  # before the (possibly long) method runs
-    out = METHODS[method](params, config, group_size, calib)
+    out = METHODS[method](params, config, group_size, calib, **method_options)
     if not quantize_embedding:
         return out
     return quantize_embedding_table(out, embedding_method, group_size)

@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.quant import awq, calibration
+from jaxserve.quant import awq, calibration, refine
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,7 @@ def quantize_gptq(
     allow_smaller_groups: bool = False,
     awq_scales: bool = True,
     clip: bool = False,
+    refine_config: refine.RefineConfig | None = None,
 ) -> dict:
     """GPTQ over every layer. calib: calibration tokens int[N, T] (layers quantized sequentially,
     each on the outputs of the quantized layers before it), or a list of LayerStats from
@@ -197,7 +198,9 @@ def quantize_gptq(
     awq_scales (default): first apply AWQ's activation-aware scales (`awq.awq_fold`), then run GPTQ
     on the scaled weights with the scaled inputs' H (the default recipe: on SmolLM2 g128/64 this
     beats both AWQ and GPTQ alone; see DEFAULT_DAMP). clip: `gptq_matrix`'s clip search (off: on
-    SmolLM2 it gained 0.07 perplexity for 4x the time). An untied lm_head gets asymmetric RTN.
+    SmolLM2 it gained 0.07 perplexity for 4x the time). refine_config (needs calibration tokens):
+    after each layer's GPTQ, tune its group scales/mins and norms towards the float layer's output
+    (`refine.sequential_refine`). An untied lm_head gets asymmetric RTN.
     """
 
     def quantize_layer(lp, stats, i):
@@ -213,13 +216,20 @@ def quantize_gptq(
             stats = calibration.LayerStats({k: np.asarray(v) for k, v in h.items()}, {}, 0)
         return gptq_layer(lp, stats, group_size, act_order, damp, allow_smaller_groups, clip)
 
-    if isinstance(calib, list | tuple) and len(calib) == config.num_layers:
+    is_tokens = isinstance(calib, np.ndarray | jax.Array) and np.ndim(calib) == 2
+    if refine_config is not None and refine_config.steps > 0:
+        if not is_tokens:
+            raise ValueError("GPTQ refinement needs calibration tokens int[N, T], not statistics")
+        params, _ = refine.sequential_refine(
+            params, config, np.asarray(calib), quantize_layer, refine_config
+        )
+    elif isinstance(calib, list | tuple) and len(calib) == config.num_layers:
         layers = []
         for i, st in enumerate(calib):
             layers.append(quantize_layer(calibration.layer_slice(params, i), st, i))
             log.info("gptq: layer %d/%d", i + 1, config.num_layers)
         params = calibration.restack(params, layers)
-    elif isinstance(calib, np.ndarray | jax.Array) and np.ndim(calib) == 2:
+    elif is_tokens:
         params = calibration.sequential_quantize(params, config, np.asarray(calib), quantize_layer)
     else:
         raise ValueError(
