@@ -5,6 +5,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
+from jaxserve.quant import calibration
 
 
 def tiny_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> dict:
@@ -19,3 +20,13 @@ def tiny_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> dict:
         return jnp.asarray(rng.normal(0.0, 0.02, size=shape).astype(np.float32), dtype)
 
     return {k: make(k, v) for k, v in llama.param_shapes(config).items()}
+
+
+def hidden_states(params: dict, embed: jnp.ndarray, config: ModelConfig) -> jnp.ndarray:
+    """Final hidden states of every layer of `params` (quantized weights dequantized) run over the
+    embedded calibration windows `embed` f32[N, T, D] (no final norm, no logits)."""
+    x = embed
+    for i in range(config.num_layers):
+        lp = calibration.float_view(calibration.layer_slice(params, i))
+        x, _ = calibration.layer_forward(lp, x, config)
+    return x

@@ -212,19 +212,27 @@ def sequential_quantize(
     tokens: np.ndarray,
     quantize_layer: Callable[[dict, LayerStats, int], dict],
     batch: int = 4,
+    refine: Callable[[dict, jax.Array, jax.Array, int], dict] | None = None,
 ) -> dict:
     """Quantizes layer by layer; each layer is calibrated on the output of the already-quantized
     layers before it (GPTQ's order). quantize_layer(lp f32 dict, stats, i) -> new lp.
 
+    refine(qlp, x_q, y_f, i) -> qlp, if given, runs after each layer's quantization with that
+    layer's quantized-prefix input x_q and the FLOAT model's output of the layer y_f [N, T, D]
+    (the float activations are propagated alongside; `refine.sequential_refine`).
+
     Returns params with "layers" restacked from the new per-layer params (float leaves cast back
     to the input params' dtype).
     """
-    x = _embed(params, tokens, config)
+    x = x_f = _embed(params, tokens, config)
     new_layers = []
     for i in range(config.num_layers):
         lp = layer_slice(params, i)
         _, st = _run_layer(lp, x, config, batch, True)
         qlp = quantize_layer(lp, st, i)
+        if refine is not None:
+            x_f, _ = _run_layer(lp, x_f, config, batch, False)
+            qlp = refine(qlp, x, x_f, i)
         x, _ = _run_layer(float_view(qlp), x, config, batch, False)
         new_layers.append(qlp)
         log.info("sequential quantization: layer %d/%d", i + 1, config.num_layers)

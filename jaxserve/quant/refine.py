@@ -195,18 +195,11 @@ def sequential_refine(
     """`calibration.sequential_quantize` plus `refine_layer` after each layer's quantization:
     layer i is quantized on the quantized prefix's outputs x_q and refined towards the float
     model's layer-i output y_f. -> (params, per-layer refinement info)."""
-    x_f = x_q = calibration._embed(params, tokens, config)
-    new_layers, infos = [], []
-    for i in range(config.num_layers):
-        lp = calibration.layer_slice(params, i)
-        y_f, _ = calibration._run_layer(lp, x_f, config, batch, False)
-        _, st = calibration._run_layer(lp, x_q, config, batch, True)
-        qlp = quantize_layer(lp, st, i)
+    infos = []
+
+    def refine(qlp, x_q, y_f, i):
         qlp, info = refine_layer(qlp, x_q, y_f, config, rc)
         infos.append(info)
-        x_q, _ = calibration._run_layer(calibration.float_view(qlp), x_q, config, batch, False)
-        x_f = y_f
-        new_layers.append(qlp)
         log.info(
             "refine: layer %d/%d loss %.3e -> %.3e%s",
             i + 1,
@@ -215,4 +208,7 @@ def sequential_refine(
             info["loss_after"],
             "" if info["kept"] else " (kept GPTQ's)",
         )
-    return calibration.restack(params, new_layers), infos
+        return qlp
+
+    out = calibration.sequential_quantize(params, config, tokens, quantize_layer, batch, refine)
+    return out, infos

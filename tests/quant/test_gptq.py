@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ptq_testing import tiny_params
+from ptq_testing import hidden_states, tiny_params
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
@@ -85,11 +85,7 @@ def test_quantize_gptq_tiny_model_beats_rtn_on_hidden_states():
         r_params["layers"][n] = _rtn(p["layers"][n], 32, False)
 
     def hidden(params):
-        x = p["embed"][calib]
-        for i in range(c.num_layers):
-            lp = calibration.float_view(calibration.layer_slice(params, i))
-            x, _ = calibration.layer_forward(lp, x, c)
-        return x
+        return hidden_states(params, p["embed"][calib], c)
 
     ref = hidden(p)
     e_gptq = float(jnp.mean((hidden(q) - ref) ** 2))

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ptq_testing import tiny_params
+from ptq_testing import hidden_states, tiny_params
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import llama
@@ -68,12 +68,7 @@ def test_quantize_gptq_with_refinement_beats_plain_gptq_on_hidden_states():
     llama.check_params(refined, c)
 
     def hidden(params):
-        x = p["embed"][calib]
-        for i in range(c.num_layers):
-            x, _ = calibration.layer_forward(
-                calibration.float_view(calibration.layer_slice(params, i)), x, c
-            )
-        return x
+        return hidden_states(params, p["embed"][calib], c)
 
     ref = hidden(p)
     e_plain = float(jnp.mean((hidden(plain) - ref) ** 2))
