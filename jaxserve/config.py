@@ -276,6 +276,7 @@ class EngineConfig:
     decode_steps: int = 1  # decode steps per host round trip
     batching: str = "continuous"  # or "static"
     async_scheduling: bool = True  # plan and dispatch step N+1 before reading step N's tokens
+    enable_prefix_caching: bool = False  # reuse cached full KV pages of identical token prefixes
 
     def __post_init__(self):
         def pos(field):
@@ -312,10 +313,9 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
             )
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(
-                f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}"
-            )
+        for f in ("async_scheduling", "enable_prefix_caching"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"EngineConfig.{f} must be a bool, got {getattr(self, f)!r}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(
                 f"EngineConfig.batching must be 'continuous' or 'static', got {self.batching!r}"

@@ -154,6 +154,8 @@ class LLMEngine:
         self._groups[request_id] = _Group(
             request_id, prompt, prompt_token_ids, children, now, stream, detoks
         )
+        for child in children[1:]:
+            child.leader = children[0]  # with prefix caching, they share its prompt pages
         for child in children:
             self.scheduler.add(child)
 
@@ -380,6 +382,7 @@ class LLMEngine:
             prompt_logprobs=list(first.prompt_logprobs)
             if first.sampling_params.prompt_logprobs is not None
             else None,
+            num_cached_tokens=sum(c.num_cached_tokens for c in children),
         )
 
     def _record_occupancy(self) -> None:
@@ -389,8 +392,11 @@ class LLMEngine:
         self._last_occupancy = occ
 
     def _record_kv_utilization(self) -> None:
-        used = self.scheduler.allocator.num_used_pages
+        alloc = self.scheduler.allocator
+        used = alloc.num_used_pages
+        # a page shared by k requests (always a full one) holds its tokens once, not k times
         live = sum(r.num_computed_tokens for r in self.scheduler.running)
+        live -= alloc.num_shared_refs * self.config.page_size
         util = live / (used * self.config.page_size) if used else None
         if util is not None:
             self._kv_util_sum += util
@@ -405,6 +411,7 @@ class LLMEngine:
             "num_generation_tokens": self.num_generation_tokens,
             "num_finished_requests": self.num_finished,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_cached_prefill_tokens": self.scheduler.num_cached_tokens,
             "mean_slot_occupancy": self._occupancy_sum / steps,
             "kv_page_utilization": (
                 self._kv_util_sum / self._kv_util_steps if self._kv_util_steps else 0.0

@@ -6,6 +6,9 @@
     for out in llm.stream("Once upon a time"): ...          # incremental snapshots
     for i, out in llm.iter_generate(prompts, params): ...   # (input index, output) as each finishes
 
+`LLM(..., enable_prefix_caching=True)` reuses the K/V pages of token prefixes already computed (a
+shared system prompt, the n samples of one prompt) instead of recomputing them (scheduler.py).
+
 A prompt is a str, {"prompt_token_ids": [...]} (works without a tokenizer) or {"prompt": str}.
 `sampling_params` is one SamplingParams (or dict) for all prompts or a list with one per prompt.
 A bad prompt or bad per-prompt parameters give that prompt an output with `error` set while the
@@ -51,6 +54,7 @@ class LLM:
         decode_steps: int = 1,
         batching: str = "continuous",
         async_scheduling: bool = True,
+        enable_prefix_caching: bool = False,
         warmup: bool = False,
     ):
         from jaxserve.loading import load_model  # lazy: loading pulls in transformers
@@ -94,6 +98,7 @@ class LLM:
             decode_steps=decode_steps,
             batching=batching,
             async_scheduling=async_scheduling,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.model_config = config
         self.engine_config = engine_config

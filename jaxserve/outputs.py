@@ -45,6 +45,8 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None  # set (and every finish_reason "error") when the request was rejected
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prefill tokens taken from the prefix cache (summed over the n children; their last admission)
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_error(

@@ -67,6 +67,12 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Prefix caching: uids of the keys of this sequence's first full pages (matched or registered,
+    # see page_allocator), prefill tokens taken from the cache at the last admission, and child 0
+    # of an n > 1 request (its siblings wait for its prompt pages instead of recomputing them).
+    block_uids: list[int] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0
+    leader: Request | None = dataclasses.field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -97,8 +103,11 @@ class Request:
         return self.status.value
 
     def begin_prefill(self) -> None:
-        """(Re)starts the prefill: everything but the last generated token is recomputed."""
+        """(Re)starts the prefill: everything but the last generated token is recomputed (the
+        scheduler may then take its first full pages from the prefix cache)."""
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_uids = []
         self.num_prefill_tokens = len(self.prompt_token_ids) + max(
             len(self.output_token_ids) - 1, 0
         )

@@ -15,6 +15,15 @@ calls `finish()` for the requests that stopped. Each plan:
      allow. With batching="static" a new batch is admitted only when every slot is empty, and
      then as many requests as there are slots.
 
+Prefix caching (EngineConfig.enable_prefix_caching): at admission a request takes the longest run of
+cached full pages its tokens begin with (`PageAllocator.lookup` / `share`; never the page holding its
+last prefill token, which must be computed to sample from) and prefills only the rest; every full
+page a prefill chunk completes is registered when the plan is made. A plan only reads pages
+registered by earlier plans, which the device runs first. With continuous batching the children of
+an n > 1 request wait at the head of the queue while child 0 prefills a prompt of a page or more,
+then share its pages.
+Requests that want prompt log-probs compute their whole prompt.
+
 Plans may run one step ahead of the host (EngineConfig.async_scheduling): `_commit` advances
 `num_computed_tokens` and `num_pending_tokens` when a plan is made, so the next plan is exact except
 that a request which stopped (EOS, stop string) in the step still in flight decodes one wasted
@@ -75,7 +84,8 @@ class Scheduler:
         self.page_size = config.page_size
         self.chunk = config.prefill_chunk_size
         self.max_prefill_rows = max(1, config.max_num_batched_tokens // config.prefill_chunk_size)
-        self.allocator = PageAllocator(num_pages)
+        self.caching = config.enable_prefix_caching
+        self.allocator = PageAllocator(num_pages, enable_caching=self.caching)
         self.watermark = max(1, num_pages // 100)  # free pages kept back at admission
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
@@ -83,6 +93,7 @@ class Scheduler:
         self._released: list[int] = []
         self._admit_counter = 0
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prefill tokens taken from the prefix cache
 
     # -- queue ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -103,6 +114,7 @@ class Scheduler:
     def _free_resources(self, request: Request) -> None:
         self.allocator.free(request.pages)
         request.pages = []
+        request.block_uids = []
         if request.slot is not None:
             self._released.append(request.slot)
             self.free_slots.append(request.slot)
@@ -139,14 +151,26 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.num_pending_tokens:
                     break  # preempted with tokens in flight: re-prefill once they are known
+                if self.caching and not static and _leader_prefilling(req, self.page_size):
+                    break  # its prompt pages are being computed: share them next step
                 req.begin_prefill()
-                first = pages_for(min(self.chunk, req.num_prefill_tokens), self.page_size)
+                hits = self._take_cached(req)
+                start = len(hits) * self.page_size
+                first = pages_for(
+                    start + min(self.chunk, req.num_prefill_tokens - start), self.page_size
+                ) - len(hits)
                 headroom = self.watermark if self.running else 0  # alone, a request always fits
                 if not static and not self.allocator.can_allocate(first + headroom):
+                    self.allocator.free(hits)  # back to the cache, still evictable
                     break
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 req.slot = self.free_slots.pop(0)
+                if hits:
+                    req.pages = hits
+                    req.num_computed_tokens = req.num_cached_tokens = start
+                    self.num_cached_tokens += start
+                    plan.page_updates[req.slot] = list(hits)
                 req.admitted_seq = self._admit_counter
                 self._admit_counter += 1
                 self.running.append(req)
@@ -175,6 +199,37 @@ class Scheduler:
             req.num_computed_tokens += chunk.length
             if chunk.is_last and not forced:
                 req.num_pending_tokens += 1
+            if self.caching:
+                self._register(req)
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def _key(self, req: Request, tokens: list[int], i: int) -> tuple:
+        parent = req.block_uids[i - 1] if i else 0
+        return parent, tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
+
+    def _take_cached(self, req: Request) -> list[int]:
+        """Shares the cached pages `req`'s prefill tokens begin with (fills req.block_uids)."""
+        if not self.caching or req.sampling_params.prompt_logprobs is not None:
+            return []
+        tokens = req.all_token_ids[: req.num_prefill_tokens]
+        pages = []
+        for i in range((req.num_prefill_tokens - 1) // self.page_size):
+            hit = self.allocator.lookup(self._key(req, tokens, i))
+            if hit is None:
+                break
+            self.allocator.share(hit[0])
+            pages.append(hit[0])
+            req.block_uids.append(hit[1])
+        return pages
+
+    def _register(self, req: Request) -> None:
+        """Registers the full pages of prefill tokens `req` has computed (as of this plan)."""
+        full = min(req.num_computed_tokens, req.num_prefill_tokens) // self.page_size
+        if len(req.block_uids) >= full:
+            return
+        tokens = req.all_token_ids
+        for i in range(len(req.block_uids), full):
+            req.block_uids.append(self.allocator.register(req.pages[i], self._key(req, tokens, i)))
 
     def _schedule_chunk(self, req: Request, plan: SchedulerOutput) -> bool:
         start = req.num_computed_tokens
@@ -222,3 +277,15 @@ class Scheduler:
         self.num_preemptions += 1
         plan.preempted.append(req)
         self.waiting.appendleft(req)
+
+
+def _leader_prefilling(req: Request, page_size: int) -> bool:
+    """`req` is a later child of an n > 1 request whose child 0 is still computing prompt pages."""
+    lead = req.leader
+    return (
+        lead is not None
+        and lead.status == RequestStatus.RUNNING
+        and not lead.prefill_done
+        and len(req.prompt_token_ids) > page_size
+        and req.sampling_params.prompt_logprobs is None
+    )

@@ -36,7 +36,7 @@ class FakeRunner:
         self.last = np.zeros(num_slots, np.int64)
         self.seq_len = np.zeros(num_slots, np.int64)
         self.max_total = np.zeros(num_slots, np.int64)
-        self.seed = np.zeros(num_slots, np.int64)
+        self.seed = np.zeros(num_slots, np.uint64)  # derived child seeds are 64-bit
         self.decode_steps, self.rows, self.chunk = decode_steps, rows, chunk
         self.num_h2d_transfers = 0
         self.num_d2h_transfers = 0
@@ -57,7 +57,7 @@ class FakeRunner:
     def _insert(self, req: Request) -> None:
         s = req.slot
         self.active[s] = False
-        self.seq_len[s] = 0
+        self.seq_len[s] = req.num_cached_tokens  # prefix-cache hits: its prefill starts there
         self.max_total[s] = req.max_total_len
         self.seed[s] = req.seed
 

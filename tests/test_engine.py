@@ -41,6 +41,7 @@ def make_engine(
     rule=default_rule,
     tokenizer=None,
     async_scheduling=True,
+    enable_prefix_caching=False,
 ):
     mc = dataclasses.replace(ModelConfig.preset("tiny"), vocab_size=VOCAB, eos_token_ids=(EOS,))
     ec = EngineConfig(
@@ -54,6 +55,7 @@ def make_engine(
         decode_steps=decode_steps,
         batching=batching,
         async_scheduling=async_scheduling,
+        enable_prefix_caching=enable_prefix_caching,
     )
     runner = FakeRunner(num_slots, num_pages, page_size, decode_steps, rule, rows, chunk)
     return LLMEngine(runner, mc, ec, num_pages, tokenizer=tokenizer, seed=0), runner
@@ -292,3 +294,65 @@ def test_streamed_snapshots_hold_back_a_possible_stop_string():
     for t in texts.values():
         assert all(t[i + 1].startswith(t[i]) for i in range(len(t) - 1))
     assert held_back("abc", ("cd", "bcx")) == 2 and held_back("abc", ("zz",)) == 0
+
+
+@pytest.mark.parametrize("async_sched", [True, False])
+@pytest.mark.parametrize("num_pages", [64, 14])  # 14: preemption under pressure
+def test_prefix_caching_reuses_pages_with_identical_tokens(async_sched, num_pages):
+    """Shared prefixes and n > 1 siblings read cached pages through their page tables: a wrong
+    page (freed, evicted and rewritten, or another prefix's) would change the fake model's tokens."""
+    rule = lambda seq, seed: (sum((i + 1) * t for i, t in enumerate(seq)) + seed) % VOCAB
+    system = [(5 * j) % 50 + 3 for j in range(13)]  # 3 full pages of 4 and one token
+    ps = [system + [10 + i, 20 + i, 30 + i] for i in range(5)] + [system[:9], system]
+    results = {}
+    for caching in (False, True):
+        engine, runner = make_engine(
+            num_slots=3,
+            num_pages=num_pages,
+            rule=rule,
+            async_scheduling=async_sched,
+            enable_prefix_caching=caching,
+        )
+        for i, p in enumerate(ps):
+            engine.add_request(str(i), None, p, greedy(max_tokens=9, ignore_eos=True))
+        engine.add_request(
+            "n", None, system, SamplingParams(n=3, seed=11, max_tokens=7, ignore_eos=True)
+        )
+        outs = run_all(engine)
+        for i, p in enumerate(ps):
+            assert outs[str(i)].outputs[0].token_ids == reference(p, 9, rule=rule), (caching, i)
+        for c in outs["n"].outputs:
+            want = reference(system, 7, seed=derive_seed(11, c.index), rule=rule)
+            assert c.token_ids == want, (caching, c.index)
+        assert engine.scheduler.allocator.num_free_pages == num_pages  # every page came back
+        results[caching] = engine.stats()
+        if caching and num_pages == 64:  # 0 and 1 were admitted together; the rest hit
+            assert outs["n"].num_cached_tokens == 3 * 12
+            assert [outs[str(i)].num_cached_tokens for i in range(7)] == [0, 0, 12, 12, 12, 8, 12]
+    cached = results[True]["num_cached_prefill_tokens"]
+    assert results[False]["num_cached_prefill_tokens"] == 0
+    assert cached >= 12 * 6  # every later request took >= 3 system pages (more with resumes)
+    total = results[False]["num_prefill_tokens"]
+    if num_pages == 64:  # no preemption: exactly the cached tokens were not recomputed
+        assert results[True]["num_prefill_tokens"] == total - cached
+        assert results[True]["num_preemptions"] == 0
+    else:
+        assert results[True]["num_preemptions"] > 0
+
+
+def test_n_siblings_share_child_zeros_prompt_pages():
+    rule = lambda seq, seed: (sum((i + 1) * t for i, t in enumerate(seq)) + seed) % VOCAB
+    prompt = list(range(3, 21))  # 18 tokens: 4 full pages of 4, the last page is computed
+    engine, runner = make_engine(num_slots=4, rule=rule, enable_prefix_caching=True)
+    engine.add_request(
+        "n", None, prompt, SamplingParams(n=4, seed=11, max_tokens=5, ignore_eos=True)
+    )
+    out = run_all(engine)["n"]
+    for c in out.outputs:
+        assert c.token_ids == reference(prompt, 5, seed=derive_seed(11, c.index), rule=rule)
+    assert out.num_cached_tokens == 3 * 16
+    assert engine.stats()["num_prefill_tokens"] == 18 + 3 * 2
+    # child 0 prefilled alone; its siblings were admitted once its pages were planned (2 chunk
+    # rows per step: two, then one)
+    inserted = [len(p["inserted"]) for p in runner.log if p["inserted"]]
+    assert inserted == [1, 2, 1]

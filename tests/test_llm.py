@@ -203,6 +203,7 @@ def test_static_batching_same_tokens_more_steps(llm):
         (dict(batching="dynamic"), "batching"),
         (dict(dtype="float16"), "dtype"),
         (dict(attention_impl="flash"), "attention_impl"),
+        (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
     ],
 )
 def test_bad_arguments_raise(kw, word):
@@ -228,3 +229,22 @@ def test_pallas_interpret_attention_gives_reference_tokens(llm):
     want = tokens(llm.generate(ps, sp, use_tqdm=False))
     pallas = make_llm(attention_impl="pallas_interpret", num_slots=4)
     assert tokens(pallas.generate(ps, sp, use_tqdm=False)) == want
+
+
+def test_prefix_caching_gives_the_same_tokens_with_less_prefill(llm):
+    rng = np.random.default_rng(7)
+    system = rng.integers(3, 128, 40).tolist()  # one full 32-token page is shareable
+    ps = [system + rng.integers(3, 128, int(k)).tolist() for k in rng.integers(1, 10, 12)]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    before = llm.stats()["num_prefill_tokens"]
+    want = llm.generate(ids(ps + [system]), [greedy] * len(ps) + [sampled], use_tqdm=False)
+    computed = llm.stats()["num_prefill_tokens"] - before
+    cached = make_llm(enable_prefix_caching=True)
+    outs = cached.generate(ids(ps + [system]), [greedy] * len(ps) + [sampled], use_tqdm=False)
+    assert tokens(outs[:-1]) == tokens(want[:-1])
+    assert [c.token_ids for c in outs[-1].outputs] == [c.token_ids for c in want[-1].outputs]
+    assert cached.stats()["num_cached_prefill_tokens"] == sum(o.num_cached_tokens for o in outs)
+    hits = sum(o.num_cached_tokens for o in outs)
+    assert hits >= 32 * 12  # all but the first admissions hit
+    assert cached.stats()["num_prefill_tokens"] == computed - hits

@@ -6,7 +6,9 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 
 
-def make(num_slots=2, num_pages=32, page_size=4, chunk=8, rows=2, batching="continuous"):
+def make(
+    num_slots=2, num_pages=32, page_size=4, chunk=8, rows=2, batching="continuous", caching=False
+):
     ec = EngineConfig(
         num_slots=num_slots,
         max_model_len=64,
@@ -14,12 +16,13 @@ def make(num_slots=2, num_pages=32, page_size=4, chunk=8, rows=2, batching="cont
         max_num_batched_tokens=rows * chunk,
         prefill_chunk_size=chunk,
         batching=batching,
+        enable_prefix_caching=caching,
     )
     return Scheduler(ec, num_pages)
 
 
-def req(rid, n_prompt, max_tokens=8):
-    sp = SamplingParams(max_tokens=max_tokens)
+def req(rid, n_prompt, max_tokens=8, **kw):
+    sp = SamplingParams(max_tokens=max_tokens, **kw)
     return Request(
         rid, rid, 0, list(range(3, 3 + n_prompt)), sp, 0, (2,), n_prompt + max_tokens, 0.0
     )
@@ -107,3 +110,27 @@ def test_static_batch_waits_for_all():
     plan = s.schedule()
     assert not plan.inserted  # a free slot, but the batch is still running
     assert plan.released == [first.slot if first.slot is not None else 0]
+
+
+def test_prefix_cache_hits_full_pages_but_never_the_last_prefill_token():
+    s = make(num_slots=4, page_size=4, chunk=16, rows=4, caching=True)
+    s.add(req("a", 12))
+    finish_prefill(s.schedule())  # a's 12 prompt tokens: pages 0-2 registered
+    s.add(req("b", 12))  # same 12 tokens: pages 0-1 shared, page 2 (last token) recomputed
+    s.add(req("c", 10))  # a 10-token prefix of them: pages 0-1 shared, 2 tokens computed
+    s.add(req("d", 12, prompt_logprobs=0))  # wants every prompt token's logits: no hits
+    plan = s.schedule()
+    a, b, c, d = s.running
+    assert [(ch.request.request_id, ch.start, ch.length) for ch in plan.prefill] == [
+        ("b", 8, 4),
+        ("c", 8, 2),
+        ("d", 0, 12),
+    ]
+    assert b.pages[:2] == a.pages[:2] == c.pages[:2] and b.pages[2] != a.pages[2]
+    assert not set(d.pages) & set(a.pages)
+    assert (b.num_cached_tokens, c.num_cached_tokens, d.num_cached_tokens) == (8, 8, 0)
+    assert plan.page_updates[b.slot] == b.pages and s.num_cached_tokens == 16
+    assert s.allocator.num_shared_refs == 4
+    for r in (a, b, c, d):
+        s.finish(r, RequestStatus.FINISHED_LENGTH)
+    assert s.allocator.num_free_pages == 32 and s.allocator.num_shared_refs == 0

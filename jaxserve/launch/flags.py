@@ -90,6 +90,12 @@ flags.DEFINE_integer(
     "Base random seed: dummy weights, and the seed requests without their own are derived from. "
     "Unset: the engine's default.",
 )
+flags.DEFINE_bool(
+    "enable_prefix_caching",
+    None,
+    "Reuse the cached KV pages of identical token prefixes (shared system prompts, the n samples "
+    f"of one prompt) instead of recomputing them. Unset: {_DEFAULTS.enable_prefix_caching}.",
+)
 
 ENGINE_CONFIG_FLAGS = (
     "num_slots",
@@ -100,6 +106,7 @@ ENGINE_CONFIG_FLAGS = (
     "dtype",
     "kv_cache_dtype",
     "attention_impl",
+    "enable_prefix_caching",
 )
 LLM_FLAGS = ("model", "load_format", "quantization", "seed") + ENGINE_CONFIG_FLAGS
 
