@@ -90,6 +90,12 @@ flags.DEFINE_integer(
     "Base random seed: dummy weights, and the seed requests without their own are derived from. "
     "Unset: the engine's default.",
 )
+flags.DEFINE_integer(
+    "decode_steps",
+    None,
+    "Decode steps per host round trip (lax.scan on the device; new requests are admitted between "
+    f"round trips). Unset: {_DEFAULTS.decode_steps}.",
+)
 flags.DEFINE_bool(
     "enable_prefix_caching",
     None,
@@ -106,6 +112,7 @@ ENGINE_CONFIG_FLAGS = (
     "dtype",
     "kv_cache_dtype",
     "attention_impl",
+    "decode_steps",
     "enable_prefix_caching",
 )
 LLM_FLAGS = ("model", "load_format", "quantization", "seed") + ENGINE_CONFIG_FLAGS
