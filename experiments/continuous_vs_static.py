@@ -8,8 +8,10 @@ Model: the shared engine flags (`--model`, `--dtype`, `--page_size`, ...). With 
 script writes (once) a small random Llama as a Hugging Face folder, experiments/out/bench-small-llama
 (vocab 8192, hidden 256, 4 layers, 4 heads / 2 KV heads of 64, max_position_embeddings 4096), so the
 `longtail` workload (sequences up to 1152 tokens) fits — the `tiny` preset stops at 512 positions.
-Every step has a fixed shape, so a step's cost does not depend on how many slots are busy; what
-batching changes is how many steps the workload needs, and that shows at any model size.
+Every step has one of a few fixed shapes: on the CPU a decode step computes the smallest row
+bucket (`--slot_buckets`, default 8/16/32) holding the busy slots, so a nearly empty static batch
+costs less than a full one; `--slot_buckets=32` gives every step the full width. What batching
+changes is how many steps the workload needs, and that shows at any model size.
 
 Measurements (all in one process, one after another, same workload, same engine flags; `--parts`
 picks a subset; `--workload` / `--num_requests` are bench's flags, default `longtail`):

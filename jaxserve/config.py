@@ -277,6 +277,11 @@ class EngineConfig:
     batching: str = "continuous"  # or "static"
     async_scheduling: bool = True  # plan and dispatch step N+1 before reading step N's tokens
     enable_prefix_caching: bool = False  # reuse cached full KV pages of identical token prefixes
+    # Decode row buckets: a decode step computes only the first B slots, B the smallest bucket
+    # holding every occupied slot (the scheduler packs requests into the lowest slots). "auto" =
+    # powers of two from 8 up to num_slots on CPU, where a step's matmuls cost in proportion to
+    # its rows; (num_slots,) elsewhere (a GPU decode step streams the weights whatever the rows).
+    slot_buckets: tuple[int, ...] | str = "auto"
 
     def __post_init__(self):
         def pos(field):
@@ -316,10 +321,34 @@ class EngineConfig:
         for f in ("async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"EngineConfig.{f} must be a bool, got {getattr(self, f)!r}")
+        if self.slot_buckets != "auto":
+            b = self.slot_buckets
+            if (
+                not isinstance(b, (tuple, list))
+                or not b
+                or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in b)
+                or list(b) != sorted(set(b))
+                or b[-1] != self.num_slots
+            ):
+                raise ValueError(
+                    "EngineConfig.slot_buckets must be 'auto' or increasing positive ints ending "
+                    f"at num_slots={self.num_slots}, got {b!r}"
+                )
+            object.__setattr__(self, "slot_buckets", tuple(b))
         if self.batching not in ("continuous", "static"):
             raise ValueError(
                 f"EngineConfig.batching must be 'continuous' or 'static', got {self.batching!r}"
             )
+
+    def resolved_slot_buckets(self, backend: str) -> tuple[int, ...]:
+        """The decode row buckets on `backend` ('cpu', 'gpu', ...): see `slot_buckets`."""
+        if self.slot_buckets != "auto":
+            return self.slot_buckets
+        if backend != "cpu":
+            return (self.num_slots,)
+        return tuple(b for b in (8, 16, 32, 64, 128, 256, 512) if b < self.num_slots) + (
+            self.num_slots,
+        )
 
     @property
     def max_pages_per_seq(self) -> int:

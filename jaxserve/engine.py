@@ -79,7 +79,7 @@ class LLMEngine:
         self.config = config
         self.num_pages = num_pages
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config, num_pages)
+        self.scheduler = Scheduler(config, num_pages, getattr(runner, "slot_buckets", None))
         self._rng = np.random.default_rng(seed)  # seeds of unseeded requests
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -412,6 +412,12 @@ class LLMEngine:
             "num_finished_requests": self.num_finished,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_cached_prefill_tokens": self.scheduler.num_cached_tokens,
+            "num_slot_moves": self.scheduler.num_slot_moves,
+            "mean_decode_rows": (
+                self.scheduler.decode_rows_sum / self.scheduler.num_decode_plans
+                if self.scheduler.num_decode_plans
+                else 0.0
+            ),
             "mean_slot_occupancy": self._occupancy_sum / steps,
             "kv_page_utilization": (
                 self._kv_util_sum / self._kv_util_steps if self._kv_util_steps else 0.0

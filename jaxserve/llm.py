@@ -55,6 +55,7 @@ class LLM:
         batching: str = "continuous",
         async_scheduling: bool = True,
         enable_prefix_caching: bool = False,
+        slot_buckets: tuple[int, ...] | str = "auto",
         warmup: bool = False,
     ):
         from jaxserve.loading import load_model  # lazy: loading pulls in transformers
@@ -99,6 +100,7 @@ class LLM:
             batching=batching,
             async_scheduling=async_scheduling,
             enable_prefix_caching=enable_prefix_caching,
+            slot_buckets=slot_buckets,
         )
         self.model_config = config
         self.engine_config = engine_config

@@ -9,17 +9,25 @@ JetStream's slot API over a paged cache:
                             (or installs the last generated one, after a preemption) and activates
                             its slot
     generate()              advances every active slot by `decode_steps` tokens (lax.scan)
+    move(moves)             copies slot rows to other slots (the scheduler packing requests down)
 
-`dispatch(plan)` queues one engine step in that order: release / insert / page-table sync, then
-`generate` (the slots decoding before this step), then `prefill`; `fetch` then makes ONE
-device->host transfer of the new tokens (and log-probs when any request asked). JAX dispatch is
-asynchronous, so the engine can dispatch the next step before fetching this one. Step functions
-are jitted once per shape bucket so attention's cost follows the real lengths: `generate` per
-flat live-page bucket F (a power of two >= the decoding slots' pages) with the CPU's 'ragged'
-attention, or per page-table width bucket W (a power of two of pages, capped at
-max_pages_per_seq) with the others; `prefill` per width W and row bucket (a power of two of
-chunks, up to R = max_num_batched_tokens // prefill_chunk_size) so a step with one chunk does not
-pay for R. `warmup()` compiles every bucket, after which nothing recompiles. Params are an argument of every jitted function; the KV cache and slot state are donated.
+`dispatch(plan)` queues one engine step in that order: release / move / insert / page-table
+sync, then `generate` (the slots decoding before this step), then `prefill`; `fetch` then makes
+ONE device->host transfer of the new tokens (and log-probs when any request asked). JAX dispatch
+is asynchronous, so the engine can dispatch the next step before fetching this one.
+
+Step functions are jitted once per shape bucket so their cost follows the real work:
+  generate  per flat live-page bucket F (a power of two >= the decoding slots' pages) with the
+            CPU's 'ragged' attention, or per page-table width bucket W (a power of two of pages,
+            capped at max_pages_per_seq) with the others; and per slot row bucket B
+            (`EngineConfig.slot_buckets`): it computes only slots [0, B), B the smallest bucket
+            above the highest decoding slot, so on the CPU the drain of a batch with 3 requests
+            left costs an 8-row step, not a 32-row one
+  prefill   per width W and row bucket (a power of two of chunks, up to
+            R = max_num_batched_tokens // prefill_chunk_size): a step with one chunk does not pay
+            for R
+`warmup()` compiles every bucket, after which nothing recompiles. Params are an argument of every
+jitted function; the KV cache and slot state are donated.
 """
 
 from __future__ import annotations
@@ -117,13 +125,23 @@ def _sync(state: SlotState, page_table, active) -> SlotState:
     return state.replace(page_table=page_table, active=active)
 
 
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _move(state: SlotState, src, dst) -> SlotState:
+    """Copies slot rows src[i] -> dst[i] (i32[S] each; dst = S marks padding, dropped)."""
+    s = state.last_token.shape[0]
+    return jax.tree.map(lambda a: a.at[dst].set(a[jnp.minimum(src, s - 1)], mode="drop"), state)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "width", "num_flat", "num_steps", "impl"),
+    static_argnames=("config", "width", "num_flat", "num_steps", "impl", "rows"),
     donate_argnames=("cache", "state"),
 )
-def _generate(params, cache, state, want_top, *, config, width, num_flat, num_steps, impl):
-    """JetStream `generate`: every active slot advances `num_steps` tokens.
+def _generate(params, cache, state, want_top, *, config, width, num_flat, num_steps, impl, rows):
+    """JetStream `generate`: every active slot among the first `rows` advances `num_steps` tokens.
+
+    rows: the step's row bucket (static); slots >= rows are left as they are (the scheduler keeps
+    every occupied slot below it), so the matmuls compute [rows, D], not [S, D].
 
     num_flat: the 'ragged' attention's live-page bucket (>= the decoding slots' pages; 0 for the
     other implementations, whose cost follows the page-table width instead).
@@ -131,19 +149,21 @@ def _generate(params, cache, state, want_top, *, config, width, num_flat, num_st
     want_top (bool[], traced: no second variant is compiled) turns the top-K log-prob search on
     for steps where some request asked for log-probs; otherwise those outputs are zeros.
 
-    Returns (cache, state, (tokens i32[k, S], valid bool[k, S], logprobs f32[k, S],
-    top_ids i32[k, S, K], top_logprobs f32[k, S, K])).
+    Returns (cache, state, (tokens i32[k, B], valid bool[k, B], logprobs f32[k, B],
+    top_ids i32[k, B, K], top_logprobs f32[k, B, K])), B = rows.
     """
-    s = state.last_token.shape[0]
+    full = state
+    if rows < state.last_token.shape[0]:
+        state = jax.tree.map(lambda a: a[:rows], state)
     ps = cache.page_size
-    pt = state.page_table[:, :width]  # (S, W)
-    rows = jnp.arange(s)
+    pt = state.page_table[:, :width]  # (B, W)
+    row_ids = jnp.arange(rows)
 
     def step(carry, _):
         cache, st = carry
-        alive = st.active & (st.seq_len + 2 <= st.max_total_len)  # (S,)
-        pos = st.seq_len  # (S,)
-        page = pt[rows, jnp.minimum(pos // ps, width - 1)]
+        alive = st.active & (st.seq_len + 2 <= st.max_total_len)  # (B,)
+        pos = st.seq_len  # (B,)
+        page = pt[row_ids, jnp.minimum(pos // ps, width - 1)]
         meta = AttentionMetadata(
             positions=pos[:, None],
             slot_mapping=jnp.where(alive, page * ps + pos % ps, -1)[:, None],
@@ -152,7 +172,7 @@ def _generate(params, cache, state, want_top, *, config, width, num_flat, num_st
             num_flat_pages=num_flat,
         )
         hidden, cache = llama.forward(params, st.last_token[:, None], meta, cache, config, impl)
-        logits = llama.compute_logits(params, hidden[:, 0], config)  # (S, V)
+        logits = llama.compute_logits(params, hidden[:, 0], config)  # (B, V)
         out = sampling.sample(logits, st.sampling, st.num_generated, MAX_LOGPROBS, want_top)
         tok = jnp.where(alive, out.tokens, st.last_token)
         inc = alive.astype(jnp.int32)
@@ -165,6 +185,8 @@ def _generate(params, cache, state, want_top, *, config, width, num_flat, num_st
         return (cache, st), (tok, alive, out.logprobs, out.top_ids, out.top_logprobs)
 
     (cache, state), outs = jax.lax.scan(step, (cache, state), None, length=num_steps)
+    if rows < full.last_token.shape[0]:
+        state = jax.tree.map(lambda f, b: f.at[:rows].set(b), full, state)
     return cache, state, outs
 
 
@@ -261,7 +283,7 @@ class ModelRunner:
         # 'ragged' decode: one width (the whole table), buckets of the decoding slots' total pages
         self.ragged = resolve_impl(engine_config.attention_impl) == "ragged"
         self.max_flat = min(num_pages, self.num_slots * self.max_pages)
-        self.flat_buckets = flat_buckets(self.max_flat) if self.ragged else [0]
+        self.slot_buckets = engine_config.resolved_slot_buckets(jax.default_backend())
         self._page_table = np.zeros((self.num_slots, self.max_pages), np.int32)  # host mirror
         self._active = np.zeros((self.num_slots,), bool)  # host mirror of state.active
         self._dirty = False
@@ -314,13 +336,29 @@ class ModelRunner:
             self.num_h2d_transfers += 1
             self._dirty = False
 
-    def decode_shape(self, decoding: list[Request]) -> tuple[int, int]:
-        """(width, num_flat) of the decode step over `decoding` (their pages cover its tokens)."""
-        if self.ragged:
-            return self.max_pages, flat_bucket(sum(len(r.pages) for r in decoding), self.max_flat)
-        return self.width_for(max(len(r.pages) for r in decoding)), 0
+    def max_flat_for(self, rows: int) -> int:
+        """The most live pages a decode step over `rows` slots can hold."""
+        return min(self.max_flat, rows * self.max_pages)
 
-    def generate(self, width: int, num_flat: int = 0, want_top: bool = False):
+    def decode_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (rows, width, num_flat) that `decode_shape` can return (what warm-up compiles)."""
+        if self.ragged:
+            return [
+                (b, self.max_pages, f)
+                for b in self.slot_buckets
+                for f in flat_buckets(self.max_flat_for(b))
+            ]
+        return [(b, w, 0) for b in self.slot_buckets for w in self.widths]
+
+    def decode_shape(self, decoding: list[Request], slots: list[int]) -> tuple[int, int, int]:
+        """(rows, width, num_flat) of the decode step over `decoding`, which sit in `slots`."""
+        rows = next(b for b in self.slot_buckets if b > max(slots))
+        if self.ragged:
+            total = sum(len(r.pages) for r in decoding)
+            return rows, self.max_pages, flat_bucket(total, self.max_flat_for(rows))
+        return rows, self.width_for(max(len(r.pages) for r in decoding)), 0
+
+    def generate(self, width: int, num_flat: int = 0, want_top: bool = False, rows: int = 0):
         self.cache, self.state, out = _generate(
             self.params,
             self.cache,
@@ -329,9 +367,27 @@ class ModelRunner:
             width=width,
             num_flat=num_flat,
             num_steps=self.config.decode_steps,
+            rows=rows or self.num_slots,
             **self._static(),
         )
         return out
+
+    def move(self, moves: list[tuple[int, int]]) -> None:
+        """Moves slot rows (a request changing slot, `Scheduler._compact`): one device copy."""
+        src = np.full((self.num_slots,), self.num_slots, np.int32)
+        dst = src.copy()
+        for i, (a, b) in enumerate(moves):
+            src[i], dst[i] = a, b
+        self.state = _move(self.state, src, dst)
+        self.num_h2d_transfers += 1
+        a, b = zip(*moves)
+        a, b = list(a), list(b)
+        self._page_table[b] = self._page_table[a]
+        active = self._active[a].copy()
+        self._page_table[a] = 0
+        self._active[a] = False
+        self._active[b] = active
+        self._dirty = True
 
     def prefill(
         self, batch: PrefillBatch, width: int, prompt_logprobs: bool, want_top: bool = False
@@ -357,6 +413,8 @@ class ModelRunner:
         """Queues the plan's device work (asynchronously) and returns the arrays to fetch."""
         for slot in plan.released:
             self.release(slot)
+        if plan.moves:
+            self.move(plan.moves)
         for req in plan.inserted:
             self.insert(req)
         for slot, pages in plan.page_updates.items():
@@ -366,8 +424,8 @@ class ModelRunner:
         fetch: dict[str, jax.Array] = {}
         if plan.decode:
             want_top = any(r.sampling_params.logprobs for r in plan.decode)
-            width, num_flat = self.decode_shape(plan.decode)
-            tok, valid, lp, top_ids, top_lp = self.generate(width, num_flat, want_top)
+            rows, width, num_flat = self.decode_shape(plan.decode, plan.decode_slots)
+            tok, valid, lp, top_ids, top_lp = self.generate(width, num_flat, want_top, rows)
             fetch.update(decode_tokens=tok, decode_valid=valid, decode_logprobs=lp)
             if want_top:
                 fetch.update(decode_top_ids=top_ids, decode_top_logprobs=top_lp)
@@ -469,12 +527,11 @@ class ModelRunner:
         self._flush()
         row = make_slot_row(SamplingParams(), [0], [], (), 0, self.config.max_model_len)
         self.state = _insert(self.state, np.int32(0), row, np.int32(0), np.int32(0))
-        if self.ragged:  # every (width, num_flat) that `decode_shape` can return
-            decode_shapes = [(self.max_pages, f) for f in self.flat_buckets]
-        else:
-            decode_shapes = [(w, 0) for w in self.widths]
-        for width, num_flat in decode_shapes:
-            self.generate(width, num_flat)
+        pad = np.full((s,), s, np.int32)
+        self.state = _move(self.state, pad, pad)  # compiles the slot move (all rows padding)
+        decode_shapes = self.decode_shapes()
+        for rows, width, num_flat in decode_shapes:
+            self.generate(width, num_flat, rows=rows)
         for w in self.widths:
             for r in self.row_buckets:
                 self.prefill(padding(r), w, False)
@@ -487,7 +544,7 @@ class ModelRunner:
         logger.info(
             "warm-up: %d decode buckets, %d widths x (%d prefill row buckets + prompt log-probs) "
             "in %.1f s",
-            len(self.flat_buckets) if self.ragged else len(self.widths),
+            len(decode_shapes),
             len(self.widths),
             len(self.row_buckets),
             dt,

@@ -3,6 +3,10 @@
 `schedule()` returns a `SchedulerOutput` (the plan of one engine step); the engine runs it and
 calls `finish()` for the requests that stopped. Each plan:
 
+  0. compact: with decode row buckets (EngineConfig.slot_buckets) the decode step computes only
+     the first B slots. Admission takes the lowest free slot; when retirements leave few enough
+     requests for a smaller bucket, those in slots >= B move to free slots below it
+     (`plan.moves`, applied by the runner before anything else of the plan but the releases).
   1. decode: every running request whose prefill is done generates `decode_steps` tokens (fewer
      near its length limit). Pages are allocated for them first. When the pool is empty the newest
      running request is preempted by recompute: its pages and slot are freed at once and it goes
@@ -63,6 +67,7 @@ class SchedulerOutput:
     released: list[int] = dataclasses.field(default_factory=list)  # slots freed since last plan
     preempted: list[Request] = dataclasses.field(default_factory=list)
     page_updates: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # slot -> pages
+    moves: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (from, to) slot
     num_decode_steps: int = 1
     # Fixed when the plan is made (requests move on before its results come back):
     decode_slots: list[int] = dataclasses.field(default_factory=list)  # slot of each decode[i]
@@ -78,9 +83,19 @@ class SchedulerOutput:
         return bool(self.decode or self.prefill)
 
 
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest of `buckets` (increasing) that is >= n."""
+    return next((b for b in buckets if b >= n), buckets[-1])
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_pages: int):
+    def __init__(
+        self, config: EngineConfig, num_pages: int, slot_buckets: tuple[int, ...] | None = None
+    ):
         self.config = config
+        # Decode row buckets (the runner's): requests are packed into the lowest slots so a decode
+        # step over the first B slots covers them all (`_compact`).
+        self.slot_buckets = slot_buckets or (config.num_slots,)
         self.page_size = config.page_size
         self.chunk = config.prefill_chunk_size
         self.max_prefill_rows = max(1, config.max_num_batched_tokens // config.prefill_chunk_size)
@@ -94,6 +109,9 @@ class Scheduler:
         self._admit_counter = 0
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prefill tokens taken from the prefix cache
+        self.num_slot_moves = 0
+        self.decode_rows_sum = 0  # row buckets of the decode steps planned, summed
+        self.num_decode_plans = 0
 
     # -- queue ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -124,6 +142,7 @@ class Scheduler:
     # -- planning ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = SchedulerOutput(num_decode_steps=self.config.decode_steps)
+        self._compact(plan)
         k = self.config.decode_steps
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or not req.prefill_done:
@@ -183,6 +202,23 @@ class Scheduler:
         self._commit(plan)
         return plan
 
+    def _compact(self, plan: SchedulerOutput) -> None:
+        """Moves requests out of slots >= B into free lower slots when that lets the decode steps
+        run over a smaller row bucket B (as requests retire, the survivors are scattered)."""
+        held = [r for r in self.running if r.slot is not None]
+        if not held:
+            return
+        target = bucket_for(len(held), self.slot_buckets)
+        if max(r.slot for r in held) < target:
+            return
+        for req in sorted((r for r in held if r.slot >= target), key=lambda r: r.slot):
+            dst = self.free_slots.pop(0)  # < target: at most target - #movers lower slots held
+            plan.moves.append((req.slot, dst))
+            self.num_slot_moves += 1
+            self.free_slots.append(req.slot)
+            req.slot = dst
+        self.free_slots.sort()
+
     def _commit(self, plan: SchedulerOutput) -> None:
         """Advances the planned requests as if the plan had run, so the next plan can be made
         while this one is still on the device (the tokens themselves arrive with its results)."""
@@ -192,6 +228,9 @@ class Scheduler:
             plan.decode_steps.append(steps)
             req.num_computed_tokens += steps
             req.num_pending_tokens += steps
+        if plan.decode:
+            self.decode_rows_sum += bucket_for(max(plan.decode_slots) + 1, self.slot_buckets)
+            self.num_decode_plans += 1
         for chunk in plan.prefill:
             req = chunk.request
             forced = chunk.is_last and req.forced_token is not None

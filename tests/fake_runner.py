@@ -27,9 +27,20 @@ def fake_logprob(token: int) -> float:
 
 class FakeRunner:
     def __init__(
-        self, num_slots, num_pages, page_size, decode_steps=1, rule=default_rule, rows=2, chunk=8
+        self,
+        num_slots,
+        num_pages,
+        page_size,
+        decode_steps=1,
+        rule=default_rule,
+        rows=2,
+        chunk=8,
+        slot_buckets=None,
     ):
         self.num_slots, self.page_size, self.rule = num_slots, page_size, rule
+        # Decode row buckets, as ModelRunner: a decode step advances only the slots below one.
+        self.slot_buckets = slot_buckets or (num_slots,)
+        self.decode_rows: list[int] = []  # the row bucket of every decode step
         self.kv = np.full((num_pages, page_size), -1, np.int64)
         self.page_table: dict[int, list[int]] = {}
         self.active = np.zeros(num_slots, bool)
@@ -79,6 +90,14 @@ class FakeRunner:
         )
         for s in plan.released:
             self.active[s] = False
+            self.page_table.pop(s, None)
+        for a, b in plan.moves:
+            assert not self.active[b] and b not in self.page_table, f"move {a}->{b}: {b} is held"
+            for arr in (self.active, self.last, self.seq_len, self.max_total, self.seed):
+                arr[b] = arr[a]
+            self.active[a] = False
+            if a in self.page_table:
+                self.page_table[b] = self.page_table.pop(a)
         for req in plan.inserted:
             self._insert(req)
         for s, pages in plan.page_updates.items():
@@ -90,10 +109,12 @@ class FakeRunner:
         k, n = plan.num_decode_steps, self.num_slots
         res = StepResult()
         if plan.decode:
+            n = next(b for b in self.slot_buckets if b > max(plan.decode_slots))
+            self.decode_rows.append(n)
             res.decode_tokens = np.zeros((n, k), np.int32)
             res.decode_valid = np.zeros((n, k), bool)
             res.decode_logprobs = np.zeros((n, k), np.float32)
-            for s in np.flatnonzero(self.active):
+            for s in np.flatnonzero(self.active[:n]):
                 for j in range(k):
                     if self.seq_len[s] + 2 > self.max_total[s]:
                         break

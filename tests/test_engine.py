@@ -42,6 +42,7 @@ def make_engine(
     tokenizer=None,
     async_scheduling=True,
     enable_prefix_caching=False,
+    slot_buckets=None,
 ):
     mc = dataclasses.replace(ModelConfig.preset("tiny"), vocab_size=VOCAB, eos_token_ids=(EOS,))
     ec = EngineConfig(
@@ -56,8 +57,11 @@ def make_engine(
         batching=batching,
         async_scheduling=async_scheduling,
         enable_prefix_caching=enable_prefix_caching,
+        slot_buckets=slot_buckets or "auto",
     )
-    runner = FakeRunner(num_slots, num_pages, page_size, decode_steps, rule, rows, chunk)
+    runner = FakeRunner(
+        num_slots, num_pages, page_size, decode_steps, rule, rows, chunk, slot_buckets
+    )
     return LLMEngine(runner, mc, ec, num_pages, tokenizer=tokenizer, seed=0), runner
 
 
@@ -149,6 +153,52 @@ def test_preemption_with_multistep_decode(async_sched):
     for i, p in enumerate(ps):
         assert outs[str(i)].outputs[0].token_ids == reference(p, 25 + i), i
     assert engine.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("async_sched", [True, False])
+@pytest.mark.parametrize("decode_steps,num_pages", [(1, 64), (2, 64), (1, 20)])
+def test_slot_buckets_pack_survivors_into_low_slots(async_sched, decode_steps, num_pages):
+    # 8 slots, row buckets (2, 4, 8): as requests retire the survivors are moved down so decode
+    # steps shrink to 4 and then 2 rows; at 20 pages requests are also preempted and resumed.
+    engine, runner = make_engine(
+        num_slots=8,
+        num_pages=num_pages,
+        page_size=4,
+        decode_steps=decode_steps,
+        async_scheduling=async_sched,
+        slot_buckets=(2, 4, 8),
+    )
+    ps = prompts(14, 3, 12)
+    lens = [3, 40, 5, 2, 30, 8, 1, 25, 6, 12, 4, 35, 9, 2]
+    for i, (p, n) in enumerate(zip(ps, lens)):
+        engine.add_request(str(i), None, p, greedy(max_tokens=n, ignore_eos=True))
+    outs = run_all(engine)
+    for i, (p, n) in enumerate(zip(ps, lens)):
+        assert outs[str(i)].outputs[0].token_ids == reference(p, n), i
+    moves = [m for plan in runner.plans for m in plan.moves]
+    assert moves and all(dst < src for src, dst in moves)
+    assert {2, 4, 8} <= set(runner.decode_rows)
+    if num_pages == 20:
+        assert engine.stats()["num_preemptions"] > 0
+    assert engine.scheduler.allocator.num_free_pages == num_pages
+    assert sorted(engine.scheduler.free_slots) == list(range(8))
+
+
+def test_compact_moves_only_when_the_bucket_shrinks():
+    engine, _ = make_engine(num_slots=8, slot_buckets=(2, 4, 8), async_scheduling=False)
+    sched = engine.scheduler
+    for i, p in enumerate(prompts(5, 3, 6)):
+        engine.add_request(str(i), None, p, greedy(max_tokens=50, ignore_eos=True))
+    while len(sched.running) < 5:
+        engine.step()
+    assert sorted(r.slot for r in sched.running) == [0, 1, 2, 3, 4]
+    engine.abort("0")
+    engine.abort("1")
+    plan = sched.schedule()  # 3 left (slots 2, 3, 4): bucket 4 holds them, 4 moves to 0
+    assert plan.moves == [(4, 0)]
+    assert sorted(r.slot for r in sched.running) == [0, 2, 3]
+    plan2 = sched.schedule()
+    assert plan2.moves == []  # already packed for bucket 4
 
 
 @pytest.mark.parametrize("async_sched", [True, False])

@@ -204,6 +204,9 @@ def test_static_batching_same_tokens_more_steps(llm):
         (dict(dtype="float16"), "dtype"),
         (dict(attention_impl="flash"), "attention_impl"),
         (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
+        (dict(slot_buckets=(8, 16)), "slot_buckets"),  # must end at num_slots (32)
+        (dict(slot_buckets=(16, 8, 32)), "slot_buckets"),
+        (dict(slot_buckets="none"), "slot_buckets"),
     ],
 )
 def test_bad_arguments_raise(kw, word):

@@ -65,8 +65,17 @@ def test_no_recompilation_after_warmup():
         outs = llm.generate(prompts, params, use_tqdm=False)
         outs += llm.generate(prompts[::-1], params, use_tqdm=False)
         list(llm.stream(prompts[1], params[1]))
+        # 24 requests of staggered lengths: decode row buckets 8 -> 32 -> 16 -> 8, slot moves
+        many = [{"prompt_token_ids": rng.integers(3, 128, 4 + i).tolist()} for i in range(24)]
+        sps = [
+            SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(24)
+        ]
+        outs += llm.generate(many, sps, use_tqdm=False)
     assert all(o.error is None for o in outs)
     assert counter.count == 0
+    assert llm.engine.runner.slot_buckets == (8, 16, 32)
+    st = llm.stats()
+    assert st["num_slot_moves"] > 0 and 8 < st["mean_decode_rows"] < 32
 
 
 def test_state_and_cache_are_donated():

@@ -3,7 +3,7 @@
 from jaxserve.config import EngineConfig
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
+from jaxserve.scheduler import Scheduler, bucket_for
 
 
 def make(
@@ -134,3 +134,12 @@ def test_prefix_cache_hits_full_pages_but_never_the_last_prefill_token():
     for r in (a, b, c, d):
         s.finish(r, RequestStatus.FINISHED_LENGTH)
     assert s.allocator.num_free_pages == 32 and s.allocator.num_shared_refs == 0
+
+
+def test_slot_buckets_auto_and_bucket_for():
+    assert EngineConfig(num_slots=32).resolved_slot_buckets("cpu") == (8, 16, 32)
+    assert EngineConfig(num_slots=20).resolved_slot_buckets("cpu") == (8, 16, 20)
+    assert EngineConfig(num_slots=4).resolved_slot_buckets("cpu") == (4,)
+    assert EngineConfig(num_slots=32).resolved_slot_buckets("gpu") == (32,)
+    assert EngineConfig(num_slots=6, slot_buckets=[2, 6]).resolved_slot_buckets("gpu") == (2, 6)
+    assert [bucket_for(n, (2, 4, 8)) for n in (0, 1, 2, 3, 5, 8)] == [2, 2, 2, 4, 8, 8]

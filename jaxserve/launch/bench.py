@@ -134,6 +134,8 @@ def run_benchmark(llm, workload: Workload, *, do_warmup: bool = True) -> BenchRe
     if do_warmup:
         summary |= warmup(llm, config.num_slots, workload.vocab_size)
     before = llm.stats()
+    sched = llm.engine.scheduler
+    rows_before, plans_before = sched.decode_rows_sum, sched.num_decode_plans
     n_timeline = len(llm.engine.timeline)
     prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in workload.requests]
     params = sampling_params_for(workload)
@@ -181,6 +183,9 @@ def run_benchmark(llm, workload: Workload, *, do_warmup: bool = True) -> BenchRe
         "num_h2d_transfers": after["num_h2d_transfers"] - before["num_h2d_transfers"],
         "num_d2h_transfers": after["num_d2h_transfers"] - before["num_d2h_transfers"],
         "num_kv_pages": after["num_kv_pages"],
+        "num_slot_moves": after["num_slot_moves"] - before["num_slot_moves"],
+        "mean_decode_rows": (sched.decode_rows_sum - rows_before)
+        / max(sched.num_decode_plans - plans_before, 1),
     } | step_summary(
         steps, config.num_slots, max((q["first_token_s"] for q in requests), default=0.0)
     )
@@ -241,6 +246,10 @@ def format_table(summary: dict) -> str:
         ("mean slot occupancy", summary.get("mean_slot_occupancy")),
         ("KV page utilization", summary.get("kv_page_utilization")),
         ("KV live share (steady)", summary.get("kv_live_token_share_steady")),
+        (
+            "mean decode rows (slot moves)",
+            _with_count(summary.get("mean_decode_rows"), summary.get("num_slot_moves")),
+        ),
         ("preemptions", summary["num_preemptions"]),
     ]
     width = max(len(k) for k, _ in rows)

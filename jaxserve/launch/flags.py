@@ -102,6 +102,13 @@ flags.DEFINE_bool(
     "Reuse the cached KV pages of identical token prefixes (shared system prompts, the n samples "
     f"of one prompt) instead of recomputing them. Unset: {_DEFAULTS.enable_prefix_caching}.",
 )
+flags.DEFINE_string(
+    "slot_buckets",
+    None,
+    "Decode row buckets: 'auto' (powers of two from 8 up to --num_slots on CPU, one bucket of "
+    "all slots on GPU) or comma-separated increasing sizes ending at --num_slots, e.g. 32 (every "
+    f"decode step computes all slots) or 8,16,32. Unset: {_DEFAULTS.slot_buckets}.",
+)
 
 ENGINE_CONFIG_FLAGS = (
     "num_slots",
@@ -114,6 +121,7 @@ ENGINE_CONFIG_FLAGS = (
     "attention_impl",
     "decode_steps",
     "enable_prefix_caching",
+    "slot_buckets",
 )
 LLM_FLAGS = ("model", "load_format", "quantization", "seed") + ENGINE_CONFIG_FLAGS
 
@@ -137,6 +145,13 @@ def _value(name: str, fv: flags.FlagValues) -> Any:
     value = fv[name].value
     if name == "kv_cache_memory" and value is not None:
         return parse_bytes(value)
+    if name == "slot_buckets" and value is not None and value != "auto":
+        try:
+            return tuple(int(x) for x in value.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--slot_buckets: expected 'auto' or comma-separated ints, got {value!r}"
+            ) from None
     return value
 
 

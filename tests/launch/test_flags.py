@@ -28,7 +28,7 @@ def test_set_flags_reach_the_engine():
     fv = parsed(
         "--model=tiny", "--load_format=dummy", "--dtype=float32", "--num_slots=3",
         "--max_model_len=128", "--page_size=8", "--kv_cache_memory=2GiB", "--kv_cache_dtype=int8",
-        "--attention_impl=reference", "--seed=5", "--quantization=int4",
+        "--attention_impl=reference", "--seed=5", "--quantization=int4", "--slot_buckets=1,3",
     )  # fmt: skip
     kw = engine_flags.llm_kwargs(fv)
     assert kw == {
@@ -43,9 +43,17 @@ def test_set_flags_reach_the_engine():
         "dtype": "float32",
         "kv_cache_dtype": "int8",
         "attention_impl": "reference",
+        "slot_buckets": (1, 3),
     }
     cfg = engine_flags.engine_config(fv)
     assert (cfg.num_slots, cfg.page_size, cfg.kv_cache_memory) == (3, 8, 2 * 2**30)
+    assert cfg.slot_buckets == (1, 3)
+    fv.unparse_flags()
+    with pytest.raises(ValueError, match="slot_buckets"):
+        engine_flags.engine_config(parsed("--num_slots=3", "--slot_buckets=2,x"))
+    fv.unparse_flags()
+    with pytest.raises(ValueError, match="slot_buckets"):
+        engine_flags.engine_config(parsed("--num_slots=3", "--slot_buckets=2,4"))
     fv.unparse_flags()
     with pytest.raises(flags.IllegalFlagValueError):
         parsed("--dtype=float64")
