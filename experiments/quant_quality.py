@@ -51,6 +51,16 @@ from jaxserve.quant import (
 
 log = logging.getLogger("quant_quality")
 EVAL_TEXT = "/usr/share/common-licenses/GPL-3"
+# Held-out text for the refinement's early stopping (--refine_holdout): Python source code, a kind
+# of text unlike both the calibration prose and the evaluation license.
+HOLDOUT_MODULES = ("argparse", "dataclasses", "textwrap", "json.decoder", "csv", "heapq", "shlex")
+
+
+def holdout_text() -> str:
+    import importlib
+    import inspect
+
+    return "\n\n".join(inspect.getsource(importlib.import_module(m)) for m in HOLDOUT_MODULES)
 
 
 def _get(params, name):
@@ -108,6 +118,13 @@ def main() -> None:
         default=False,
         help="gptq-refine: per-token relative output error (else plain MSE)",
     )
+    ap.add_argument(
+        "--refine_holdout",
+        type=int,
+        default=0,
+        help="gptq-refine: windows of held-out text (stdlib Python source) for early stopping",
+    )
+    ap.add_argument("--refine_eval_every", type=int, default=16, help="held-out check period")
     ap.add_argument("--out", default="experiments/out/quant_quality", help="output directory")
     ap.add_argument(
         "--stats_cache",
@@ -201,13 +218,22 @@ def main() -> None:
                 q = gptq.quantize_gptq(p32, cfg, g, calib, allow_smaller_groups=True)
             elif meth in ("gptq-refine", "gptq-refine-act"):  # gptq-seq + optax refinement
                 rc = refine.RefineConfig(
-                    steps=args.refine_steps, lr=args.refine_lr, per_token=args.refine_per_token
+                    steps=args.refine_steps,
+                    lr=args.refine_lr,
+                    per_token=args.refine_per_token,
+                    holdout=args.refine_holdout,
+                    eval_every=args.refine_eval_every,
                 )
+                tokens = calib
+                if args.refine_holdout:  # appended: the last windows are the held-out ones
+                    n = args.refine_holdout * args.calib_seqlen
+                    ho = calibration.calibration_tokens(tok, n, args.calib_seqlen, holdout_text())
+                    tokens = np.concatenate([calib, ho])
                 q = gptq.quantize_gptq(
                     p32,
                     cfg,
                     g,
-                    calib,
+                    tokens,
                     act_order=meth == "gptq-refine-act",
                     allow_smaller_groups=True,
                     refine_config=rc,

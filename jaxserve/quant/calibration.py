@@ -213,6 +213,7 @@ def sequential_quantize(
     quantize_layer: Callable[[dict, LayerStats, int], dict],
     batch: int = 4,
     refine: Callable[[dict, jax.Array, jax.Array, int], dict] | None = None,
+    holdout: int = 0,
 ) -> dict:
     """Quantizes layer by layer; each layer is calibrated on the output of the already-quantized
     layers before it (GPTQ's order). quantize_layer(lp f32 dict, stats, i) -> new lp.
@@ -221,14 +222,20 @@ def sequential_quantize(
     layer's quantized-prefix input x_q and the FLOAT model's output of the layer y_f [N, T, D]
     (the float activations are propagated alongside; `refine.sequential_refine`).
 
+    holdout: the last `holdout` windows of `tokens` are propagated (refine sees them) but left out
+    of the statistics quantize_layer gets (the refinement's held-out windows).
+
     Returns params with "layers" restacked from the new per-layer params (float leaves cast back
     to the input params' dtype).
     """
     x = x_f = _embed(params, tokens, config)
+    n_fit = tokens.shape[0] - holdout
+    if holdout < 0 or n_fit < 1:
+        raise ValueError(f"holdout={holdout} leaves no calibration window of {tokens.shape[0]}")
     new_layers = []
     for i in range(config.num_layers):
         lp = layer_slice(params, i)
-        _, st = _run_layer(lp, x, config, batch, True)
+        _, st = _run_layer(lp, x[:n_fit], config, batch, True)
         qlp = quantize_layer(lp, st, i)
         if refine is not None:
             x_f, _ = _run_layer(lp, x_f, config, batch, False)

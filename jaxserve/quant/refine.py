@@ -55,7 +55,11 @@ NORMS = ("attn_norm", "mlp_norm")
 @dataclasses.dataclass(frozen=True)
 class RefineConfig:
     """steps: Adam steps per layer (0 = no refinement); batch: calibration windows per step;
-    lr: Adam learning rate on the relative parameters a, b; norms: also tune the RMSNorm weights."""
+    lr: Adam learning rate on the relative parameters a, b; norms: also tune the RMSNorm weights.
+
+    holdout: the last `holdout` calibration windows are not trained on: every `eval_every` steps
+    the layer's loss on them is measured and the layer keeps the parameters of the step where it
+    was lowest (early stopping; step 0 = GPTQ's own values)."""
 
     steps: int = 64
     batch: int = 4
@@ -63,12 +67,21 @@ class RefineConfig:
     norms: bool = True
     per_token: bool = False
     seed: int = 0
+    holdout: int = 0
+    eval_every: int = 16
 
     def __post_init__(self):
-        if self.steps < 0 or self.batch < 1 or not self.lr > 0:
+        if (
+            self.steps < 0
+            or self.batch < 1
+            or not self.lr > 0
+            or self.holdout < 0
+            or self.eval_every < 1
+        ):
             raise ValueError(
-                f"refinement needs steps >= 0, batch >= 1, lr > 0; got steps={self.steps}, "
-                f"batch={self.batch}, lr={self.lr}"
+                f"refinement needs steps >= 0, batch >= 1, lr > 0, holdout >= 0, eval_every >= 1; "
+                f"got steps={self.steps}, batch={self.batch}, lr={self.lr}, "
+                f"holdout={self.holdout}, eval_every={self.eval_every}"
             )
 
 
@@ -144,13 +157,19 @@ def refine_layer(
 ) -> tuple[dict, dict]:
     """Tunes qlp's Int4Weight scales/mins (and norms) so layer(qlp; x) ~ y. x, y f32[N, T, D].
 
-    Returns (new qlp, {"loss_before", "loss_after", "kept"}); the new params are kept only if the
-    loss over all N windows went down.
+    Returns (new qlp, {"loss_before", "loss_after", "kept"} and, with rc.holdout,
+    {"holdout_before", "holdout_after", "best_step"}); the new params are kept only if the loss
+    over the training windows (with rc.holdout: over the held-out windows) went down.
     """
     group_sizes = tuple(
         sorted((k, v.group_size) for k, v in qlp.items() if isinstance(v, int4.Int4Weight))
     )
     theta, fixed = _split(qlp, rc.norms)
+    h = rc.holdout
+    if h >= x.shape[0]:
+        raise ValueError(f"holdout={h} leaves no training window of {x.shape[0]}")
+    x_ho, y_ho = x[x.shape[0] - h :], y[x.shape[0] - h :]
+    x, y = x[: x.shape[0] - h], y[: x.shape[0] - h]
     batch = min(rc.batch, x.shape[0])
     pt = rc.per_token
     before = _full_loss(theta, fixed, x, y, config, group_sizes, pt, batch)
@@ -160,16 +179,28 @@ def refine_layer(
     opt_state = opt.init(theta)
     rng = np.random.default_rng(rc.seed)
     order = np.empty(0, np.int64)
-    for _ in range(rc.steps):
+    info: dict = {}
+    if h:
+        ho_before = _full_loss(theta, fixed, x_ho, y_ho, config, group_sizes, pt, batch)
+        best = (ho_before, 0, jax.tree.map(jnp.copy, theta))
+    for step in range(1, rc.steps + 1):
         if len(order) < batch:
             order = np.concatenate([order, rng.permutation(x.shape[0])])
         idx, order = order[:batch], order[batch:]
         theta, opt_state, _ = _step(
             theta, opt_state, fixed, x[idx], y[idx], config, group_sizes, pt, opt
         )
+        if h and (step % rc.eval_every == 0 or step == rc.steps):
+            ho = _full_loss(theta, fixed, x_ho, y_ho, config, group_sizes, pt, batch)
+            if ho < best[0]:
+                best = (ho, step, jax.tree.map(jnp.copy, theta))
+    if h:
+        theta = best[2]
+        info = {"holdout_before": ho_before, "holdout_after": best[0], "best_step": best[1]}
     after = _full_loss(theta, fixed, x, y, config, group_sizes, pt, batch)
-    info = {"loss_before": before, "loss_after": after, "kept": after < before}
-    if not after < before:
+    kept = best[1] > 0 if h else after < before
+    info = {"loss_before": before, "loss_after": after, "kept": kept} | info
+    if not kept:
         return qlp, info
     _, grid = _params(theta, fixed, dict(group_sizes))
     out = dict(qlp)
@@ -203,14 +234,20 @@ def sequential_refine(
         qlp, info = refine_layer(qlp, x_q, y_f, config, rc)
         infos.append(info)
         log.info(
-            "refine: layer %d/%d loss %.3e -> %.3e%s",
+            "refine: layer %d/%d loss %.3e -> %.3e%s%s",
             i + 1,
             config.num_layers,
             info["loss_before"],
             info["loss_after"],
+            f"; held out {info['holdout_before']:.3e} -> {info['holdout_after']:.3e} at step "
+            f"{info['best_step']}"
+            if "best_step" in info
+            else "",
             "" if info["kept"] else " (kept GPTQ's)",
         )
         return qlp
 
-    out = calibration.sequential_quantize(params, config, tokens, quantize_layer, batch, refine)
+    out = calibration.sequential_quantize(
+        params, config, tokens, quantize_layer, batch, refine, holdout=rc.holdout
+    )
     return out, infos

@@ -76,11 +76,35 @@ def test_quantize_gptq_with_refinement_beats_plain_gptq_on_hidden_states():
     assert e_ref < 0.95 * e_plain, (e_ref, e_plain)
 
 
+def test_refine_holdout_keeps_the_best_held_out_step():
+    c, p, calib = _setup(0)
+    x = p["embed"][calib]
+    lp = calibration.layer_slice(p, 0)
+    y, _ = calibration.layer_forward(lp, x, c)
+    _, st = calibration._run_layer(lp, x[:6], c, 4, True)
+    qlp = gptq.gptq_layer(lp, st, 32)
+    rc = refine.RefineConfig(steps=24, batch=2, lr=3e-3, holdout=2, eval_every=8)
+    new, info = refine.refine_layer(qlp, x, y, c, rc)
+    assert info["kept"] and info["best_step"] in (8, 16, 24), info
+    assert info["holdout_after"] < info["holdout_before"]
+    # The returned params score the reported held-out loss (up to the f16 rounding of scales).
+    err = (calibration.layer_forward(calibration.float_view(new), x[6:], c)[0] - y[6:]) ** 2
+    assert float(jnp.mean(err) / jnp.mean(y[6:] ** 2)) == pytest.approx(
+        info["holdout_after"], rel=0.05
+    )
+    # Overshooting from the first step: step 0 (GPTQ's own params) stays best.
+    bad = refine.RefineConfig(steps=4, lr=10.0, holdout=2, eval_every=2)
+    same, info = refine.refine_layer(qlp, x, y, c, bad)
+    assert same is qlp and info["best_step"] == 0 and not info["kept"]
+
+
 def test_refine_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="steps >= 0"):
         refine.RefineConfig(steps=-1)
     with pytest.raises(ValueError, match="lr > 0"):
         refine.RefineConfig(lr=0.0)
+    with pytest.raises(ValueError, match="holdout >= 0"):
+        refine.RefineConfig(holdout=-1)
     c, p, calib = _setup()
     stats = calibration.collect_stats(p, c, calib)
     with pytest.raises(ValueError, match="refinement needs calibration tokens"):
