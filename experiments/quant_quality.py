@@ -93,6 +93,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model name or path (default: SmolLM2 GGUF)")
     ap.add_argument("--text", default=EVAL_TEXT, help="evaluation text file")
+    ap.add_argument(
+        "--extra_text",
+        default=None,
+        help="a second evaluation text file: every row is also scored on it (ppl_extra)",
+    )
     ap.add_argument("--max_tokens", type=int, default=4096, help="evaluation tokens (first N)")
     ap.add_argument("--window", type=int, default=512, help="perplexity window")
     ap.add_argument("--calib_tokens", type=int, default=16384, help="calibration tokens")
@@ -149,6 +154,11 @@ def main() -> None:
     cfg, p32, tok = m32.config, m32.params, m32.tokenizer
     ids = np.asarray(tok(Path(args.text).read_text(), add_special_tokens=False)["input_ids"])
     ids = ids[: args.max_tokens]
+    extra_ids = None
+    if args.extra_text:
+        extra_ids = np.asarray(
+            tok(Path(args.extra_text).read_text(), add_special_tokens=False)["input_ids"]
+        )[: args.max_tokens]
     calib = calibration.calibration_tokens(tok, args.calib_tokens, args.calib_seqlen)
     log.info(
         "loaded in %.0f s; eval %d tokens, calib %s",
@@ -176,12 +186,14 @@ def main() -> None:
     def record(name, group, params, qtime):
         t = time.perf_counter()
         r = perplexity(params, cfg, ids, window=args.window)
+        extra = perplexity(params, cfg, extra_ids, window=args.window) if args.extra_text else {}
         got, want = linear_bytes(params, cfg)
         rows.append(
             dict(
                 method=name,
                 group=group,
                 ppl=r["ppl"],
+                ppl_extra=extra.get("ppl"),
                 tokens=r["tokens"],
                 window=r["window"],
                 linear_bytes_vs_bf16=got / want,
@@ -189,7 +201,14 @@ def main() -> None:
                 eval_s=time.perf_counter() - t,
             )
         )
-        log.info("%s %s ppl %.4f (quantize %.0f s)", name, group, r["ppl"], qtime)
+        log.info(
+            "%s %s ppl %.4f, extra text %s (quantize %.0f s)",
+            name,
+            group,
+            r["ppl"],
+            extra.get("ppl"),
+            qtime,
+        )
         (out / "results.json").write_text(json.dumps(rows, indent=1))
 
     record("f32", "-", p32, 0.0)
