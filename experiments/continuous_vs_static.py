@@ -44,7 +44,7 @@ from absl import app, flags
 from jaxserve.config import ModelConfig
 from jaxserve.launch import bench
 from jaxserve.launch import flags as engine_flags
-from jaxserve.workloads import SPECS, make_workload
+from jaxserve.workloads import make_workload
 
 _OUT_DIR = flags.DEFINE_string(
     "out_dir", "experiments/out/continuous_vs_static", "Where summary.json and PNGs go."
@@ -172,7 +172,7 @@ def main(argv):
 
     results: dict = {
         "engine_kwargs": kwargs,
-        "workload": SPECS[flags.FLAGS.workload].description,
+        "workload": workload_for(8).description,  # with --num_requests, whatever the vocab
     }
     parts = set(_PARTS.value)
     if "side_by_side" in parts:

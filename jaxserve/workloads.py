@@ -178,6 +178,6 @@ def make_workload(
         seed=seed,
         vocab_size=vocab_size,
         num_slots=spec.num_slots,
-        description=spec.description,
+        description=spec.description.replace(f"{spec.num_requests} req", f"{n} req", 1),
         requests=requests,
     )

@@ -36,6 +36,7 @@ def test_seeded_and_overridable():
     assert a == b
     assert a.requests != c.requests
     assert a.num_requests == 20
+    assert a.description.startswith("20 req,")  # the label follows the override
     # tiny vocab: ids stay in [vocab // 4, vocab)
     toks = np.concatenate([r.prompt_token_ids for r in a.requests])
     assert toks.min() >= 32 and toks.max() < 128
