@@ -49,7 +49,7 @@ from jaxserve.layers.ragged_attention import flat_bucket, flat_buckets
 from jaxserve.models import llama
 from jaxserve.request import Request
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams, make_slot_row
-from jaxserve.scheduler import SchedulerOutput
+from jaxserve.scheduler import SchedulerOutput, bucket_for
 
 logger = logging.getLogger(__name__)
 
@@ -352,7 +352,7 @@ class ModelRunner:
 
     def decode_shape(self, decoding: list[Request], slots: list[int]) -> tuple[int, int, int]:
         """(rows, width, num_flat) of the decode step over `decoding`, which sit in `slots`."""
-        rows = next(b for b in self.slot_buckets if b > max(slots))
+        rows = bucket_for(max(slots) + 1, self.slot_buckets)
         if self.ragged:
             total = sum(len(r.pages) for r in decoding)
             return rows, self.max_pages, flat_bucket(total, self.max_flat_for(rows))

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxserve.request import Request
 from jaxserve.runner import StepResult
-from jaxserve.scheduler import SchedulerOutput
+from jaxserve.scheduler import SchedulerOutput, bucket_for
 
 
 def default_rule(seq: list[int], seed: int, vocab: int = 64) -> int:
@@ -109,7 +109,7 @@ class FakeRunner:
         k, n = plan.num_decode_steps, self.num_slots
         res = StepResult()
         if plan.decode:
-            n = next(b for b in self.slot_buckets if b > max(plan.decode_slots))
+            n = bucket_for(max(plan.decode_slots) + 1, self.slot_buckets)
             self.decode_rows.append(n)
             res.decode_tokens = np.zeros((n, k), np.int32)
             res.decode_valid = np.zeros((n, k), bool)
