@@ -4,7 +4,8 @@ at two group sizes, INT8 and FP8. Writes JSON + a markdown table.
     python experiments/quant_quality.py [--max_tokens 4096] [--calib_tokens 8192] [--out DIR]
 
 Texts (both offline, disjoint):
-  calibration  Python's `pydoc_data.topics` (the language reference topics, in the stdlib)
+  calibration  Python's `pydoc_data.topics` (the language reference topics, in the stdlib); with
+               --calib_sources pydoc,gnu-info also Debian's GNU info manuals (/usr/share/info)
   evaluation   /usr/share/common-licenses/GPL-3 (Debian base-files), first --max_tokens tokens
 
 Every quantized model is quantized from the f32 weights and evaluated with f32 activations, so rows
@@ -102,6 +103,12 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512, help="perplexity window")
     ap.add_argument("--calib_tokens", type=int, default=16384, help="calibration tokens")
     ap.add_argument("--calib_seqlen", type=int, default=512, help="calibration window length")
+    ap.add_argument(
+        "--calib_sources",
+        default="pydoc",
+        help="comma-separated calibration texts sharing the windows (calibration."
+        "CALIBRATION_SOURCES: pydoc, gnu-info)",
+    )
     ap.add_argument("--group_sizes", default="128,32", help="comma-separated INT4 group sizes")
     ap.add_argument(
         "--methods",
@@ -159,7 +166,10 @@ def main() -> None:
         extra_ids = np.asarray(
             tok(Path(args.extra_text).read_text(), add_special_tokens=False)["input_ids"]
         )[: args.max_tokens]
-    calib = calibration.calibration_tokens(tok, args.calib_tokens, args.calib_seqlen)
+    sources = args.calib_sources.split(",")
+    calib = calibration.calibration_tokens(
+        tok, args.calib_tokens, args.calib_seqlen, sources=sources
+    )
     log.info(
         "loaded in %.0f s; eval %d tokens, calib %s",
         time.perf_counter() - t0,
@@ -280,7 +290,7 @@ def main() -> None:
     bf16 = next((r["ppl"] for r in rows if r["method"] == "bf16"), rows[0]["ppl"])
     lines = [
         f"SmolLM2-135M-Instruct (source: {m32.source}); eval: {args.text}, {rows[0]['tokens']} "
-        f"scored tokens in windows of {args.window}; calibration: {calibration.CALIBRATION_SOURCE}, "
+        f"scored tokens in windows of {args.window}; calibration: {calibration.describe_sources(sources)}, "
         f"{calib.shape[0]}x{calib.shape[1]} tokens. Quantized rows: f32 activations, linear layers "
         "quantized, embedding table f32 unless the row says otherwise.",
         "",

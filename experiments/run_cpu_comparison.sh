@@ -5,8 +5,10 @@
 # geometric mean 96 capped at 512, greedy, EOS ignored so every engine makes the same tokens) at
 # the same concurrency (32). Every engine is pinned to cores 0-1 with 2 threads.
 #
-#   [STATIC=1] [MODES="continuous static"] [HF_TIMEOUT=s] experiments/run_cpu_comparison.sh [OUT_DIR]
-# (MODES="" skips jaxserve and merges the jaxserve_*.json already in OUT_DIR)
+#   [STATIC=1] [MODES="continuous static"] [DECODE_STEPS="1 4"] [HF_TIMEOUT=s] \
+#       experiments/run_cpu_comparison.sh [OUT_DIR]
+# (MODES="" skips jaxserve and merges the jaxserve_*.json already in OUT_DIR; DECODE_STEPS, default
+# "1", runs jaxserve once per value of --decode_steps, rows named "jaxserve MODE decode_steps=K")
 #                                           (default OUT_DIR experiments/out/cpu_comparison)
 # HF runs under `timeout HF_TIMEOUT` (default 1800 s); hf.json is rewritten after every static
 # batch, so a run cut short reports the batches it finished (num_batches_done of num_batches).
@@ -32,10 +34,13 @@ from jaxserve.workloads import make_workload
 make_workload(sys.argv[1], vocab_size=49152).to_json(sys.argv[2])  # SmolLM2's vocabulary
 EOF
 for MODE in ${MODES-continuous ${STATIC:+static}}; do
-  echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): jaxserve $MODE"
-  $PIN .venv/bin/python -m jaxserve.launch.bench --model="$GGUF" --dtype=bfloat16 \
-    --workload="$WORKLOAD" --num_slots="$SLOTS" --batching="$MODE" \
-    --summary_json="$OUT/jaxserve_$MODE.json" > "$OUT/jaxserve_$MODE.log" 2>&1
+  for K in ${DECODE_STEPS:-1}; do
+    NAME=$MODE; [ "$K" = 1 ] || NAME=${MODE}_k$K
+    echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): jaxserve $MODE decode_steps=$K"
+    $PIN .venv/bin/python -m jaxserve.launch.bench --model="$GGUF" --dtype=bfloat16 \
+      --workload="$WORKLOAD" --num_slots="$SLOTS" --batching="$MODE" --decode_steps="$K" \
+      --summary_json="$OUT/jaxserve_$NAME.json" > "$OUT/jaxserve_$NAME.log" 2>&1
+  done
 done
 
 echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): vLLM-CPU"
@@ -57,8 +62,10 @@ from pathlib import Path
 out = Path(sys.argv[1])
 w = json.loads((out / "workload.json").read_text())
 want = sum(r["max_tokens"] for r in w["requests"])
-rows = {f"jaxserve {m}": json.loads((out / f"jaxserve_{m}.json").read_text())
-        for m in ("continuous", "static") if (out / f"jaxserve_{m}.json").is_file()}
+rows = {}
+for f in sorted(out.glob("jaxserve_*.json")):  # jaxserve_MODE.json, jaxserve_MODE_kK.json
+    mode, _, k = f.stem.removeprefix("jaxserve_").partition("_k")
+    rows[f"jaxserve {mode}" + (f" decode_steps={k}" if k else "")] = json.loads(f.read_text())
 rows["vLLM-CPU 0.32"] = json.loads((out / "vllm.json").read_text())
 rows["HF transformers"] = json.loads((out / "hf.json").read_text())
 for name, r in rows.items():

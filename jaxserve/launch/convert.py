@@ -3,8 +3,8 @@
     python -m jaxserve.launch.convert --model path/to/hf_dir_or.gguf --quantization int4-awq \\
         --group_size 64 --output checkpoints/smollm2-awq-g64
 
-Dataflow: load_model(--model, float32) -> [calibration tokens from the stdlib's pydoc topics,
-tokenized with the model's tokenizer, for int4-awq / int4-gptq] -> quantize_params(method,
+Dataflow: load_model(--model, float32) -> [calibration tokens from --calib_sources (default the
+stdlib's pydoc topics), tokenized with the model's tokenizer, for int4-awq / int4-gptq] -> quantize_params(method,
 group_size, calib) -> float leaves (embeddings, norms) cast to --dtype -> save_checkpoint(--output)
 with the config, the recipe (method, group size, calibration) and the tokenizer files.
 `LLM(model="checkpoints/<name>")` or `--model checkpoints/<name>` then serves it.
@@ -49,6 +49,12 @@ def define_flags() -> None:
         "Calibration tokens for int4-awq / int4-gptq (from the stdlib's pydoc_data topics).",
         lower_bound=1,
     )
+    flags.DEFINE_list(
+        "calib_sources",
+        ["pydoc"],
+        "Calibration texts sharing the windows, comma-separated: pydoc (the stdlib's pydoc_data "
+        "topics, the default), gnu-info (Debian's GNU info manuals under /usr/share/info).",
+    )
     flags.DEFINE_integer(
         "calib_seqlen", 512, "Length of each calibration window (tokens).", lower_bound=2
     )
@@ -84,6 +90,7 @@ def convert(
     calib_seqlen: int = 512,
     act_order: bool = False,
     refine_steps: int = 0,
+    calib_sources=("pydoc",),
 ):
     """Loads, quantizes (method None: keeps float weights) and saves; returns the output path."""
     from jaxserve.checkpoint import save_checkpoint
@@ -107,9 +114,11 @@ def convert(
                 raise ValueError(
                     f"{method} calibrates on text, but {loaded.source} has no tokenizer files"
                 )
-            calib = calibration.calibration_tokens(loaded.tokenizer, calib_tokens, calib_seqlen)
+            calib = calibration.calibration_tokens(
+                loaded.tokenizer, calib_tokens, calib_seqlen, sources=calib_sources
+            )
             recipe["calibration"] = {
-                "source": calibration.CALIBRATION_SOURCE,
+                "source": calibration.describe_sources(calib_sources),
                 "windows": int(calib.shape[0]),
                 "seqlen": int(calib.shape[1]),
             }
@@ -149,6 +158,7 @@ def main(argv: list[str]) -> int:
             calib_seqlen=FLAGS.calib_seqlen,
             act_order=FLAGS.act_order,
             refine_steps=FLAGS.refine_steps,
+            calib_sources=FLAGS.calib_sources,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -2,8 +2,11 @@
 
 Dataflow (host loop over layers, each layer one jitted f32 call per minibatch of windows):
 
-    calibration_text()                       Python's own docs (`pydoc_data.topics`), ~490k chars
-      -> calibration_tokens(tokenizer, n, T)  i32[N, T]   evenly spaced windows of the token stream
+    calibration_text(source)                 "pydoc": Python's own docs (`pydoc_data.topics`),
+                                             ~490k chars (the default); "gnu-info": Debian's GNU
+                                             info manuals, ~4 M chars (opt-in, for a mix)
+      -> calibration_tokens(tokenizer, n, T,  i32[N, T]   evenly spaced windows of each source's
+                            sources=...)                  token stream, sources interleaved
       -> x = embed[tokens]                    f32[N, T, D]
       -> for each layer i:
            layer_forward(layer_i, x)          x' [N, T, D] plus the input of every linear:
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
 import logging
+import re
 from collections.abc import Callable
 
 import jax
@@ -40,7 +45,16 @@ from jaxserve.quant import int4
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_SOURCE = "Python stdlib pydoc_data.topics (the Python language reference topics)"
+CALIBRATION_SOURCES = {
+    "pydoc": "Python stdlib pydoc_data.topics (the Python language reference topics)",
+    "gnu-info": "Debian's GNU info manuals (/usr/share/info: coreutils, grep, sed, find, wget, ...; "
+    "license, copying and index nodes left out)",
+}
+CALIBRATION_SOURCE = CALIBRATION_SOURCES["pydoc"]  # the default
+INFO_DIR = "/usr/share/info"
+# Info nodes that are not manual prose: license texts and the Top nodes' copyright notices (kept
+# out so that the evaluation text, the GPL-3 license, is not in the calibration set) and indexes.
+_SKIPPED_INFO_NODE = re.compile(r"licen[cs]e|copying|index|\bL?GPL\b|\bG?FDL\b|^Top$", re.I)
 LINEAR_INPUTS = {
     "attn": ("wq", "wk", "wv"),
     "o": ("wo",),
@@ -49,27 +63,85 @@ LINEAR_INPUTS = {
 }
 
 
-def calibration_text() -> str:
-    """The calibration corpus: every topic of the stdlib's `pydoc_data.topics`, in sorted order."""
-    from pydoc_data import topics
+def calibration_text(source: str = "pydoc") -> str:
+    """One calibration corpus by name (CALIBRATION_SOURCES).
 
-    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    "pydoc": every topic of the stdlib's `pydoc_data.topics`, in sorted order.
+    "gnu-info": the prose of every GNU info manual Debian installs under /usr/share/info, node by
+    node, without the info headers and without Top (copyright notice), license, copying and index nodes.
+    """
+    if source == "pydoc":
+        from pydoc_data import topics
+
+        return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    if source == "gnu-info":
+        return _gnu_info_text(INFO_DIR)
+    raise ValueError(
+        f"unknown calibration source {source!r}; choose from {sorted(CALIBRATION_SOURCES)}"
+    )
+
+
+def _gnu_info_text(info_dir: str) -> str:
+    from pathlib import Path
+
+    files = sorted(Path(info_dir).glob("*.info*.gz"))
+    nodes = []
+    for f in files:
+        raw = gzip.decompress(f.read_bytes()).decode("utf-8", errors="replace")
+        for chunk in raw.split("\x1f")[1:]:  # [0] is the preamble (copyright, dir entry)
+            header, _, body = chunk.lstrip("\n").partition("\n")
+            m = re.search(r"Node: ([^,\n]+)", header)
+            if not header.startswith("File:") or m is None or _SKIPPED_INFO_NODE.search(m[1]):
+                continue  # tag tables, indirect tables, license/copying/index nodes
+            nodes.append(body.strip("\n"))
+    if not nodes:
+        raise ValueError(f"calibration source 'gnu-info' found no info manuals in {info_dir}")
+    return "\n\n".join(nodes)
+
+
+def describe_sources(sources: tuple[str, ...] | list[str]) -> str:
+    """The recipe's text for a list of calibration sources."""
+    for s in sources:
+        if s not in CALIBRATION_SOURCES:
+            raise ValueError(
+                f"unknown calibration source {s!r}; choose from {sorted(CALIBRATION_SOURCES)}"
+            )
+    return " + ".join(CALIBRATION_SOURCES[s] for s in sources)
 
 
 def calibration_tokens(
-    tokenizer, num_tokens: int = 8192, seqlen: int = 512, text=None
+    tokenizer, num_tokens: int = 8192, seqlen: int = 512, text=None, sources=("pydoc",)
 ) -> np.ndarray:
-    """Tokenizes `text` (default: `calibration_text()`) into i32[num_tokens // seqlen, seqlen].
+    """Tokenizes the calibration text into i32[num_tokens // seqlen, seqlen].
 
-    Windows are spread evenly over the whole token stream, so they cover many topics.
+    `text` if given, else the named `sources` (CALIBRATION_SOURCES), which share the windows
+    equally (the first ones get one more when they do not divide) and are interleaved window by
+    window. Within a text, windows are spread evenly over its whole token stream, so they cover
+    many topics.
     """
     if seqlen <= 0 or num_tokens < seqlen:
         raise ValueError(
             f"calibration needs num_tokens >= seqlen > 0, got num_tokens={num_tokens}, seqlen={seqlen}"
         )
-    text = calibration_text() if text is None else text
-    ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
     n = num_tokens // seqlen
+    if text is not None:
+        return _windows(tokenizer, text, n, seqlen)
+    sources = list(sources)
+    describe_sources(sources)  # validates the names
+    if not sources or len(sources) > n:
+        raise ValueError(
+            f"calibration needs 1 to {n} sources for {n} windows, got {len(sources)}: {sources}"
+        )
+    per = [n // len(sources) + (i < n % len(sources)) for i in range(len(sources))]
+    parts = [_windows(tokenizer, calibration_text(s), k, seqlen) for s, k in zip(sources, per)]
+    order = sorted(
+        ((j, i) for i, k in enumerate(per) for j in range(k))
+    )  # window j of every source, then window j + 1: interleaved
+    return np.stack([parts[i][j] for j, i in order])
+
+
+def _windows(tokenizer, text: str, n: int, seqlen: int) -> np.ndarray:
+    ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
     if len(ids) < n * seqlen:
         raise ValueError(
             f"calibration text has {len(ids)} tokens, fewer than num_tokens={n * seqlen}"

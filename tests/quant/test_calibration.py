@@ -40,6 +40,66 @@ def test_calibration_tokens_are_evenly_spaced_windows():
         calibration.calibration_tokens(_char_tokenizer, 100, 256, text=text)
 
 
+def _info_file(path, manual, nodes):
+    """A gzipped info file: preamble, then one \\x1f-separated node per (name, body), a tag table."""
+    import gzip
+
+    parts = [f"This is {manual}.info.\n\nCopyright notice of the preamble.\n"]
+    for name, body in nodes:
+        parts.append(f"\x1f\nFile: {manual}.info,  Node: {name},  Up: Top\n\n{body}\n")
+    parts.append("\x1f\nTag Table:\nNode: Top\x7f100\n\x1f\nEnd Tag Table\n")
+    path.write_bytes(gzip.compress("".join(parts).encode()))
+
+
+def test_gnu_info_source_keeps_manual_prose_only(tmp_path, monkeypatch):
+    _info_file(
+        tmp_path / "alpha.info.gz",
+        "alpha",
+        [
+            ("Top", "Permission is granted to copy (Top node)"),
+            ("Invoking alpha", "alpha prints its input backwards."),
+            ("GNU Free Documentation License", "FDL TEXT"),
+            ("Concept index", "* backwards: Invoking."),
+        ],
+    )
+    _info_file(
+        tmp_path / "beta.info-1.gz",
+        "beta",
+        [("Overview", "beta sorts lines."), ("GNU GPL", "GPL TEXT"), ("Copying", "COPYING")],
+    )
+    monkeypatch.setattr(calibration, "INFO_DIR", str(tmp_path))
+    text = calibration.calibration_text("gnu-info")
+    assert text == "alpha prints its input backwards.\n\nbeta sorts lines."
+    monkeypatch.setattr(calibration, "INFO_DIR", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="gnu-info.*no info manuals"):
+        calibration.calibration_text("gnu-info")
+
+
+def test_calibration_sources_share_the_windows_interleaved(monkeypatch):
+    texts = {
+        "pydoc": "".join(chr(32 + i % 40) for i in range(5_000)),
+        "gnu-info": "".join(chr(80 + i % 40) for i in range(9_000)),
+    }
+    monkeypatch.setattr(calibration, "calibration_text", lambda source="pydoc": texts[source])
+    toks = calibration.calibration_tokens(
+        _char_tokenizer, 5 * 256, 256, sources=["pydoc", "gnu-info"]
+    )
+    assert toks.shape == (5, 256)
+    a = calibration.calibration_tokens(_char_tokenizer, 3 * 256, 256, text=texts["pydoc"])
+    b = calibration.calibration_tokens(_char_tokenizer, 2 * 256, 256, text=texts["gnu-info"])
+    # 3 windows from the first source, 2 from the second, alternating.
+    for got, want in zip(toks, [a[0], b[0], a[1], b[1], a[2]]):
+        np.testing.assert_array_equal(got, want)
+    alone = calibration.calibration_tokens(_char_tokenizer, 3 * 256, 256)
+    np.testing.assert_array_equal(alone, a)  # the default is pydoc alone
+    assert "pydoc_data" in calibration.describe_sources(["pydoc", "gnu-info"])
+    assert "info manuals" in calibration.describe_sources(["pydoc", "gnu-info"])
+    with pytest.raises(ValueError, match="unknown calibration source 'wiki'"):
+        calibration.calibration_tokens(_char_tokenizer, 1024, 256, sources=["pydoc", "wiki"])
+    with pytest.raises(ValueError, match="1 to 1 sources for 1 windows"):
+        calibration.calibration_tokens(_char_tokenizer, 256, 256, sources=["pydoc", "gnu-info"])
+
+
 def _paged_forward(params, c, tokens):
     """The serving model (paged cache, contiguous pages) on whole sequences from position 0."""
     b, t = tokens.shape
