@@ -28,7 +28,8 @@ Cost per layer: `steps` forward + backward passes of one layer over `batch` wind
 steps for a SmolLM2 layer on the 2-core CPU). Measured on SmolLM2 at g128/64 (experiments/RESULTS.md
 section 8c, perplexity on GPL-3 vs bf16): sequential GPTQ +9.7%; with 64 steps +7.0%; with act-order
 and 128 steps +5.7% on 16k calibration tokens and +4.5% on 64k (+7.2% on a second text, the Vim
-manual); on 64k of pydoc + GNU info manuals +4.9% (+5.7% on the Vim manual); with 256 steps on 16k
+manual); on 64k of pydoc + GNU info manuals +4.9% (+5.7% on the Vim manual), on 96k of that mix
++6.8% (+6.8%): the calibration sample moves it by ~2 points; with 256 steps on 16k
 +7.0% (the extra steps fit the calibration text, not the evaluation text). `RefineConfig.holdout` adds early
 stopping on held-out windows. Plain MSE beat a per-token relative error (`per_token=True`: +7.8%).
 """
