@@ -4,9 +4,10 @@
         --group_size 64 --output checkpoints/smollm2-awq-g64
 
 Dataflow: load_model(--model, float32) -> [calibration tokens from --calib_sources (default the
-stdlib's pydoc topics), tokenized with the model's tokenizer, for int4-awq / int4-gptq] -> quantize_params(method,
-group_size, calib) -> float leaves (embeddings, norms) cast to --dtype -> save_checkpoint(--output)
-with the config, the recipe (method, group size, calibration) and the tokenizer files.
+stdlib's pydoc topics), tokenized with the model's tokenizer, for int4-awq / int4-gptq] ->
+quantize_params(method, group_size, calib) -> float leaves (embeddings, norms) cast to --dtype ->
+save_checkpoint(--output) with the config, the recipe (method, group size, calibration) and the
+tokenizer files.
 `LLM(model="checkpoints/<name>")` or `--model checkpoints/<name>` then serves it.
 
 --model, --dtype and --quantization are the shared launcher flags (`launch/flags.py`).
@@ -102,6 +103,7 @@ def convert(
         raise ValueError(f"--quantization must be one of {METHODS}, got {method!r}")
     if Path(output).exists():
         raise ValueError(f"--output {output} already exists")
+    calibration.describe_sources(calib_sources)  # an unknown source fails before the model loads
     loaded = load_model(model, dtype="float32")
     params = loaded.params
     recipe = {"quantization": method, "dtype": dtype, "source": loaded.source}

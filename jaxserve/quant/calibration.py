@@ -68,17 +68,15 @@ def calibration_text(source: str = "pydoc") -> str:
 
     "pydoc": every topic of the stdlib's `pydoc_data.topics`, in sorted order.
     "gnu-info": the prose of every GNU info manual Debian installs under /usr/share/info, node by
-    node, without the info headers and without Top (copyright notice), license, copying and index nodes.
+    node, without the info headers and without the Top (copyright notice), license, copying and
+    index nodes.
     """
     if source == "pydoc":
         from pydoc_data import topics
 
         return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    if source == "gnu-info":
-        return _gnu_info_text(INFO_DIR)
-    raise ValueError(
-        f"unknown calibration source {source!r}; choose from {sorted(CALIBRATION_SOURCES)}"
-    )
+    describe_sources([source])  # raises on an unknown name
+    return _gnu_info_text(INFO_DIR)
 
 
 def _gnu_info_text(info_dir: str) -> str:

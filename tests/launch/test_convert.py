@@ -64,6 +64,8 @@ def test_convert_bad_input_names_the_problem(tmp_path):
         convert(str(GOLDEN), "int4-rtn", str(tmp_path / "z"), group_size=128)
     with pytest.raises(ValueError, match="--refine_steps applies to int4-gptq only"):
         convert(str(GOLDEN), "int4-rtn", str(tmp_path / "r"), group_size=32, refine_steps=8)
+    with pytest.raises(ValueError, match="unknown calibration source 'wiki'"):
+        convert(str(GOLDEN), "int4-gptq", str(tmp_path / "c"), calib_sources=["pydoc", "wiki"])
     with pytest.raises(ValueError, match="--act_order applies to int4-gptq only"):
         convert(str(GOLDEN), "int8", str(tmp_path / "a"), act_order=True)
     assert not any(tmp_path.iterdir())
