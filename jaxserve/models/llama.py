@@ -35,7 +35,7 @@ from jaxserve import kv_cache as kvc
 from jaxserve.config import ModelConfig
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.embedding import embed, is_quantized
-from jaxserve.layers.linear import linear
+from jaxserve.layers.linear import linear, matmul
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
 
@@ -175,7 +175,5 @@ def compute_logits(params: dict, hidden: jax.Array, config: ModelConfig) -> jax.
         w = params["embed"]
         if is_quantized(w):  # the lm_head view (D, V)
             return linear(hidden, w).astype(jnp.float32)
-        return jnp.einsum(  # (V, D)
-            "...d,vd->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32
-        )
+        return matmul(hidden, w.astype(hidden.dtype), transposed=True, out_dtype=jnp.float32)
     return linear(hidden, params["lm_head"]).astype(jnp.float32)

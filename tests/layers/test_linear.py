@@ -1,0 +1,59 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.layers.linear import linear, matmul
+
+
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 5)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_matmul_equals_einsum(lead, transposed):
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (*lead, 24), jnp.float32)
+    w = jax.random.normal(kw, (40, 24) if transposed else (24, 40), jnp.float32)
+    want = jnp.einsum("...i,oi->...o" if transposed else "...i,io->...o", x, w)
+    got = matmul(x, w, transposed=transposed)
+    assert got.shape == (*lead, 40)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_row_gets_the_same_bits_among_few_or_many_rows(transposed):
+    """Rows padded up to MIN_CPU_ROWS give the numbers those rows get among others (SmolLM2's
+    576-wide hidden state; bf16 in, f32 out, as the tied logits)."""
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (8, 576), jnp.bfloat16)
+    w = jax.random.normal(kw, (1024, 576) if transposed else (576, 1024), jnp.bfloat16)
+    many = np.asarray(matmul(x, w, transposed=transposed, out_dtype=jnp.float32))
+    for m in (1, 2, 3, 4):
+        few = matmul(x[:m], w, transposed=transposed, out_dtype=jnp.float32)
+        assert few.dtype == jnp.float32 and few.shape == (m, 1024)
+        np.testing.assert_array_equal(np.asarray(few), many[:m], err_msg=f"{m} rows")
+
+
+def test_linear_keeps_the_input_dtype():
+    x = jnp.ones((1, 8), jnp.bfloat16)
+    w = jnp.ones((8, 4), jnp.float32)
+    y = linear(x, w)
+    assert y.dtype == jnp.bfloat16 and y.shape == (1, 4)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.full((1, 4), 8.0))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the padding is a CPU code path")
+def test_one_row_bf16_dot_does_not_convert_the_weight_on_cpu():
+    """XLA's CPU one-row bf16 dot converts the whole weight to f32 first (43 ms for SmolLM2's
+    tied logits); `matmul` pads to two rows, so no f32 copy of the weight is in the program."""
+    x = jax.ShapeDtypeStruct((1, 1, 64), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16)
+
+    def f(x, w):
+        return matmul(x, w, transposed=True, out_dtype=jnp.float32)
+
+    def plain(x, w):
+        return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+
+    hlo = jax.jit(f).lower(x, w).compile().as_text()
+    assert "f32[512,64]" not in hlo
+    # The check can fail: the unpadded dot does carry the converted weight.
+    assert "f32[512,64]" in jax.jit(plain).lower(x, w).compile().as_text()
