@@ -282,6 +282,10 @@ class EngineConfig:
     # powers of two from 8 up to num_slots on CPU, where a step's matmuls cost in proportion to
     # its rows; (num_slots,) elsewhere (a GPU decode step streams the weights whatever the rows).
     slot_buckets: tuple[int, ...] | str = "auto"
+    # A step with decode rows and one prefill chunk among a prompt's first two runs both in one
+    # forward pass (`runner._mixed`): the layer weights are read once and the matmuls get more
+    # rows. Only with decode_steps 1 and the full row bucket (a bounded set of extra programs).
+    fuse_prefill: bool = True
 
     def __post_init__(self):
         def pos(field):
@@ -318,7 +322,7 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
             )
-        for f in ("async_scheduling", "enable_prefix_caching"):
+        for f in ("async_scheduling", "enable_prefix_caching", "fuse_prefill"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"EngineConfig.{f} must be a bool, got {getattr(self, f)!r}")
         if self.slot_buckets != "auto":

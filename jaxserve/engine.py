@@ -425,6 +425,7 @@ class LLMEngine:
             "num_kv_pages": self.num_pages,
             "num_h2d_transfers": self.runner.num_h2d_transfers,
             "num_d2h_transfers": self.runner.num_d2h_transfers,
+            "num_fused_steps": getattr(self.runner, "num_fused_steps", 0),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }

@@ -56,6 +56,7 @@ class LLM:
         async_scheduling: bool = True,
         enable_prefix_caching: bool = False,
         slot_buckets: tuple[int, ...] | str = "auto",
+        fuse_prefill: bool = True,
         warmup: bool = False,
     ):
         from jaxserve.loading import load_model  # lazy: loading pulls in transformers
@@ -101,6 +102,7 @@ class LLM:
             async_scheduling=async_scheduling,
             enable_prefix_caching=enable_prefix_caching,
             slot_buckets=slot_buckets,
+            fuse_prefill=fuse_prefill,
         )
         self.model_config = config
         self.engine_config = engine_config

@@ -10,6 +10,8 @@ JetStream's slot API over a paged cache:
                             its slot
     generate()              advances every active slot by `decode_steps` tokens (lax.scan)
     move(moves)             copies slot rows to other slots (the scheduler packing requests down)
+    _mixed                  a decode step and one prefill chunk in ONE forward pass (fuse_prefill):
+                            the layers' weights are read once and the matmuls get more rows
 
 `dispatch(plan)` queues one engine step in that order: release / move / insert / page-table
 sync, then `generate` (the slots decoding before this step), then `prefill`; `fetch` then makes
@@ -26,6 +28,8 @@ Step functions are jitted once per shape bucket so their cost follows the real w
   prefill   per width W and row bucket (a power of two of chunks, up to
             R = max_num_batched_tokens // prefill_chunk_size): a step with one chunk does not pay
             for R
+  mixed     per flat live-page bucket of the full row bucket, with one chunk of a prompt's first
+            two (page-table width `mixed_width`); other steps with both run the two calls
 `warmup()` compiles every bucket, after which nothing recompiles. Params are an argument of every
 jitted function; the KV cache and slot state are donated.
 """
@@ -132,6 +136,51 @@ def _move(state: SlotState, src, dst) -> SlotState:
     return jax.tree.map(lambda a: a.at[dst].set(a[jnp.minimum(src, s - 1)], mode="drop"), state)
 
 
+def _decode_inputs(st: SlotState, pt, num_flat: int, ps: int):
+    """One decode step's inputs for slot rows `st` (B rows): (alive bool[B], tokens [B, 1], meta)."""
+    rows, width = pt.shape
+    alive = st.active & (st.seq_len + 2 <= st.max_total_len)  # (B,)
+    pos = st.seq_len  # (B,)
+    page = pt[jnp.arange(rows), jnp.minimum(pos // ps, width - 1)]
+    meta = AttentionMetadata(
+        positions=pos[:, None],
+        slot_mapping=jnp.where(alive, page * ps + pos % ps, -1)[:, None],
+        page_table=pt,
+        seq_lens=jnp.where(alive, pos + 1, 0),
+        num_flat_pages=num_flat,
+    )
+    return alive, st.last_token[:, None], meta
+
+
+def _decode_advance(st: SlotState, logits, alive, want_top):
+    """Samples one token per row from logits f32[B, V] and advances the alive rows."""
+    out = sampling.sample(logits, st.sampling, st.num_generated, MAX_LOGPROBS, want_top)
+    tok = jnp.where(alive, out.tokens, st.last_token)
+    inc = alive.astype(jnp.int32)
+    st = st.replace(
+        last_token=tok,
+        seq_len=st.seq_len + inc,
+        num_generated=st.num_generated + inc,
+        sampling=sampling.update_counts(st.sampling, tok, alive),
+    )
+    return st, (tok, alive, out.logprobs, out.top_ids, out.top_logprobs)
+
+
+def _rows(state: SlotState, rows: int) -> SlotState:
+    """Slots [0, rows) of the state (all of it when rows covers every slot)."""
+    if rows < state.last_token.shape[0]:
+        return jax.tree.map(lambda a: a[:rows], state)
+    return state
+
+
+def _set_rows(full: SlotState, part: SlotState) -> SlotState:
+    """`full` with slots [0, rows) replaced by `part`'s."""
+    rows = part.last_token.shape[0]
+    if rows < full.last_token.shape[0]:
+        return jax.tree.map(lambda f, b: f.at[:rows].set(b), full, part)
+    return part
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("config", "width", "num_flat", "num_steps", "impl", "rows"),
@@ -152,75 +201,50 @@ def _generate(params, cache, state, want_top, *, config, width, num_flat, num_st
     Returns (cache, state, (tokens i32[k, B], valid bool[k, B], logprobs f32[k, B],
     top_ids i32[k, B, K], top_logprobs f32[k, B, K])), B = rows.
     """
-    full = state
-    if rows < state.last_token.shape[0]:
-        state = jax.tree.map(lambda a: a[:rows], state)
-    ps = cache.page_size
-    pt = state.page_table[:, :width]  # (B, W)
-    row_ids = jnp.arange(rows)
+    sub = _rows(state, rows)
+    pt = sub.page_table[:, :width]  # (B, W)
 
     def step(carry, _):
         cache, st = carry
-        alive = st.active & (st.seq_len + 2 <= st.max_total_len)  # (B,)
-        pos = st.seq_len  # (B,)
-        page = pt[row_ids, jnp.minimum(pos // ps, width - 1)]
-        meta = AttentionMetadata(
-            positions=pos[:, None],
-            slot_mapping=jnp.where(alive, page * ps + pos % ps, -1)[:, None],
-            page_table=pt,
-            seq_lens=jnp.where(alive, pos + 1, 0),
-            num_flat_pages=num_flat,
-        )
-        hidden, cache = llama.forward(params, st.last_token[:, None], meta, cache, config, impl)
+        alive, tokens, meta = _decode_inputs(st, pt, num_flat, cache.page_size)
+        hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)
         logits = llama.compute_logits(params, hidden[:, 0], config)  # (B, V)
-        out = sampling.sample(logits, st.sampling, st.num_generated, MAX_LOGPROBS, want_top)
-        tok = jnp.where(alive, out.tokens, st.last_token)
-        inc = alive.astype(jnp.int32)
-        st = st.replace(
-            last_token=tok,
-            seq_len=pos + inc,
-            num_generated=st.num_generated + inc,
-            sampling=sampling.update_counts(st.sampling, tok, alive),
-        )
-        return (cache, st), (tok, alive, out.logprobs, out.top_ids, out.top_logprobs)
+        st, out = _decode_advance(st, logits, alive, want_top)
+        return (cache, st), out
 
-    (cache, state), outs = jax.lax.scan(step, (cache, state), None, length=num_steps)
-    if rows < full.last_token.shape[0]:
-        state = jax.tree.map(lambda f, b: f.at[:rows].set(b), full, state)
-    return cache, state, outs
+    (cache, sub), outs = jax.lax.scan(step, (cache, sub), None, length=num_steps)
+    return cache, _set_rows(state, sub), outs
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("config", "width", "prompt_logprobs", "impl"),
-    donate_argnames=("cache", "state"),
-)
-def _prefill(
-    params, cache, state, batch: PrefillBatch, want_top, *, config, width, prompt_logprobs, impl
-):
-    """JetStream `prefill` over fixed [R, T] chunks, K/V written into each row's slot pages.
-
-    Returns (cache, state, (tokens i32[R], logprobs f32[R], top_ids i32[R, K], top_lp f32[R, K],
-    prompt (lp f32[R, T], top_ids i32[R, T, K], top_lp f32[R, T, K]) or None)).
-    """
+def _prefill_inputs(state: SlotState, batch: PrefillBatch, width: int, ps: int):
+    """A prefill batch's attention metadata over the slots' page tables (width W)."""
     s = state.last_token.shape[0]
-    r, t = batch.tokens.shape
-    ps = cache.page_size
+    t = batch.tokens.shape[1]
     slot = jnp.minimum(batch.slots, s - 1)  # gather index; padding rows read a real slot, unused
-    row_valid = batch.length > 0  # (R,)
     pt = state.page_table[slot, :width]  # (R, W)
     pos = batch.start[:, None] + jnp.arange(t)[None, :]  # (R, T)
     valid = jnp.arange(t)[None, :] < batch.length[:, None]  # (R, T)
     page = jnp.take_along_axis(pt, jnp.minimum(pos // ps, width - 1), axis=1)
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         positions=pos,
         slot_mapping=jnp.where(valid, page * ps + pos % ps, -1),
         page_table=pt,
-        seq_lens=jnp.where(row_valid, batch.start + batch.length, 0),
+        seq_lens=jnp.where(batch.length > 0, batch.start + batch.length, 0),
     )
-    hidden, cache = llama.forward(params, batch.tokens, meta, cache, config, impl)  # (R, T, D)
-    last = hidden[jnp.arange(r), jnp.maximum(batch.length - 1, 0)]  # (R, D)
-    logits = llama.compute_logits(params, last, config)  # (R, V)
+
+
+def _last_hidden(hidden, batch: PrefillBatch):
+    """hidden [R, T, D] -> each row's last valid token [R, D]."""
+    return hidden[jnp.arange(hidden.shape[0]), jnp.maximum(batch.length - 1, 0)]
+
+
+def _prefill_advance(state: SlotState, batch: PrefillBatch, logits, want_top):
+    """Samples (or installs) the token of each row completing a prefill; logits f32[R, V] of the
+    rows' last tokens. Sets seq_len, activates the finished slots. Returns (state, (tokens,
+    logprobs, top_ids, top_logprobs))."""
+    s = state.last_token.shape[0]
+    slot = jnp.minimum(batch.slots, s - 1)
+    row_valid = batch.length > 0  # (R,)
     sub = jax.tree.map(lambda x: x[slot], state.sampling)  # the rows' sampling state (R, ...)
     out = sampling.sample(logits, sub, state.num_generated[slot], MAX_LOGPROBS, want_top)
     finishing = row_valid & batch.is_last
@@ -239,6 +263,27 @@ def _prefill(
         num_generated=state.num_generated + sampled_s.astype(jnp.int32),
         sampling=sampling.update_counts(state.sampling, tokens_s, sampled_s),
     )
+    return state, (tok, out.logprobs, out.top_ids, out.top_logprobs)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "width", "prompt_logprobs", "impl"),
+    donate_argnames=("cache", "state"),
+)
+def _prefill(
+    params, cache, state, batch: PrefillBatch, want_top, *, config, width, prompt_logprobs, impl
+):
+    """JetStream `prefill` over fixed [R, T] chunks, K/V written into each row's slot pages.
+
+    Returns (cache, state, (tokens i32[R], logprobs f32[R], top_ids i32[R, K], top_lp f32[R, K],
+    prompt (lp f32[R, T], top_ids i32[R, T, K], top_lp f32[R, T, K]) or None)).
+    """
+    r, t = batch.tokens.shape
+    meta = _prefill_inputs(state, batch, width, cache.page_size)
+    hidden, cache = llama.forward(params, batch.tokens, meta, cache, config, impl)  # (R, T, D)
+    logits = llama.compute_logits(params, _last_hidden(hidden, batch), config)  # (R, V)
+    state, out = _prefill_advance(state, batch, logits, want_top)
     prompt = None
     if prompt_logprobs:
         all_logits = llama.compute_logits(params, hidden, config)  # (R, T, V)
@@ -246,7 +291,45 @@ def _prefill(
             all_logits.reshape(r * t, -1), batch.targets.reshape(r * t), MAX_LOGPROBS
         )
         prompt = (lp.reshape(r, t), top_ids.reshape(r, t, -1), top_lp.reshape(r, t, -1))
-    return cache, state, (tok, out.logprobs, out.top_ids, out.top_logprobs, prompt)
+    return cache, state, (*out, prompt)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "width", "num_flat", "rows", "prefill_width", "impl"),
+    donate_argnames=("cache", "state"),
+)
+def _mixed(
+    params,
+    cache,
+    state,
+    batch: PrefillBatch,
+    want_top,
+    want_top_prefill,
+    *,
+    config,
+    width,
+    num_flat,
+    rows,
+    prefill_width,
+    impl,
+):
+    """One decode step of slots [0, rows) and a prefill batch in ONE forward pass
+    (`llama.forward_parts`): each layer's weights are read once for both, and the matmuls see
+    rows + R*T rows instead of two smaller calls. Same results as `_generate` (num_steps 1) then
+    `_prefill` (no prompt log-probs): the two touch disjoint slots. Returns (cache, state,
+    decode outputs as `_generate`'s, prefill outputs as `_prefill`'s without the prompt part)."""
+    sub = _rows(state, rows)
+    alive, tokens, dmeta = _decode_inputs(sub, sub.page_table[:, :width], num_flat, cache.page_size)
+    pmeta = _prefill_inputs(state, batch, prefill_width, cache.page_size)
+    (hd, hp), cache = llama.forward_parts(
+        params, [(tokens, dmeta), (batch.tokens, pmeta)], cache, config, impl
+    )
+    last = jnp.concatenate([hd[:, 0], _last_hidden(hp, batch)])  # (rows + R, D)
+    logits = llama.compute_logits(params, last, config)  # one lm_head pass for both
+    sub, dec = _decode_advance(sub, logits[:rows], alive, want_top)
+    state, pre = _prefill_advance(_set_rows(state, sub), batch, logits[rows:], want_top_prefill)
+    return cache, state, (jax.tree.map(lambda a: a[None], dec), pre)
 
 
 class ModelRunner:
@@ -284,11 +367,19 @@ class ModelRunner:
         self.ragged = resolve_impl(engine_config.attention_impl) == "ragged"
         self.max_flat = min(num_pages, self.num_slots * self.max_pages)
         self.slot_buckets = engine_config.resolved_slot_buckets(jax.default_backend())
+        # Fused decode + prefill (`_mixed`): one chunk of a prompt's first two (page-table width
+        # `mixed_width`) beside a full-bucket decode step; 0 = off.
+        self.mixed_width = 0
+        if engine_config.fuse_prefill and engine_config.decode_steps == 1:
+            self.mixed_width = self.width_for(
+                min(self.max_pages, -(-2 * self.chunk // engine_config.page_size))
+            )
         self._page_table = np.zeros((self.num_slots, self.max_pages), np.int32)  # host mirror
         self._active = np.zeros((self.num_slots,), bool)  # host mirror of state.active
         self._dirty = False
         self.num_h2d_transfers = 0
         self.num_d2h_transfers = 0
+        self.num_fused_steps = 0  # steps run as one `_mixed` call
 
     def width_for(self, num_pages: int) -> int:
         """The smallest bucket holding `num_pages` pages."""
@@ -349,6 +440,12 @@ class ModelRunner:
                 for f in flat_buckets(self.max_flat_for(b))
             ]
         return [(b, w, 0) for b in self.slot_buckets for w in self.widths]
+
+    def mixed_shapes(self) -> list[tuple[int, int, int]]:
+        """The decode shapes a fused decode + prefill step can take (the full row bucket)."""
+        if not self.mixed_width:
+            return []
+        return [x for x in self.decode_shapes() if x[0] == self.slot_buckets[-1]]
 
     def decode_shape(self, decoding: list[Request], slots: list[int]) -> tuple[int, int, int]:
         """(rows, width, num_flat) of the decode step over `decoding`, which sit in `slots`."""
@@ -422,36 +519,85 @@ class ModelRunner:
         self._flush()
 
         fetch: dict[str, jax.Array] = {}
-        if plan.decode:
-            want_top = any(r.sampling_params.logprobs for r in plan.decode)
-            rows, width, num_flat = self.decode_shape(plan.decode, plan.decode_slots)
-            tok, valid, lp, top_ids, top_lp = self.generate(width, num_flat, want_top, rows)
+        if plan.decode and plan.prefill and self._fuse(plan):
+            self._dispatch_mixed(plan, fetch)
+        else:
+            self._dispatch_separate(plan, fetch)
+        for x in fetch.values():
+            x.copy_to_host_async()  # the transfer starts as soon as the step is computed
+        return fetch
+
+    def _fuse(self, plan: SchedulerOutput) -> bool:
+        """The plan's decode and prefill can run as one `_mixed` call."""
+        if not self.mixed_width or len(plan.prefill) != 1:
+            return False
+        c = plan.prefill[0]
+        if c.request.sampling_params.prompt_logprobs is not None:
+            return False
+        rows, _, _ = self.decode_shape(plan.decode, plan.decode_slots)
+        return rows == self.slot_buckets[-1] and len(c.request.pages) <= self.mixed_width
+
+    def _dispatch_mixed(self, plan: SchedulerOutput, fetch: dict) -> None:
+        want_top = any(r.sampling_params.logprobs for r in plan.decode)
+        want_top_pf = bool(plan.prefill[0].request.sampling_params.logprobs)
+        rows, width, num_flat = self.decode_shape(plan.decode, plan.decode_slots)
+        batch, _ = self._prefill_batch(plan)
+        self.cache, self.state, (dec, pre) = _mixed(
+            self.params,
+            self.cache,
+            self.state,
+            batch,
+            np.bool_(want_top),
+            np.bool_(want_top_pf),
+            width=width,
+            num_flat=num_flat,
+            rows=rows,
+            prefill_width=self.mixed_width,
+            **self._static(),
+        )
+        self.num_h2d_transfers += 1
+        self.num_fused_steps += 1
+        self._after_prefill(plan)
+        self._fetch_outputs(fetch, dec, want_top, pre, want_top_pf, None)
+
+    def _after_prefill(self, plan: SchedulerOutput) -> None:
+        for c in plan.prefill:
+            if c.is_last:
+                self._active[c.request.slot] = True  # the device activated it too
+
+    @staticmethod
+    def _fetch_outputs(fetch, dec, want_top, pre, want_top_pf, prompt) -> None:
+        """Names the arrays of a step to bring back (decode / prefill outputs, either None)."""
+        if dec is not None:
+            tok, valid, lp, top_ids, top_lp = dec
             fetch.update(decode_tokens=tok, decode_valid=valid, decode_logprobs=lp)
             if want_top:
                 fetch.update(decode_top_ids=top_ids, decode_top_logprobs=top_lp)
+        if pre is not None:
+            tok, lp, top_ids, top_lp = pre
+            fetch.update(prefill_tokens=tok, prefill_logprobs=lp)
+            if want_top_pf:
+                fetch.update(prefill_top_ids=top_ids, prefill_top_logprobs=top_lp)
+        if prompt is not None:
+            fetch.update(
+                prompt_logprobs=prompt[0], prompt_top_ids=prompt[1], prompt_top_logprobs=prompt[2]
+            )
+
+    def _dispatch_separate(self, plan: SchedulerOutput, fetch: dict) -> None:
+        dec = pre = prompt = None
+        want_top = want_top_pf = False
+        if plan.decode:
+            want_top = any(r.sampling_params.logprobs for r in plan.decode)
+            rows, width, num_flat = self.decode_shape(plan.decode, plan.decode_slots)
+            dec = self.generate(width, num_flat, want_top, rows)
         if plan.prefill:
             batch, want_prompt = self._prefill_batch(plan)
             need = max(len(c.request.pages) for c in plan.prefill)
             want_top_pf = any(c.request.sampling_params.logprobs for c in plan.prefill)
-            tok, lp, top_ids, top_lp, prompt = self.prefill(
-                batch, self.width_for(need), want_prompt, want_top_pf
-            )
+            *pre, prompt = self.prefill(batch, self.width_for(need), want_prompt, want_top_pf)
             self.num_h2d_transfers += 1
-            for c in plan.prefill:
-                if c.is_last:
-                    self._active[c.request.slot] = True  # the device activated it too
-            fetch.update(prefill_tokens=tok, prefill_logprobs=lp)
-            if want_top_pf:
-                fetch.update(prefill_top_ids=top_ids, prefill_top_logprobs=top_lp)
-            if want_prompt:
-                fetch.update(
-                    prompt_logprobs=prompt[0],
-                    prompt_top_ids=prompt[1],
-                    prompt_top_logprobs=prompt[2],
-                )
-        for x in fetch.values():
-            x.copy_to_host_async()  # the transfer starts as soon as the step is computed
-        return fetch
+            self._after_prefill(plan)
+        self._fetch_outputs(fetch, dec, want_top, pre, want_top_pf, prompt)
 
     def fetch(self, fetch: dict[str, jax.Array]) -> StepResult:
         """Waits for a dispatched step and brings its outputs to the host in one transfer."""
@@ -536,17 +682,33 @@ class ModelRunner:
             for r in self.row_buckets:
                 self.prefill(padding(r), w, False)
             self.prefill(padding(self.rows), w, True)
+        mixed_shapes = self.mixed_shapes()
+        for rows, width, num_flat in mixed_shapes:
+            self.cache, self.state, _ = _mixed(
+                self.params,
+                self.cache,
+                self.state,
+                padding(1),
+                np.bool_(False),
+                np.bool_(False),
+                width=width,
+                num_flat=num_flat,
+                rows=rows,
+                prefill_width=self.mixed_width,
+                **self._static(),
+            )
         self._active[:] = saved
         self._dirty = True
         self._flush()
         jax.block_until_ready(self.state)
         dt = time.perf_counter() - t0
         logger.info(
-            "warm-up: %d decode buckets, %d widths x (%d prefill row buckets + prompt log-probs) "
-            "in %.1f s",
+            "warm-up: %d decode buckets, %d widths x (%d prefill row buckets + prompt log-probs), "
+            "%d fused decode + prefill buckets in %.1f s",
             len(decode_shapes),
             len(self.widths),
             len(self.row_buckets),
+            len(mixed_shapes),
             dt,
         )
         return dt

@@ -76,6 +76,41 @@ def test_no_recompilation_after_warmup():
     assert llm.engine.runner.slot_buckets == (8, 16, 32)
     st = llm.stats()
     assert st["num_slot_moves"] > 0 and 8 < st["mean_decode_rows"] < 32
+    assert st["num_fused_steps"] > 0  # the fused decode + prefill programs ran, compiled at warm-up
+
+
+def test_fused_decode_and_prefill_equal_separate_calls():
+    """fuse_prefill runs a lone prefill chunk in the decode step's forward pass: the same tokens
+    and log-probs as the two separate calls, sampled and greedy, and such steps do happen here."""
+    rng = np.random.default_rng(1)
+    prompts = [
+        {"prompt_token_ids": rng.integers(3, 128, int(rng.integers(3, 30))).tolist()}
+        for _ in range(48)
+    ]
+    params = [
+        SamplingParams(
+            temperature=0.8 * (i % 2),
+            seed=i,
+            max_tokens=int(rng.integers(18, 34)),  # > 16 running: the full row bucket
+            ignore_eos=True,
+            logprobs=2 if i % 3 == 0 else None,
+        )
+        for i in range(48)
+    ]
+    kw = {**KW, "max_num_batched_tokens": 16}  # one chunk per step: the steps that fuse
+    fused_llm = LLM("tiny", **kw)
+    separate_llm = LLM("tiny", fuse_prefill=False, **kw)
+    fused = fused_llm.generate(prompts, params, use_tqdm=False)
+    separate = separate_llm.generate(prompts, params, use_tqdm=False)
+    assert fused_llm.stats()["num_fused_steps"] > 0
+    assert separate_llm.stats()["num_fused_steps"] == 0
+    for a, b in zip(fused, separate):
+        assert a.error is None and b.error is None
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        if a.outputs[0].logprobs is not None:
+            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert la.keys() == lb.keys()
+                np.testing.assert_allclose(list(la.values()), list(lb.values()), atol=1e-5)
 
 
 def test_state_and_cache_are_donated():

@@ -184,6 +184,7 @@ def run_benchmark(llm, workload: Workload, *, do_warmup: bool = True) -> BenchRe
         "num_d2h_transfers": after["num_d2h_transfers"] - before["num_d2h_transfers"],
         "num_kv_pages": after["num_kv_pages"],
         "num_slot_moves": after["num_slot_moves"] - before["num_slot_moves"],
+        "num_fused_steps": after["num_fused_steps"] - before["num_fused_steps"],
         "mean_decode_rows": (sched.decode_rows_sum - rows_before)
         / max(sched.num_decode_plans - plans_before, 1),
     } | step_summary(
@@ -237,7 +238,10 @@ def format_table(summary: dict) -> str:
             _with_count(summary.get("warmup_s"), summary.get("warmup_compiles")),
         ),
         ("timed run s (compiles)", _with_count(summary["elapsed_s"], summary["timed_compiles"])),
-        ("engine steps", summary["num_steps"]),
+        (
+            "engine steps (fused decode + prefill)",
+            f"{summary['num_steps']} ({summary.get('num_fused_steps', 0)})",
+        ),
         ("output tokens/s", summary["output_tokens_per_s"]),
         ("output tokens/CPU-s", summary["output_tokens_per_cpu_s"]),
         ("requests/s", summary["requests_per_s"]),

@@ -109,6 +109,12 @@ flags.DEFINE_string(
     "all slots on GPU) or comma-separated increasing sizes ending at --num_slots, e.g. 32 (every "
     f"decode step computes all slots) or 8,16,32. Unset: {_DEFAULTS.slot_buckets}.",
 )
+flags.DEFINE_bool(
+    "fuse_prefill",
+    None,
+    "Run a step's decode rows and a lone prefill chunk (of a prompt's first two) in one forward "
+    f"pass. Unset: {_DEFAULTS.fuse_prefill}.",
+)
 
 ENGINE_CONFIG_FLAGS = (
     "num_slots",
@@ -122,6 +128,7 @@ ENGINE_CONFIG_FLAGS = (
     "decode_steps",
     "enable_prefix_caching",
     "slot_buckets",
+    "fuse_prefill",
 )
 LLM_FLAGS = ("model", "load_format", "quantization", "seed") + ENGINE_CONFIG_FLAGS
 

@@ -1,6 +1,7 @@
 """A functional Llama-family transformer (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) over a paged KV cache.
 
     forward(params, tokens, meta, cache, config, attn_impl) -> (hidden, cache)
+    forward_parts(params, [(tokens, meta), ...], cache, config, attn_impl) -> ([hidden], cache)
     compute_logits(params, hidden, config) -> f32 logits
 
 Params are a plain pytree passed into jit (never closed over). Per-layer weights are stacked on a
@@ -134,12 +135,40 @@ def forward(
     tokens: i32[B, T]; meta: positions/slot_mapping [B, T], page_table [B, W], seq_lens [B].
     Returns the final-norm hidden states [B, T, D] (params dtype) and the updated cache.
     """
+    (hidden,), cache = forward_parts(params, [(tokens, meta)], cache, config, attn_impl)
+    return hidden, cache
+
+
+def forward_parts(
+    params: dict,
+    parts: list[tuple[jax.Array, AttentionMetadata]],
+    cache: kvc.KVCache,
+    config: ModelConfig,
+    attn_impl: str = "reference",
+) -> tuple[list[jax.Array], kvc.KVCache]:
+    """`forward` over several token batches at once (e.g. decode rows [B, 1] and a prefill chunk
+    [R, T]): parts = [(tokens i32[B_i, T_i], meta_i)], each with its own attention metadata.
+
+    The norms, projections and MLP run on all the parts' tokens together ([N, D], N = sum of
+    B_i * T_i), so each layer's weights are read once; rope, the K/V writes and attention run per
+    part. Parts must write disjoint cache slots. Returns ([hidden_i [B_i, T_i, D]], cache).
+    """
     c = config
-    b, t = tokens.shape
     h, kvh, dh = c.num_heads, c.num_kv_heads, c.head_dim
     inv_freq = c.inv_freq()
     dtype = model_dtype(params)
-    x = embed(params["embed"], tokens, dtype)  # (B, T, D)
+    shapes = [tokens.shape for tokens, _ in parts]
+    metas = [meta for _, meta in parts]
+    x = jnp.concatenate(
+        [embed(params["embed"], tokens, dtype).reshape(-1, c.hidden_size) for tokens, _ in parts]
+    )  # (N, D)
+
+    def split(a):  # (N, ...) -> [(B_i, T_i, ...)]
+        out, start = [], 0
+        for b, t in shapes:
+            out.append(a[start : start + b * t].reshape(b, t, *a.shape[1:]))
+            start += b * t
+        return out
 
     def layer(carry, xs):
         x, cache = carry
@@ -152,12 +181,28 @@ def forward(
             q = q + lp["bq"].astype(dtype)
             k = k + lp["bk"].astype(dtype)
             v = v + lp["bv"].astype(dtype)
-        q = apply_rope(q.reshape(b, t, h, dh), meta.positions, inv_freq)  # (B, T, H, Dh)
-        k = apply_rope(k.reshape(b, t, kvh, dh), meta.positions, inv_freq)  # (B, T, KVH, Dh)
-        v = v.reshape(b, t, kvh, dh)
-        cache = kvc.write(cache, li, k, v, meta.slot_mapping)
-        o = attention(q, cache, li, meta, attn_impl)  # (B, T, H, Dh)
-        x = x + linear(o.reshape(b, t, h * dh), lp["wo"])
+        qs, ks = [], []
+        for qi, ki, meta in zip(split(q), split(k), metas):
+            b, t = qi.shape[:2]
+            qs.append(apply_rope(qi.reshape(b, t, h, dh), meta.positions, inv_freq))
+            ks.append(
+                apply_rope(ki.reshape(b, t, kvh, dh), meta.positions, inv_freq).reshape(-1, kvh, dh)
+            )
+        # ONE write of every part's K/V before any attention reads: the cache is then updated in
+        # place (a write between two reads of it would make XLA copy the whole pool).
+        cache = kvc.write(
+            cache,
+            li,
+            jnp.concatenate(ks)[None],
+            v.reshape(1, -1, kvh, dh),
+            jnp.concatenate([m.slot_mapping.reshape(-1) for m in metas])[None],
+        )
+        outs = [
+            attention(qi, cache, li, meta, attn_impl).reshape(-1, h * dh)
+            for qi, meta in zip(qs, metas)
+        ]
+        o = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # (N, H*Dh)
+        x = x + linear(o, lp["wo"])
         y = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
         gate = jax.nn.silu(linear(y, lp["w_gate"]).astype(jnp.float32)).astype(dtype)
         x = x + linear(gate * linear(y, lp["w_up"]), lp["w_down"])
@@ -166,7 +211,7 @@ def forward(
     (x, cache), _ = jax.lax.scan(
         layer, (x, cache), (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32))
     )
-    return rms_norm(x, params["final_norm"], c.rms_norm_eps), cache
+    return split(rms_norm(x, params["final_norm"], c.rms_norm_eps)), cache
 
 
 def compute_logits(params: dict, hidden: jax.Array, config: ModelConfig) -> jax.Array:
