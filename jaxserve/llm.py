@@ -56,7 +56,7 @@ class LLM:
         async_scheduling: bool = True,
         enable_prefix_caching: bool = False,
         slot_buckets: tuple[int, ...] | str = "auto",
-        fuse_prefill: bool = True,
+        fuse_prefill: bool = False,
         warmup: bool = False,
     ):
         from jaxserve.loading import load_model  # lazy: loading pulls in transformers

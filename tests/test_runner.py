@@ -42,7 +42,7 @@ class CompileCounter:
 
 
 def test_no_recompilation_after_warmup():
-    llm = LLM("tiny", warmup=True, **KW)
+    llm = LLM("tiny", warmup=True, fuse_prefill=True, **KW)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, 128, n).tolist()} for n in (1, 5, 17, 40, 62)]
     params = [
@@ -98,8 +98,8 @@ def test_fused_decode_and_prefill_equal_separate_calls():
         for i in range(48)
     ]
     kw = {**KW, "max_num_batched_tokens": 16}  # one chunk per step: the steps that fuse
-    fused_llm = LLM("tiny", **kw)
-    separate_llm = LLM("tiny", fuse_prefill=False, **kw)
+    fused_llm = LLM("tiny", fuse_prefill=True, **kw)
+    separate_llm = LLM("tiny", **kw)  # the default: separate calls
     fused = fused_llm.generate(prompts, params, use_tqdm=False)
     separate = separate_llm.generate(prompts, params, use_tqdm=False)
     assert fused_llm.stats()["num_fused_steps"] > 0
