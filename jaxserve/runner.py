@@ -537,24 +537,37 @@ class ModelRunner:
         rows, _, _ = self.decode_shape(plan.decode, plan.decode_slots)
         return rows == self.slot_buckets[-1] and len(c.request.pages) <= self.mixed_width
 
-    def _dispatch_mixed(self, plan: SchedulerOutput, fetch: dict) -> None:
-        want_top = any(r.sampling_params.logprobs for r in plan.decode)
-        want_top_pf = bool(plan.prefill[0].request.sampling_params.logprobs)
-        rows, width, num_flat = self.decode_shape(plan.decode, plan.decode_slots)
-        batch, _ = self._prefill_batch(plan)
-        self.cache, self.state, (dec, pre) = _mixed(
+    def mixed(
+        self,
+        batch: PrefillBatch,
+        rows: int,
+        width: int,
+        num_flat: int,
+        want_top=False,
+        want_pf=False,
+    ):
+        """One `_mixed` call: decode of slots [0, rows) and `batch` in one forward pass."""
+        self.cache, self.state, out = _mixed(
             self.params,
             self.cache,
             self.state,
             batch,
             np.bool_(want_top),
-            np.bool_(want_top_pf),
+            np.bool_(want_pf),
             width=width,
             num_flat=num_flat,
             rows=rows,
             prefill_width=self.mixed_width,
             **self._static(),
         )
+        return out
+
+    def _dispatch_mixed(self, plan: SchedulerOutput, fetch: dict) -> None:
+        want_top = any(r.sampling_params.logprobs for r in plan.decode)
+        want_top_pf = bool(plan.prefill[0].request.sampling_params.logprobs)
+        rows, width, num_flat = self.decode_shape(plan.decode, plan.decode_slots)
+        batch, _ = self._prefill_batch(plan)
+        dec, pre = self.mixed(batch, rows, width, num_flat, want_top, want_top_pf)
         self.num_h2d_transfers += 1
         self.num_fused_steps += 1
         self._after_prefill(plan)
@@ -684,19 +697,7 @@ class ModelRunner:
             self.prefill(padding(self.rows), w, True)
         mixed_shapes = self.mixed_shapes()
         for rows, width, num_flat in mixed_shapes:
-            self.cache, self.state, _ = _mixed(
-                self.params,
-                self.cache,
-                self.state,
-                padding(1),
-                np.bool_(False),
-                np.bool_(False),
-                width=width,
-                num_flat=num_flat,
-                rows=rows,
-                prefill_width=self.mixed_width,
-                **self._static(),
-            )
+            self.mixed(padding(1), rows, width, num_flat)
         self._active[:] = saved
         self._dirty = True
         self._flush()
