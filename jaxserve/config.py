@@ -285,8 +285,9 @@ class EngineConfig:
     # A step with decode rows and one prefill chunk among a prompt's first two runs both in one
     # forward pass (`runner._mixed`): the layer weights are read once and the matmuls get more
     # rows. Only with decode_steps 1 and the full row bucket (a bounded set of extra programs).
-    # Off by default: on the 2-core CPU it did 22% less work per fused step but took as long, and
-    # SmolLM2's benchmark ran 0.96x as fast (RESULTS.md section 18); not measured on a GPU.
+    # Off by default: on the 2-core CPU the gain was within noise (the step alone 0.99x-1.28x,
+    # SmolLM2's benchmark 0.96x and 1.05x in two A/B pairs; RESULTS.md section 18); not measured
+    # on a GPU.
     fuse_prefill: bool = False
 
     def __post_init__(self):
