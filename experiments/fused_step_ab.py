@@ -98,21 +98,8 @@ def main(argv):
 
     def fused():
         reset()
-        runner.cache, runner.state, out = runner_lib._mixed(
-            runner.params,
-            runner.cache,
-            runner.state,
-            batch,
-            np.bool_(False),
-            np.bool_(False),
-            width=runner.max_pages,
-            num_flat=num_flat,
-            rows=s,
-            prefill_width=runner.mixed_width,
-            config=c,
-            impl="auto",
-        )
-        return out[0][0]
+        dec, _ = runner.mixed(batch, s, runner.max_pages, num_flat)
+        return dec[0]
 
     fns = {"separate": separate, "fused": fused}
     for f in fns.values():  # compile and warm
