@@ -14,7 +14,8 @@ Dataflow:
      events are counted separately for warm-up and for the timed run (the latter should be 0).
   4. Timed run: `llm.generate(all prompts)`; wall time from submission to the last output.
   5. Summary: output tokens/s (and per CPU-second of this process, a figure less sensitive to
-     other processes on a shared CPU), requests/s, TTFT and TPOT p50/p90/p99 (from each output's
+     other processes on a shared CPU) and the host loop's share of that CPU time (the calling
+     thread: scheduling, dispatch, detokenizing; the rest is XLA's threads), requests/s, TTFT and TPOT p50/p90/p99 (from each output's
      `RequestMetrics`), mean slot occupancy and KV-page utilization (from `llm.stats()`), and the
      request timeline (first-token and finish times relative to submission) for occupancy plots.
 
@@ -140,10 +141,11 @@ def run_benchmark(llm, workload: Workload, *, do_warmup: bool = True) -> BenchRe
     prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in workload.requests]
     params = sampling_params_for(workload)
     with CompileCounter() as cc:
-        t0, cpu0 = time.monotonic(), time.process_time()
+        t0, cpu0, host0 = time.monotonic(), time.process_time(), time.thread_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.monotonic() - t0
         cpu_s = time.process_time() - cpu0  # all threads of this process (XLA's included)
+        host_cpu_s = time.thread_time() - host0  # this thread: host loop, dispatch, detokenizer
     after = llm.stats()
 
     errors = [o.error for o in outputs if o.error]
@@ -175,6 +177,8 @@ def run_benchmark(llm, workload: Workload, *, do_warmup: bool = True) -> BenchRe
         "output_tokens_per_s": n_tokens / elapsed,
         "cpu_s": cpu_s,
         "output_tokens_per_cpu_s": n_tokens / cpu_s if cpu_s > 0 else None,
+        "host_cpu_s": host_cpu_s,
+        "host_cpu_share": host_cpu_s / cpu_s if cpu_s > 0 else None,
         "requests_per_s": len(outputs) / elapsed,
         "ttft_s": percentiles([o.metrics.ttft for o, _ in ok if o.metrics.ttft is not None]),
         "tpot_s": percentiles([o.metrics.tpot for o, _ in ok if o.metrics.tpot is not None]),
@@ -244,6 +248,7 @@ def format_table(summary: dict) -> str:
         ),
         ("output tokens/s", summary["output_tokens_per_s"]),
         ("output tokens/CPU-s", summary["output_tokens_per_cpu_s"]),
+        ("host-loop share of CPU-s", summary.get("host_cpu_share")),
         ("requests/s", summary["requests_per_s"]),
         ("TTFT p50/p90/p99 ms", _pcts_ms(summary["ttft_s"])),
         ("TPOT p50/p90/p99 ms", _pcts_ms(summary["tpot_s"])),

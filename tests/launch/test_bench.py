@@ -42,6 +42,8 @@ def test_static_run_end_to_end(run_main, tmp_path, capsys):
     assert s["timed_compiles"] == 0  # warm-up compiled every shape
     assert s["warmup_compiles"] > 0
     assert s["output_tokens_per_s"] == pytest.approx(s["output_tokens"] / s["elapsed_s"])
+    assert 0 < s["host_cpu_s"] <= s["cpu_s"]
+    assert s["host_cpu_share"] == pytest.approx(s["host_cpu_s"] / s["cpu_s"])
     for key in ("ttft_s", "tpot_s"):
         p = s[key]
         assert 0 <= p["p50"] <= p["p90"] <= p["p99"]

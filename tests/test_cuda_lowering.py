@@ -1,0 +1,143 @@
+"""The engine's jitted steps, as a GPU engine builds them, lower for CUDA (no GPU needed).
+
+`python -m pallas_kernels.check` lowers each kernel on its own; this lowers the whole step
+functions (`runner._generate`, `_prefill`, `_mixed`) with the Pallas attention and, for INT4
+params, the fused dequantize-matmul, at SmolLM2 and Llama-3-8B shapes and the engine's bucket
+shapes. It catches
+what only shows when the kernels sit inside the model: block shapes the engine's buckets produce,
+the GQA group of 3, the 576-wide hidden size, dtypes across kernel boundaries.
+
+The shapes are abstract (`jax.eval_shape`); the device is an abstract "NVIDIA H200"
+(`pallas_kernels.check.h200_mesh`). Code that picks a path with `jax.default_backend()` at trace
+time sees "gpu" here, as it would on the GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import kv_cache
+from jaxserve import runner as runner_lib
+from jaxserve.config import ModelConfig
+from jaxserve.models import llama
+from jaxserve.quant import quantize_params
+from pallas_kernels.check import h200_mesh
+
+NUM_SLOTS, MAX_PAGES, NUM_PAGES, PAGE_SIZE, CHUNK = 32, 16, 512, 16, 64
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+def abstract_model(model: str, quantization: str | None):
+    c = ModelConfig.preset(model)
+    params = jax.eval_shape(lambda k: llama.init_params(c, k, jnp.bfloat16), jax.random.key(0))
+    if quantization:
+        params = jax.eval_shape(lambda p: quantize_params(p, c, quantization, 64), params)
+    return c, params
+
+
+def abstract_cache(c: ModelConfig, kv_cache_dtype: str):
+    return jax.eval_shape(
+        lambda: kv_cache.init(
+            c.num_layers,
+            c.num_kv_heads,
+            NUM_PAGES,
+            PAGE_SIZE,
+            c.head_dim,
+            kv_cache_dtype,
+            jnp.bfloat16,
+        )
+    )
+
+
+def abstract_batch(rows: int) -> runner_lib.PrefillBatch:
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    return runner_lib.PrefillBatch(
+        tokens=i32(rows, CHUNK),
+        slots=i32(rows),
+        start=i32(rows),
+        length=i32(rows),
+        is_last=jax.ShapeDtypeStruct((rows,), jnp.bool_),
+        forced=i32(rows),
+        targets=i32(rows, CHUNK),
+    )
+
+
+def lower(fn, *args, **static) -> str:
+    with jax.sharding.use_abstract_mesh(h200_mesh()):
+        text = fn.trace(*args, **static).lower(lowering_platforms=("cuda",)).as_text()
+    return text
+
+
+def kernels(text: str) -> set[str]:
+    """The Pallas kernels (Triton calls) in a lowered module, by kind."""
+    names = set(re.findall(r'name = "(paged_decode|paged_prefill|int4_matmul)_', text))
+    assert "__gpu$xla.gpu.triton" in text or not names
+    return names
+
+
+@pytest.mark.parametrize(
+    "model,quantization,kv_cache_dtype",
+    [
+        ("smollm2-135m", None, "auto"),
+        ("smollm2-135m", "int4-rtn", "auto"),
+        ("smollm2-135m", None, "int8"),
+        ("llama3-8b", "int4-rtn", "fp8"),  # head_dim 128, GQA group 4, 128k vocab
+    ],
+)
+def test_engine_steps_lower_for_cuda(on_gpu, model, quantization, kv_cache_dtype):
+    c, params = abstract_model(model, quantization)
+    cache = abstract_cache(c, kv_cache_dtype)
+    state = jax.eval_shape(lambda: runner_lib.init_slot_state(NUM_SLOTS, MAX_PAGES, c.vocab_size))
+    flag = np.bool_(False)
+    static = dict(config=c, impl="auto")
+
+    decode = lower(
+        runner_lib._generate,
+        params,
+        cache,
+        state,
+        flag,
+        width=MAX_PAGES,
+        num_flat=0,
+        num_steps=1,
+        rows=NUM_SLOTS,
+        **static,
+    )
+    prefill = lower(
+        runner_lib._prefill,
+        params,
+        cache,
+        state,
+        abstract_batch(8),
+        flag,
+        width=8,
+        prompt_logprobs=False,
+        **static,
+    )
+    mixed = lower(
+        runner_lib._mixed,
+        params,
+        cache,
+        state,
+        abstract_batch(1),
+        flag,
+        flag,
+        width=MAX_PAGES,
+        num_flat=0,
+        rows=NUM_SLOTS,
+        prefill_width=8,
+        **static,
+    )
+    int4 = {"int4_matmul"} if quantization else set()  # the INT8 tied table runs in XLA
+    assert kernels(decode) == {"paged_decode"} | int4
+    assert kernels(prefill) == {"paged_prefill"} | int4
+    assert kernels(mixed) == {"paged_decode", "paged_prefill"} | int4
