@@ -34,6 +34,8 @@ NUM_SLOTS, MAX_PAGES, NUM_PAGES, PAGE_SIZE, CHUNK = 32, 16, 512, 16, 64
 @pytest.fixture
 def on_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    yield
+    jax.clear_caches()  # no trace made while "on the GPU" may serve a later CPU call
 
 
 def abstract_model(model: str, quantization: str | None):
