@@ -661,25 +661,41 @@ class ModelRunner:
         batch = PrefillBatch(tokens, slots, start, length, is_last, forced, targets)
         return batch, want_prompt
 
+    def step_variants(self) -> list[tuple[str, dict]]:
+        """Every step program the engine can run, as (kind, static shape): what warm-up compiles.
+
+        ("generate", {rows, width, num_flat}) per decode bucket; ("prefill", {rows, width,
+        prompt_logprobs}) per page-table width x prefill row bucket, plus the full row count with
+        prompt log-probs; ("mixed", {rows, width, num_flat}) per fused decode + prefill bucket.
+        """
+        out = [("generate", dict(rows=r, width=w, num_flat=f)) for r, w, f in self.decode_shapes()]
+        for w in self.widths:
+            for r in self.row_buckets:
+                out.append(("prefill", dict(rows=r, width=w, prompt_logprobs=False)))
+            out.append(("prefill", dict(rows=self.rows, width=w, prompt_logprobs=True)))
+        out += [("mixed", dict(rows=r, width=w, num_flat=f)) for r, w, f in self.mixed_shapes()]
+        return out
+
+    def padding_batch(self, rows: int) -> PrefillBatch:
+        """A prefill batch of `rows` padding rows (no slot, no valid token)."""
+        t, s = self.chunk, self.num_slots
+        return PrefillBatch(
+            tokens=np.zeros((rows, t), np.int32),
+            slots=np.full((rows,), s, np.int32),
+            start=np.zeros((rows,), np.int32),
+            length=np.zeros((rows,), np.int32),
+            is_last=np.zeros((rows,), bool),
+            forced=np.full((rows,), -1, np.int32),
+            targets=np.full((rows, t), -1, np.int32),
+        )
+
     def warmup(self) -> float:
-        """Compiles every step variant for every width bucket; returns the seconds it took.
+        """Compiles every step variant (`step_variants`); returns the seconds it took.
 
         All rows are padding (nothing active, no valid chunk), so the state is left as it was.
         """
         t0 = time.perf_counter()
-        t, s = self.chunk, self.num_slots
-
-        def padding(r: int) -> PrefillBatch:
-            return PrefillBatch(
-                tokens=np.zeros((r, t), np.int32),
-                slots=np.full((r,), s, np.int32),
-                start=np.zeros((r,), np.int32),
-                length=np.zeros((r,), np.int32),
-                is_last=np.zeros((r,), bool),
-                forced=np.full((r,), -1, np.int32),
-                targets=np.full((r, t), -1, np.int32),
-            )
-
+        s = self.num_slots
         saved = self._active.copy()
         self._active[:] = False
         self._dirty = True
@@ -688,28 +704,27 @@ class ModelRunner:
         self.state = _insert(self.state, np.int32(0), row, np.int32(0), np.int32(0))
         pad = np.full((s,), s, np.int32)
         self.state = _move(self.state, pad, pad)  # compiles the slot move (all rows padding)
-        decode_shapes = self.decode_shapes()
-        for rows, width, num_flat in decode_shapes:
-            self.generate(width, num_flat, rows=rows)
-        for w in self.widths:
-            for r in self.row_buckets:
-                self.prefill(padding(r), w, False)
-            self.prefill(padding(self.rows), w, True)
-        mixed_shapes = self.mixed_shapes()
-        for rows, width, num_flat in mixed_shapes:
-            self.mixed(padding(1), rows, width, num_flat)
+        variants = self.step_variants()
+        for kind, v in variants:
+            if kind == "generate":
+                self.generate(v["width"], v["num_flat"], rows=v["rows"])
+            elif kind == "prefill":
+                self.prefill(self.padding_batch(v["rows"]), v["width"], v["prompt_logprobs"])
+            else:
+                self.mixed(self.padding_batch(1), v["rows"], v["width"], v["num_flat"])
         self._active[:] = saved
         self._dirty = True
         self._flush()
         jax.block_until_ready(self.state)
         dt = time.perf_counter() - t0
+        counts = {
+            k: sum(kind == k for kind, _ in variants) for k in ("generate", "prefill", "mixed")
+        }
         logger.info(
-            "warm-up: %d decode buckets, %d widths x (%d prefill row buckets + prompt log-probs), "
-            "%d fused decode + prefill buckets in %.1f s",
-            len(decode_shapes),
-            len(self.widths),
-            len(self.row_buckets),
-            len(mixed_shapes),
+            "warm-up: %d decode, %d prefill and %d fused decode + prefill programs in %.1f s",
+            counts["generate"],
+            counts["prefill"],
+            counts["mixed"],
             dt,
         )
         return dt

@@ -23,7 +23,7 @@ import pytest
 
 from jaxserve import kv_cache
 from jaxserve import runner as runner_lib
-from jaxserve.config import ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.models import llama
 from jaxserve.quant import quantize_params
 from pallas_kernels.check import h200_mesh
@@ -143,3 +143,63 @@ def test_engine_steps_lower_for_cuda(on_gpu, model, quantization, kv_cache_dtype
     assert kernels(decode) == {"paged_decode"} | int4
     assert kernels(prefill) == {"paged_prefill"} | int4
     assert kernels(mixed) == {"paged_decode", "paged_prefill"} | int4
+
+
+def test_every_warmup_program_lowers_for_cuda(on_gpu):
+    """A GPU engine's whole warm-up set (`ModelRunner.step_variants`): every decode, prefill and
+    fused bucket of the benchmark's engine shape, SmolLM2 bf16 with fuse_prefill on."""
+    c, params = abstract_model("smollm2-135m", None)
+    ec = EngineConfig(
+        num_slots=NUM_SLOTS,
+        max_model_len=2048,
+        page_size=PAGE_SIZE,
+        num_pages=NUM_PAGES,
+        prefill_chunk_size=CHUNK,
+        max_num_batched_tokens=512,
+        fuse_prefill=True,
+    )
+    runner = runner_lib.ModelRunner(params, c, ec, NUM_PAGES)
+    assert not runner.ragged and runner.slot_buckets == (NUM_SLOTS,)  # the GPU's choices
+    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    cache, state = jax.tree.map(spec, runner.cache), jax.tree.map(spec, runner.state)
+    flag = np.bool_(False)
+    static = dict(config=c, impl="auto")
+    seen = []
+    for kind, v in runner.step_variants():
+        if kind == "generate":
+            text = lower(
+                runner_lib._generate, params, cache, state, flag, num_steps=1, **v, **static
+            )
+            assert kernels(text) == {"paged_decode"}, v
+        elif kind == "prefill":
+            batch = abstract_batch(v["rows"])
+            text = lower(
+                runner_lib._prefill,
+                params,
+                cache,
+                state,
+                batch,
+                flag,
+                width=v["width"],
+                prompt_logprobs=v["prompt_logprobs"],
+                **static,
+            )
+            assert kernels(text) == {"paged_prefill"}, v
+        else:
+            text = lower(
+                runner_lib._mixed,
+                params,
+                cache,
+                state,
+                abstract_batch(1),
+                flag,
+                flag,
+                prefill_width=runner.mixed_width,
+                **v,
+                **static,
+            )
+            assert kernels(text) == {"paged_decode", "paged_prefill"}, v
+        seen.append(kind)
+    # 8 page-table widths (1..128 pages): 8 decode, 8 x (4 row buckets + prompt log-probs)
+    # prefill, 8 fused programs.
+    assert [seen.count(k) for k in ("generate", "prefill", "mixed")] == [8, 40, 8]
