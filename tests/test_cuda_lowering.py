@@ -86,6 +86,27 @@ def kernels(text: str) -> set[str]:
     return names
 
 
+def lower_step(kind: str, v: dict, c, params, cache, state, mixed_width: int = 8) -> str:
+    """Lowers one step program, given as `ModelRunner.step_variants` lists them."""
+    flag = np.bool_(False)
+    static = dict(config=c, impl="auto")
+    if kind == "generate":
+        return lower(runner_lib._generate, params, cache, state, flag, num_steps=1, **v, **static)
+    if kind == "prefill":
+        batch = abstract_batch(v["rows"])
+        pf = dict(width=v["width"], prompt_logprobs=v["prompt_logprobs"])
+        return lower(runner_lib._prefill, params, cache, state, batch, flag, **pf, **static)
+    args = (params, cache, state, abstract_batch(1), flag, flag)
+    return lower(runner_lib._mixed, *args, prefill_width=mixed_width, **v, **static)
+
+
+EXPECTED = {
+    "generate": {"paged_decode"},
+    "prefill": {"paged_prefill"},
+    "mixed": {"paged_decode", "paged_prefill"},
+}
+
+
 @pytest.mark.parametrize(
     "model,quantization,kv_cache_dtype",
     [
@@ -99,50 +120,16 @@ def test_engine_steps_lower_for_cuda(on_gpu, model, quantization, kv_cache_dtype
     c, params = abstract_model(model, quantization)
     cache = abstract_cache(c, kv_cache_dtype)
     state = jax.eval_shape(lambda: runner_lib.init_slot_state(NUM_SLOTS, MAX_PAGES, c.vocab_size))
-    flag = np.bool_(False)
-    static = dict(config=c, impl="auto")
-
-    decode = lower(
-        runner_lib._generate,
-        params,
-        cache,
-        state,
-        flag,
-        width=MAX_PAGES,
-        num_flat=0,
-        num_steps=1,
-        rows=NUM_SLOTS,
-        **static,
-    )
-    prefill = lower(
-        runner_lib._prefill,
-        params,
-        cache,
-        state,
-        abstract_batch(8),
-        flag,
-        width=8,
-        prompt_logprobs=False,
-        **static,
-    )
-    mixed = lower(
-        runner_lib._mixed,
-        params,
-        cache,
-        state,
-        abstract_batch(1),
-        flag,
-        flag,
-        width=MAX_PAGES,
-        num_flat=0,
-        rows=NUM_SLOTS,
-        prefill_width=8,
-        **static,
-    )
+    decode = dict(rows=NUM_SLOTS, width=MAX_PAGES, num_flat=0)
+    variants = [
+        ("generate", decode),
+        ("prefill", dict(rows=8, width=8, prompt_logprobs=False)),
+        ("mixed", decode),
+    ]
     int4 = {"int4_matmul"} if quantization else set()  # the INT8 tied table runs in XLA
-    assert kernels(decode) == {"paged_decode"} | int4
-    assert kernels(prefill) == {"paged_prefill"} | int4
-    assert kernels(mixed) == {"paged_decode", "paged_prefill"} | int4
+    for kind, v in variants:
+        text = lower_step(kind, v, c, params, cache, state)
+        assert kernels(text) == EXPECTED[kind] | int4, kind
 
 
 def test_every_warmup_program_lowers_for_cuda(on_gpu):
@@ -162,43 +149,10 @@ def test_every_warmup_program_lowers_for_cuda(on_gpu):
     assert not runner.ragged and runner.slot_buckets == (NUM_SLOTS,)  # the GPU's choices
     spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
     cache, state = jax.tree.map(spec, runner.cache), jax.tree.map(spec, runner.state)
-    flag = np.bool_(False)
-    static = dict(config=c, impl="auto")
     seen = []
     for kind, v in runner.step_variants():
-        if kind == "generate":
-            text = lower(
-                runner_lib._generate, params, cache, state, flag, num_steps=1, **v, **static
-            )
-            assert kernels(text) == {"paged_decode"}, v
-        elif kind == "prefill":
-            batch = abstract_batch(v["rows"])
-            text = lower(
-                runner_lib._prefill,
-                params,
-                cache,
-                state,
-                batch,
-                flag,
-                width=v["width"],
-                prompt_logprobs=v["prompt_logprobs"],
-                **static,
-            )
-            assert kernels(text) == {"paged_prefill"}, v
-        else:
-            text = lower(
-                runner_lib._mixed,
-                params,
-                cache,
-                state,
-                abstract_batch(1),
-                flag,
-                flag,
-                prefill_width=runner.mixed_width,
-                **v,
-                **static,
-            )
-            assert kernels(text) == {"paged_decode", "paged_prefill"}, v
+        text = lower_step(kind, v, c, params, cache, state, runner.mixed_width)
+        assert kernels(text) == EXPECTED[kind], (kind, v)
         seen.append(kind)
     # 8 page-table widths (1..128 pages): 8 decode, 8 x (4 row buckets + prompt log-probs)
     # prefill, 8 fused programs.
