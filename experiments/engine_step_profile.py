@@ -7,11 +7,18 @@ prefill row bucket, `prefill` (R chunks of 64 tokens). Median of --reps calls, i
 'reference' decodes at page-table width W (cost ~ slots x W); 'ragged' over the slots' live pages.
 
     .venv/bin/python experiments/engine_step_profile.py --pools=1024,4096 --widths=8,64
+
+--op_profile also traces 5 decode steps (`jax.profiler`) and breaks their XLA CPU time (summed over
+threads) down by the JAX op each XLA op came from, read from the compiled program's metadata.
 """
 
 from __future__ import annotations
 
+import collections
+import glob
 import json
+import re
+import tempfile
 import time
 
 import jax
@@ -19,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jaxserve import runner as runner_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers.ragged_attention import flat_bucket
 from jaxserve.models import llama
@@ -32,6 +40,11 @@ _REPS = flags.DEFINE_integer("reps", 5, "Timed calls per point (median).")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights / activations dtype.")
 _IMPLS = flags.DEFINE_list("impls", ["reference", "ragged"], "Attention implementations to time.")
 _JSON = flags.DEFINE_string("json", None, "Write the results here.")
+_OP_PROFILE = flags.DEFINE_bool(
+    "op_profile",
+    False,
+    "Also break the decode step's XLA CPU time down by the JAX op each XLA op came from.",
+)
 
 
 def timed(fn, reps):
@@ -43,6 +56,37 @@ def timed(fn, reps):
         jax.block_until_ready(fn())
         ts.append(time.perf_counter() - t)
     return float(np.median(ts))
+
+
+def op_categories(compiled_text: str) -> dict[str, str]:
+    """XLA op name -> the JAX op it came from (the last two parts of its metadata op_name, e.g.
+    'ni,io->no/dot_general' for a weight matmul, 'jit(dynamic_index_in_dim)/dynamic_slice')."""
+    out = {}
+    for m in re.finditer(r'%([\w.-]+) = .*?metadata=\{op_name="([^"]+)"', compiled_text):
+        out[m.group(1)] = "/".join(m.group(2).split("/")[-2:])
+    return out
+
+
+def op_profile(fn, compiled_text: str, calls: int = 5) -> dict[str, float]:
+    """XLA CPU time per call of fn (ms, summed over threads), by JAX op (`op_categories`)."""
+    names = op_categories(compiled_text)
+    ms = collections.Counter()
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                jax.block_until_ready(fn())
+        pd = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+        for plane in pd.planes:
+            for line in plane.lines:
+                if not line.name.startswith("tf_XLA"):
+                    continue
+                for e in line.events:
+                    if e.name.startswith(("ThunkExecutor", "ThreadpoolListener", "end: ")):
+                        continue  # containers and markers, not work
+                    if "Await" in e.name:
+                        continue  # waits
+                    ms[names.get(e.name, e.name)] += e.duration_ns / 1e6 / calls
+    return dict(ms.most_common())
 
 
 def main(argv):
@@ -90,6 +134,25 @@ def main(argv):
 
             row = {"impl": impl, "pool_pages": pool, "width": w, "ctx": ctx, "num_flat": shape[1]}
             row["generate_ms"] = timed(gen, _REPS.value) * 1e3
+            if _OP_PROFILE.value:
+                compiled = runner_lib._generate.lower(
+                    runner.params,
+                    runner.cache,
+                    runner.state,
+                    np.bool_(False),
+                    width=shape[0],
+                    num_flat=shape[1],
+                    num_steps=ec.decode_steps,
+                    rows=s,
+                    **runner._static(),
+                ).compile()
+                ops = op_profile(gen, compiled.as_text())
+                total = sum(ops.values())
+                row["generate_xla_cpu_ms"] = total
+                row["generate_ops_cpu_ms"] = {k: round(v, 2) for k, v in ops.items() if v >= 0.1}
+                print(f"decode step, {impl}, width {w}: XLA CPU time {total:.1f} ms per step")
+                for k, v in list(ops.items())[:15]:
+                    print(f"  {v:7.2f} ms  {100 * v / total:4.1f}%  {k}")
             for r in map(int, _ROWS.value):
                 batch = PrefillBatch(
                     tokens=np.ones((r, 64), np.int32),
