@@ -15,6 +15,11 @@
    carry so nothing is hoisted), so the time excludes Python dispatch. Prints time per call and the
    achieved weight-bytes bandwidth (bytes of that method's weight / time), and the speedup of the
    kernel over bf16; targets: >= 2.5x for M <= 16, >= 1x at M = 512.
+3. In a layer scan, as the model runs it: a stack of L = 32 weights (K = N = 4096, g128) under
+   `lax.scan`, each layer's kernel given either the whole stack and the layer index (`in_place`,
+   what `llama.forward_parts` does) or the scan's per-layer slice (`sliced`, XLA writes the slice
+   out for the custom call unless its dynamic-slice fusion absorbs it). Same results asserted;
+   time per layer and the ratio.
 
 Results: DIR/gpu_int4.json (written after every row, so a timeout keeps what finished) and the
 printed table. DIR defaults to $OUT, else experiments/out/gpu_int4.
@@ -57,6 +62,7 @@ FULL = dict(
         (512, [(bm, bc, 1, w) for bm in (64, 128) for bc in (16, 32, 64) for w in (4, 8)]),
     ],
 )
+FULL["stack"] = dict(layers=32, k=4096, m=(1, 8, 32, 512))
 SMOKE = dict(
     check=[(1, 256, 128, 64), (8, 576, 192, 32, jnp.float32)],
     bench_shapes=[(256, 128)],
@@ -64,6 +70,7 @@ SMOKE = dict(
     group_size=64,
     impl="pallas_interpret",
     sweep=[(8, [(16, 16, 1), (16, 16, 2)])],
+    stack=dict(layers=3, k=256, m=(8,)),
 )
 
 
@@ -199,6 +206,54 @@ def sweep(cases, g: int, impl: str, iters: int, smoke: bool) -> list[dict]:
     return rows
 
 
+def _scan_layers(x, packed, scales, mins, group_size, impl, in_place):
+    """x through every layer of a stack [L, K, K] under lax.scan (h <- h + 0.01 * h @ W_l)."""
+    if in_place:
+
+        def body(h, li):
+            y = int4_matmul(h, packed, scales, mins, group_size=group_size, impl=impl, layer=li)
+            return h + (0.01 * y).astype(h.dtype), None
+
+        xs = jnp.arange(packed.shape[0], dtype=jnp.int32)
+    else:
+
+        def body(h, w):
+            y = int4_matmul(h, *w, group_size=group_size, impl=impl)
+            return h + (0.01 * y).astype(h.dtype), None
+
+        xs = (packed, scales, mins)
+    return jax.lax.scan(body, x, xs)[0]
+
+
+def stack_bench(spec, g: int, impl: str, iters: int) -> list[dict]:
+    """Section 3 of the module doc: the kernel reading a stack's layer in place vs a slice."""
+    layers, k = spec["layers"], spec["k"]
+    ws = [make_weight(k, k, g, seed=10 + i) for i in range(layers)]
+    stack = [jnp.stack([getattr(w, f) for w in ws]) for f in ("packed", "scales", "mins")]
+    del ws
+    rows = []
+    for m in spec["m"]:
+        x = jax.random.normal(jax.random.key(4), (m, k), jnp.bfloat16)
+        row = dict(m=m, layers=layers, k=k, n=k, group_size=g)
+        outs = {}
+        for name in ("in_place", "sliced"):
+            op = functools.partial(
+                _scan_layers, group_size=g, impl=impl, in_place=name == "in_place"
+            )
+            outs[name] = np.asarray(jax.jit(op)(x, *stack), np.float32)
+            row[f"{name}_us_per_layer"] = timed(op, (x, *stack), max(1, iters // 4)) * 1e6 / layers
+        row["same"] = bool(np.array_equal(outs["in_place"], outs["sliced"]))
+        row["sliced_over_in_place"] = row["sliced_us_per_layer"] / row["in_place_us_per_layer"]
+        rows.append(row)
+        print(
+            f"stack L={layers} M={m:<4} K=N={k}: in place {row['in_place_us_per_layer']:8.1f}us"
+            f"/layer, sliced {row['sliced_us_per_layer']:8.1f}us/layer "
+            f"(sliced/in place {row['sliced_over_in_place']:.2f}x), "
+            f"{'same output' if row['same'] else 'OUTPUTS DIFFER'}"
+        )
+    return rows
+
+
 def _native_int4(x, w_s4, s, group_size):
     """XLA's native int4: s4[K, N] -> x.dtype, times its group scale, then a dot (XLA fuses these)."""
     k, n = w_s4.shape
@@ -234,12 +289,15 @@ def main() -> None:
     result["check"] = check(spec["check"], spec["impl"])
     write()
     bench(spec["bench_shapes"], spec["bench_m"], spec["group_size"], spec["impl"], iters, write)
+    result["stack"] = stack_bench(spec["stack"], spec["group_size"], spec["impl"], iters)
+    write()
     if not opts.no_sweep:
         result["sweep"] = sweep(spec["sweep"], spec["group_size"], spec["impl"], iters, opts.smoke)
         write()
     result["seconds"] = time.perf_counter() - t0
     write()
     failed = [c for c in result["check"] if not c["ok"]]
+    failed += [r for r in result["stack"] if not r["same"]]
     print(
         f"done in {result['seconds']:.0f} s; {len(failed)} check(s) failed; wrote {out / 'gpu_int4.json'}"
     )

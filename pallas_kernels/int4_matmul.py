@@ -3,16 +3,23 @@
 Layout (defined in `jaxserve/quant/int4.py`): packed u32[K, N/8] where nibble j of packed column c
 is the code of output column j * N/8 + c; scales and mins f16[K/g, N]; W = q * scale + min.
 
+Stacked layers: given `layer`, the weight arrays are a model's whole stack [L, ...] and the kernel
+reads layer `layer` (a traced index) in place, as the paged-attention kernels read the KV pool.
+Inside the model's `lax.scan` over layers this spares a copy: a custom call's operand must be a
+buffer of its own, so handing the kernel `packed[l]` makes XLA write that layer's slice out (and
+the kernel read it back) every layer of every step, unless XLA's dynamic-slice fusion absorbs it.
+
 Dataflow of `int4_matmul` (N8 = N/8 packed columns, G = K/g groups, S = split-K factor):
 
-    x [M, K]; scales, mins [G, N] -> [G, 8, N8] (free reshape: plane j = columns j*N8 ..)
+    x [M, K]; packed [L, K, N8] -> [L*K, N8]; scales, mins [L, G, N] -> [L*G, 8, N8]
+        (free reshapes: plane j = columns j*N8 ..; L = 1 for one layer's weight, layer l = 0)
     grid (M/bm, N8/bc, S): program (i, c, s) loops over its G/S groups; per group t:
         xg  = x[i-block, t*g:(t+1)*g]                      (bm, g)   rows >= M masked to 0
         rs  = sum_k xg                                     (bm, 1)   f32
-        p   = packed[t*g:(t+1)*g, c-block]                 (g, bc)   u32, one load for 8 planes
+        p   = packed[l*K + t*g : l*K + (t+1)*g, c-block]   (g, bc)   u32, one load for 8 planes
         for plane j in 0..7:
             q_j = (p >> 4j) & 15                           (g, bc)   exact in bf16/f32
-            acc_j += (xg @ q_j) * scales[t, j, c] + rs * mins[t, j, c]        (bm, bc) f32
+            acc_j += (xg @ q_j) * scales[l*G + t, j, c] + rs * mins[l*G + t, j, c]   (bm, bc)
     out [S, M, 8, N8] (f32 partials when S > 1) -> sum over S -> [M, N] (a free reshape)
 
 The scale and min factor out of each group's dot because they are constant along k within a group,
@@ -45,6 +52,9 @@ from jaxserve.quant.int4 import PACK, check_arrays, dequantize_arrays
 
 ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 H200_SMS = 132
+# The kernel's element offsets are int32: a stack at least this large (e.g. Llama-3-70B's MLP
+# codes, 80 x 8192 x 3584 words) has its layer sliced out instead of being read in place.
+MAX_STACK_ELEMENTS = 2**31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +110,15 @@ def plan(m: int, k: int, n: int, group_size: int, num_sms: int = H200_SMS) -> In
 
 
 def _kernel(
-    x_ref,  # [M, K]            activations, whole array
-    p_ref,  # u32[K, N8]        packed codes, whole array
-    s_ref,  # f16[G, 8, N8]     scales by (group, plane, packed column)
-    z_ref,  # f16[G, 8, N8]     mins
-    o_ref,  # [S, M, 8, N8]     output (f32 partials when S > 1, else x.dtype)
+    layer_ref,  # i32[1]            which layer of the stack
+    x_ref,  # [M, K]                activations, whole array
+    p_ref,  # u32[L * K, N8]        packed codes of every layer, whole array
+    s_ref,  # f16[L * G, 8, N8]     scales by (layer and group, plane, packed column)
+    z_ref,  # f16[L * G, 8, N8]     mins
+    o_ref,  # [S, M, 8, N8]         output (f32 partials when S > 1, else x.dtype)
     *,
     m: int,
+    k: int,
     n8: int,
     group_size: int,
     groups_per_split: int,
@@ -126,23 +138,28 @@ def _kernel(
             return ref[...]
         return pltriton.load(ref, mask=jnp.broadcast_to(mask, shape), other=0)
 
+    layer = layer_ref[0]
+    groups = k // g
+
     def body(t, acc):
         gi = s * groups_per_split + t
         k0 = pl.multiple_of(gi * g, g)
+        pk0 = pl.multiple_of(layer * k + gi * g, g)  # the layer's rows of the stacked codes
+        si = layer * groups + gi
         xg = masked_load(
             x_ref.at[pl.ds(row0, bm), pl.ds(k0, g)], row_ok if rows_ragged else None, (bm, g)
         )  # (bm, g)
         rs = jnp.sum(xg.astype(jnp.float32), axis=1, keepdims=True)  # (bm, 1)
         p = masked_load(
-            p_ref.at[pl.ds(k0, g), pl.ds(col0, bc)], col_ok if cols_ragged else None, (g, bc)
+            p_ref.at[pl.ds(pk0, g), pl.ds(col0, bc)], col_ok if cols_ragged else None, (g, bc)
         )  # (g, bc) u32
         out = []
         for j in range(PACK):
             jj = jnp.int32(j)  # an array index: the interpreter rejects Python ints next to slices
             q = ((p >> (4 * j)) & 0xF).astype(jnp.int32).astype(cdt)  # (g, bc)
             mask = col_ok[0] if cols_ragged else None
-            sc = masked_load(s_ref.at[gi, jj, pl.ds(col0, bc)], mask, (bc,)).astype(jnp.float32)
-            mn = masked_load(z_ref.at[gi, jj, pl.ds(col0, bc)], mask, (bc,)).astype(jnp.float32)
+            sc = masked_load(s_ref.at[si, jj, pl.ds(col0, bc)], mask, (bc,)).astype(jnp.float32)
+            mn = masked_load(z_ref.at[si, jj, pl.ds(col0, bc)], mask, (bc,)).astype(jnp.float32)
             d = jnp.dot(xg, q, preferred_element_type=jnp.float32)  # (bm, bc)
             out.append(acc[j] + d * sc[None, :] + rs * mn[None, :])
         return tuple(out)
@@ -161,20 +178,22 @@ def _kernel(
             pltriton.store(ref, val, mask=mask)
 
 
-def _call(x2, packed, scales, mins, group_size, cfg: Int4MatmulConfig, interpret: bool):
-    """pallas_call wrapper: x2 [M, K] -> [M, N] in x2.dtype."""
+def _call(x2, packed, scales, mins, layer, group_size, cfg: Int4MatmulConfig, interpret: bool):
+    """pallas_call wrapper: x2 [M, K] @ layer `layer` (i32[]) of packed [L, K, N8] -> [M, N]."""
     m, k = x2.shape
-    n8 = packed.shape[1]
+    n_layers, _, n8 = packed.shape
     groups = k // group_size
     if groups % cfg.splits:
         raise ValueError(f"splits={cfg.splits} must divide the {groups} groups of K={k}")
     out_dtype = jnp.float32 if cfg.splits > 1 else x2.dtype
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-    s3 = scales.reshape(groups, PACK, n8)  # (G, 8, N8): plane j = columns j*N8 ..
-    z3 = mins.reshape(groups, PACK, n8)
+    p2 = packed.reshape(n_layers * k, n8)  # (L*K, N8)
+    s3 = scales.reshape(n_layers * groups, PACK, n8)  # (L*G, 8, N8): plane j = columns j*N8 ..
+    z3 = mins.reshape(n_layers * groups, PACK, n8)
     kernel = functools.partial(
         _kernel,
         m=m,
+        k=k,
         n8=n8,
         group_size=group_size,
         groups_per_split=groups // cfg.splits,
@@ -185,13 +204,13 @@ def _call(x2, packed, scales, mins, group_size, cfg: Int4MatmulConfig, interpret
     out = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[whole((m, k)), whole((k, n8)), whole(s3.shape), whole(z3.shape)],
+        in_specs=[whole((1,)), whole((m, k)), whole(p2.shape), whole(s3.shape), whole(z3.shape)],
         out_specs=whole((cfg.splits, m, PACK, n8)),
         out_shape=jax.ShapeDtypeStruct((cfg.splits, m, PACK, n8), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"int4_matmul_g{group_size}_bm{cfg.block_m}_bc{cfg.block_c}_s{cfg.splits}",
-    )(x2, packed, s3, z3)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x2, p2, s3, z3)
     if cfg.splits > 1:
         out = jnp.sum(out, axis=0)
     else:
@@ -200,11 +219,12 @@ def _call(x2, packed, scales, mins, group_size, cfg: Int4MatmulConfig, interpret
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "config", "interpret"))
-def _pallas_jit(x, packed, scales, mins, group_size, config, interpret):
+def _pallas_jit(x, packed, scales, mins, layer, group_size, config, interpret):
     *lead, k = x.shape
     x2 = x.reshape(-1, k)  # (M, K)
-    cfg = config or plan(x2.shape[0], k, packed.shape[1] * PACK, group_size)
-    return _call(x2, packed, scales, mins, group_size, cfg, interpret).reshape(*lead, -1)
+    cfg = config or plan(x2.shape[0], k, packed.shape[-1] * PACK, group_size)
+    out = _call(x2, packed, scales, mins, layer, group_size, cfg, interpret)
+    return out.reshape(*lead, -1)
 
 
 def int4_matmul(
@@ -216,25 +236,46 @@ def int4_matmul(
     group_size: int,
     impl: str = "auto",
     config: Int4MatmulConfig | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """x[..., K] @ W[K, N] -> [..., N] in x.dtype, W = (packed, scales, mins) in the INT4 layout.
 
     x:       f32/bf16/f16[..., K]
     packed:  u32[K, N/8];  scales, mins: f16[K/g, N]
+             with `layer`: a stack u32[L, K, N/8], f16[L, K/g, N], of which layer `layer` is W
     impl:    'auto' (Pallas on GPU, XLA elsewhere), 'pallas', 'pallas_interpret', 'xla', 'reference'
     config:  tiles for the Pallas kernel (default: `plan` from the shape)
+    layer:   i32[] or int (may be traced, e.g. under `lax.scan`): the Pallas kernel reads that
+             layer of the stack in place; the XLA and reference paths slice it out
     """
     check_arrays(packed, scales, mins, group_size)
-    if packed.ndim != 2:
-        raise ValueError(f"packed must be one layer's u32[K, N/8], got shape {packed.shape}")
+    want_ndim = 2 if layer is None else 3
+    if packed.ndim != want_ndim:
+        what = "one layer's u32[K, N/8]" if layer is None else "a stack u32[L, K, N/8] with layer="
+        raise ValueError(f"packed must be {what}, got shape {packed.shape}")
+    if layer is not None and jnp.ndim(layer) != 0:
+        raise ValueError(f"layer must be a scalar index, got shape {jnp.shape(layer)}")
     if jnp.dtype(x.dtype) not in ACT_DTYPES:
         raise ValueError(f"x must be f32/bf16/f16, got {x.dtype}")
-    if x.ndim < 1 or x.shape[-1] != packed.shape[0]:
-        raise ValueError(f"x has shape {x.shape}; its last dim must be K={packed.shape[0]}")
+    if x.ndim < 1 or x.shape[-1] != packed.shape[-2]:
+        raise ValueError(f"x has shape {x.shape}; its last dim must be K={packed.shape[-2]}")
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     if impl in ("pallas", "pallas_interpret"):
-        return _pallas_jit(x, packed, scales, mins, group_size, config, impl == "pallas_interpret")
+        if layer is not None and max(a.size for a in (packed, scales, mins)) >= MAX_STACK_ELEMENTS:
+            packed, scales, mins = (
+                lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (packed, scales, mins)
+            )
+            layer = None
+        if layer is None:  # one layer: a stack of one (free reshapes)
+            packed, scales, mins, layer = packed[None], scales[None], mins[None], 0
+        return _pallas_jit(
+            x, packed, scales, mins, layer, group_size, config, impl == "pallas_interpret"
+        )
+    if layer is not None:
+        packed, scales, mins = (
+            lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (packed, scales, mins)
+        )
     if impl == "xla":
         return int4_matmul_xla(x, packed, scales, mins, group_size)
     if impl == "reference":
@@ -267,6 +308,25 @@ def lowering_cases() -> list:
                     )
                     fn = functools.partial(int4_matmul, group_size=g, impl="pallas")
                     cases.append(KernelCheck(f"int4_matmul/{model}/{k}x{n}_g{g}_m{m}", fn, args))
+    # A model's whole stack of one weight and a traced layer index, as inside its lax.scan.
+    stacks = {"smollm2": (30, 576, 1536, 64), "llama3-8b": (32, 14336, 4096, 128)}
+    for model, (layers, k, n, g) in stacks.items():
+        for m in (8, 512):
+            args = (
+                sds((m, k), jnp.bfloat16),
+                sds((layers, k, n // PACK), jnp.uint32),
+                sds((layers, k // g, n), jnp.float16),
+                sds((layers, k // g, n), jnp.float16),
+                sds((), jnp.int32),
+            )
+
+            def fn(x, packed, scales, mins, layer, g=g):
+                return int4_matmul(
+                    x, packed, scales, mins, group_size=g, impl="pallas", layer=layer
+                )
+
+            name = f"int4_matmul/{model}/stack{layers}_{k}x{n}_g{g}_m{m}"
+            cases.append(KernelCheck(name, fn, args))
     return cases
 
 

@@ -100,6 +100,19 @@ def lower_step(kind: str, v: dict, c, params, cache, state, mixed_width: int = 8
     return lower(runner_lib._mixed, *args, prefill_width=mixed_width, **v, **static)
 
 
+def int4_codes_shapes(text: str) -> set[tuple[int, int, int]]:
+    """(rows of the codes operand, K, N) of every INT4 kernel call in a lowered module."""
+    out = set()
+    for line in text.splitlines():
+        if "int4_matmul_" in line and "__gpu$xla.gpu.triton" in line:
+            # operands: (layer i32[1], x [M, K], codes u32[rows, N/8], scales, mins)
+            types = re.search(r":\s*\((.*)\)\s*->", line).group(1)
+            x_shape, codes_shape = re.findall(r"tensor<([\dx]+)x\w+>", types)[1:3]
+            rows, n8 = map(int, codes_shape.split("x"))
+            out.add((rows, int(x_shape.split("x")[-1]), 8 * n8))
+    return out
+
+
 EXPECTED = {
     "generate": {"paged_decode"},
     "prefill": {"paged_prefill"},
@@ -130,6 +143,13 @@ def test_engine_steps_lower_for_cuda(on_gpu, model, quantization, kv_cache_dtype
     for kind, v in variants:
         text = lower_step(kind, v, c, params, cache, state)
         assert kernels(text) == EXPECTED[kind] | int4, kind
+        if quantization:
+            # Each layer's INT4 kernel gets the whole stack of its weight, [L * K, N/8] codes,
+            # and reads the scan's layer in place: no per-layer slice is copied out for it. (An
+            # untied lm_head [D, V] is one weight.)
+            shapes = int4_codes_shapes(text)
+            layer_calls = {(r, k) for r, k, n in shapes if n != c.vocab_size}
+            assert layer_calls and all(r == c.num_layers * k for r, k in layer_calls), shapes
 
 
 def test_every_warmup_program_lowers_for_cuda(on_gpu):

@@ -35,8 +35,18 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, out_dtype=No
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def linear(x: jax.Array, w) -> jax.Array:
-    """x[..., in] @ w[in, out] -> [..., out] in x.dtype."""
+def linear(x: jax.Array, w, layer=None) -> jax.Array:
+    """x[..., in] @ w[in, out] -> [..., out] in x.dtype.
+
+    layer (i32[] or int): w is a stack [L, in, out] and the weight is its layer `layer`. A
+    quantized weight whose kernel reads a stack's layer in place (`reads_layer_in_place`: INT4)
+    gets the stack whole; any other weight is sliced out here.
+    """
+    if layer is not None and not getattr(w, "reads_layer_in_place", False):
+        w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), w)
+        layer = None
     if isinstance(w, jax.Array):
         return matmul(x, w.astype(x.dtype))
+    if layer is not None:
+        return w.matmul(x, layer=layer)
     return w.matmul(x)

@@ -170,13 +170,26 @@ def forward_parts(
             start += b * t
         return out
 
+    # Weights whose kernel reads a layer of the stack in place (INT4) stay out of the scan's
+    # inputs, which would slice (copy) each layer out for the kernel; they get the layer index.
+    whole = {
+        name: w for name, w in params["layers"].items() if getattr(w, "reads_layer_in_place", False)
+    }
+    scanned = {name: w for name, w in params["layers"].items() if name not in whole}
+
     def layer(carry, xs):
         x, cache = carry
         lp, li = xs
+
+        def proj(a, name):  # a @ layer li's weight `name`
+            if name in whole:
+                return linear(a, whole[name], layer=li)
+            return linear(a, lp[name])
+
         y = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        q = linear(y, lp["wq"])
-        k = linear(y, lp["wk"])
-        v = linear(y, lp["wv"])
+        q = proj(y, "wq")
+        k = proj(y, "wk")
+        v = proj(y, "wv")
         if c.attention_bias:
             q = q + lp["bq"].astype(dtype)
             k = k + lp["bk"].astype(dtype)
@@ -202,14 +215,14 @@ def forward_parts(
             for qi, meta in zip(qs, metas)
         ]
         o = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # (N, H*Dh)
-        x = x + linear(o, lp["wo"])
+        x = x + proj(o, "wo")
         y = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
-        gate = jax.nn.silu(linear(y, lp["w_gate"]).astype(jnp.float32)).astype(dtype)
-        x = x + linear(gate * linear(y, lp["w_up"]), lp["w_down"])
+        gate = jax.nn.silu(proj(y, "w_gate").astype(jnp.float32)).astype(dtype)
+        x = x + proj(gate * proj(y, "w_up"), "w_down")
         return (x, cache), None
 
     (x, cache), _ = jax.lax.scan(
-        layer, (x, cache), (params["layers"], jnp.arange(c.num_layers, dtype=jnp.int32))
+        layer, (x, cache), (scanned, jnp.arange(c.num_layers, dtype=jnp.int32))
     )
     return split(rms_norm(x, params["final_norm"], c.rms_norm_eps)), cache
 

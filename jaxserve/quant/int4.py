@@ -41,8 +41,9 @@ Scales and mins are stored as float16: GGUF's own precision (so Q4_1/Q4_0 import
 g=128 the INT4 weight is (0.5 + 4/128) bytes per value = 0.266x of bf16. Quantizers must compute
 codes against the stored scales: round with `to_stored(scales)` first (RTN in `rtn.py` does).
 
-Every leaf may carry leading axes (a stacked layer axis [L, ...]), so params scanned with
-`lax.scan` slice Int4Weight like any array; `matmul` needs a 2-D weight (one layer). So does
+Every leaf may carry leading axes (a stacked layer axis [L, ...]). `matmul` needs one layer: a 2-D
+weight, or a stack [L, K, N] and the index of the layer (`matmul(x, layer=l)`: the fused kernel
+reads that layer in place, so the model's `lax.scan` passes the stack whole). So does
 `take(ids)`, the column gather W[:, ids].T that looks up an embedding table stored in the
 lm_head view [D, V] (it unpacks only the gathered columns).
 """
@@ -74,6 +75,9 @@ class Int4Weight:
     mins: jax.Array  # f16[..., K // group_size, N]
     group_size: int = struct.field(pytree_node=False, default=DEFAULT_GROUP_SIZE)
     impl: str = struct.field(pytree_node=False, default="auto")
+
+    # `matmul(x, layer=l)` reads layer l of a stack [L, K, N] in place (`layers.linear`)
+    reads_layer_in_place = True
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -125,13 +129,16 @@ class Int4Weight:
         cols = codes * s + m  # (K, n)
         return cols.T.reshape(*ids.shape, k).astype(dtype)  # (..., K)
 
-    def matmul(self, x: jax.Array, impl: str | None = None) -> jax.Array:
-        """x[..., K] @ W[K, N] -> [..., N] in x.dtype (f32 accumulation)."""
+    def matmul(self, x: jax.Array, impl: str | None = None, layer=None) -> jax.Array:
+        """x[..., K] @ W[K, N] -> [..., N] in x.dtype (f32 accumulation).
+
+        layer: i32[] or int: the weight is a stack [L, K, N] and W is its layer `layer`.
+        """
         self.check()
-        if self.packed.ndim != 2:
+        if self.packed.ndim != (2 if layer is None else 3):
             raise ValueError(
-                f"Int4Weight.matmul needs one layer's weight [K, N]; got shape {self.shape} "
-                "(slice the stacked layer axis first, e.g. under lax.scan)"
+                f"Int4Weight.matmul needs one layer's weight [K, N], or a stack [L, K, N] with "
+                f"layer=; got shape {self.shape} and layer={layer!r}"
             )
         from pallas_kernels.int4_matmul import int4_matmul  # the kernel imports this module
 
@@ -142,6 +149,7 @@ class Int4Weight:
             self.mins,
             group_size=self.group_size,
             impl=impl or self.impl,
+            layer=layer,
         )
 
 

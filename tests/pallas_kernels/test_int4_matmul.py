@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve.quant import rtn
+from pallas_kernels.check import h200_mesh
 from pallas_kernels.int4_matmul import (
     H200_SMS,
     Int4MatmulConfig,
@@ -52,6 +53,52 @@ CASES = [
 def test_pallas_interpret_equals_reference(lead, k, n, g, dtype):
     x, w = _case(lead, k, n, g, dtype)
     _check(int4_matmul(x, w.packed, w.scales, w.mins, group_size=g, impl="pallas_interpret"), x, w)
+
+
+@pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
+def test_stacked_weight_at_a_traced_layer_equals_that_layer(impl):
+    # The model's lax.scan passes an INT4 stack [L, K, N] whole with the layer index: the kernel
+    # must read exactly that layer (row offset l*K in the codes, l*G in the scales and mins).
+    k, n, g, layers = 576, 192, 64, 3
+    x, _ = _case((5,), k, n, g, jnp.bfloat16, seed=4)
+    ws = [_case((1,), k, n, g, jnp.float32, seed=10 + i)[1] for i in range(layers)]
+    packed, scales, mins = (
+        jnp.stack([getattr(w, f) for w in ws]) for f in ("packed", "scales", "mins")
+    )
+
+    @jax.jit
+    def run(x, packed, scales, mins):
+        def body(_, li):
+            y = int4_matmul(x, packed, scales, mins, group_size=g, impl=impl, layer=li)
+            return None, y
+
+        return jax.lax.scan(body, None, jnp.arange(layers, dtype=jnp.int32))[1]
+
+    got = run(x, packed, scales, mins)  # (L, 5, N)
+    for i, w in enumerate(ws):
+        _check(got[i], x, w)
+    assert not np.allclose(np.asarray(got[0], np.float32), np.asarray(got[1], np.float32))
+
+
+def test_a_stack_past_int32_offsets_is_sliced_not_read_in_place():
+    # Llama-3-70B's w_gate stack: 80 x 8192 x 3584 u32 words overflow the kernel's int32 offsets.
+    sds = jax.ShapeDtypeStruct
+    layers, k, n, g = 80, 8192, 28672, 128
+    args = (
+        sds((8, k), jnp.bfloat16),
+        sds((layers, k, n // 8), jnp.uint32),
+        sds((layers, k // g, n), jnp.float16),
+        sds((layers, k // g, n), jnp.float16),
+        sds((), jnp.int32),
+    )
+
+    def fn(x, packed, scales, mins, layer):
+        return int4_matmul(x, packed, scales, mins, group_size=g, impl="pallas", layer=layer)
+
+    with jax.sharding.use_abstract_mesh(h200_mesh()):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(line for line in text.splitlines() if "int4_matmul_" in line and "triton" in line)
+    assert f"tensor<{k}x{n // 8}xui32>" in call  # one layer's codes, not the whole stack
 
 
 def test_forced_tiles_split_and_unsplit_agree():
@@ -111,6 +158,14 @@ def test_bad_inputs():
         )
     with pytest.raises(ValueError, match="power of two"):
         Int4MatmulConfig(24, 16, 1)
+    with pytest.raises(ValueError, match="a stack"):
+        int4_matmul(x, w.packed, w.scales, w.mins, group_size=64, layer=0)
+    with pytest.raises(ValueError, match="one layer"):
+        int4_matmul(x, w.packed[None], w.scales[None], w.mins[None], group_size=64)
+    with pytest.raises(ValueError, match="scalar"):
+        int4_matmul(
+            x, w.packed[None], w.scales[None], w.mins[None], group_size=64, layer=jnp.zeros(2)
+        )
 
 
 def test_jit_does_not_recompile_per_call():
