@@ -31,7 +31,9 @@ about twice; prefill (M > 64) runs tiled with S = 1 (no partial-output traffic).
 Dimensions need not be powers of two (SmolLM2: K, N in {576, 192, 1536}): every load/store is a
 power-of-two tile of a whole-array ref at a dynamic offset, and the ragged last column block and
 rows past M are masked (Triton does no bounds checks of its own). K must be a multiple of g
-(enforced by the layout), N a multiple of 8.
+(enforced by the layout), N a multiple of 8. Row indices (l*K + k, l*G + t) are small int32s; the
+element offsets they become are computed by Pallas' Triton lowering, in 64 bits for any array over
+4 GiB (a Llama-3-70B MLP stack: 80 x 8192 x 3584 u32 words, 9.4 GB).
 
 `int4_matmul_xla` (unpack + dot; what CPUs run) and `int4_matmul_reference` (pure jnp, f32, the
 definition the tests compare against) are at the end of the file.
@@ -52,9 +54,6 @@ from jaxserve.quant.int4 import PACK, check_arrays, dequantize_arrays
 
 ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 H200_SMS = 132
-# The kernel's element offsets are int32: a stack at least this large (e.g. Llama-3-70B's MLP
-# codes, 80 x 8192 x 3584 words) has its layer sliced out instead of being read in place.
-MAX_STACK_ELEMENTS = 2**31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,11 +261,6 @@ def int4_matmul(
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     if impl in ("pallas", "pallas_interpret"):
-        if layer is not None and max(a.size for a in (packed, scales, mins)) >= MAX_STACK_ELEMENTS:
-            packed, scales, mins = (
-                lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (packed, scales, mins)
-            )
-            layer = None
         if layer is None:  # one layer: a stack of one (free reshapes)
             packed, scales, mins, layer = packed[None], scales[None], mins[None], 0
         return _pallas_jit(

@@ -80,8 +80,9 @@ def test_stacked_weight_at_a_traced_layer_equals_that_layer(impl):
     assert not np.allclose(np.asarray(got[0], np.float32), np.asarray(got[1], np.float32))
 
 
-def test_a_stack_past_int32_offsets_is_sliced_not_read_in_place():
-    # Llama-3-70B's w_gate stack: 80 x 8192 x 3584 u32 words overflow the kernel's int32 offsets.
+def test_a_stack_past_4_gib_lowers_and_is_read_in_place():
+    # Llama-3-70B's w_gate stack, 80 x 8192 x 3584 u32 words (9.4 GB): element offsets past 2^31,
+    # which the Triton lowering computes in 64 bits for arrays over 4 GiB.
     sds = jax.ShapeDtypeStruct
     layers, k, n, g = 80, 8192, 28672, 128
     args = (
@@ -98,7 +99,7 @@ def test_a_stack_past_int32_offsets_is_sliced_not_read_in_place():
     with jax.sharding.use_abstract_mesh(h200_mesh()):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     call = next(line for line in text.splitlines() if "int4_matmul_" in line and "triton" in line)
-    assert f"tensor<{k}x{n // 8}xui32>" in call  # one layer's codes, not the whole stack
+    assert f"tensor<{layers * k}x{n // 8}xui32>" in call  # the whole stack, not a sliced layer
 
 
 def test_forced_tiles_split_and_unsplit_agree():
