@@ -11,6 +11,10 @@ Steps, each printed and written to DIR/gpu_kernels.json and DIR/gpu_kernels.md:
 3. Correctness on the device: decode and prefill kernels against `paged_attention_reference` for
    f32/bf16 queries x auto/int8/fp8 KV x page 16/32, ragged lengths (0, 1, ps-1, ps, ps+1, max) and
    chunk offsets (0, 1, mid-page), random permuted page tables.
+3b. Pools past 2^31 elements, pages at the pool's far end, decode and prefill against the reference:
+   a 3 GiB int8 pool (Pallas' Triton lowering computes offsets in 32 bits for arrays up to 4 GiB,
+   and Triton's offsets are signed, so a 1-byte array of 2-4 GiB is the case at risk) and a 5 GiB
+   bf16 pool (64-bit offsets). Smoke mode runs the same code on tiny pools.
 4. Decode timings at Llama-3-8B attention shapes (32 q heads, 8 KV heads, head_dim 128): batch
    8/64/256 x context 512/4096/8192 x page 16/32 x bf16/int8/fp8 KV, one layer of the pool; kernel
    vs the XLA reference (gather + einsum); achieved GB/s of KV read beside the copy bandwidth.
@@ -174,6 +178,71 @@ def check_correctness(interpret: bool, small: bool) -> list[dict]:
                     f"  correctness q={jnp.dtype(q_dt).name:8s} kv={kv:4s} ps={ps}: decode err {dec_err:.2e} "
                     f"prefill err {pre_err:.2e} (tol {tol:.1e}) {'ok' if ok else 'FAIL'}"
                 )
+    return rows
+
+
+def check_large_pools(interpret: bool, small: bool) -> list[dict]:
+    """Step 3b of the module doc: K/V pools of more than 2^31 elements, read at their far end."""
+    rows = []
+    kvh, g, d, ps, b, w = (2, 2, 64, 16, 2, 2) if small else (8, 4, 128, 16, 4, 4)
+    cases = (
+        [("int8", 1 << 20), ("bf16", 1 << 20)] if small else [("int8", 3 << 30), ("bf16", 5 << 30)]
+    )
+    key = jax.random.key(7)
+    for kv, nbytes in cases:
+        dtype = jnp.int8 if kv == "int8" else jnp.bfloat16
+        pages = nbytes // (kvh * ps * d * jnp.dtype(dtype).itemsize)
+        key, k1, k2, k3, k4 = jax.random.split(key, 5)
+        # Only the pages the table names get values (the rest stay 0): the last b*w - 1 pages of
+        # the pool, shuffled, and page 0.
+        used = jnp.concatenate(
+            [jnp.zeros((1,), jnp.int32), pages - 1 - jax.random.permutation(k1, b * w - 1)]
+        ).astype(jnp.int32)
+        vals = [jax.random.normal(kk, (1, kvh, b * w, ps, d)) for kk in (k2, k3)]
+        if kv == "int8":
+            vals = [jnp.clip(jnp.round(x * 40), -127, 127) for x in vals]
+        k, v = (
+            jnp.zeros((1, kvh, pages, ps, d), dtype).at[:, :, used].set(x.astype(dtype))
+            for x in vals
+        )
+        ksc = vsc = None
+        if kv == "int8":
+            ksc = jnp.full((1, kvh, pages, ps), 0.01, jnp.float32)
+            vsc = jnp.full((1, kvh, pages, ps), 0.02, jnp.float32)
+        pt = used.reshape(b, w)
+        lens = jnp.asarray([w * ps, w * ps - 3, ps + 1, 1][:b], jnp.int32)
+        q = jax.random.normal(k4, (b, kvh * g, d), jnp.float32).astype(jnp.bfloat16)
+        out = paged_attention(q, k, v, lens, pt, 0, ksc, vsc, interpret=interpret)
+        ref = paged_attention_reference(q[:, None], k, v, lens[:, None] - 1, lens, pt, 0, ksc, vsc)
+        dec_err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref[:, 0].astype(jnp.float32))))
+        t = 8  # a prefill chunk of 8 at the end of each row's length
+        pos = jnp.maximum(lens[:, None] - t, 0) + jnp.arange(t, dtype=jnp.int32)[None, :]
+        seq = jnp.max(pos, axis=1) + 1
+        qp = jax.random.normal(k4, (b, t, kvh * g, d), jnp.float32).astype(jnp.bfloat16)
+        outp = paged_prefill_attention(qp, k, v, pos, seq, pt, 0, ksc, vsc, interpret=interpret)
+        refp = paged_attention_reference(qp, k, v, pos, seq, pt, 0, ksc, vsc)
+        pre_err = float(jnp.max(jnp.abs(outp.astype(jnp.float32) - refp.astype(jnp.float32))))
+        scale = float(jnp.max(jnp.abs(ref.astype(jnp.float32)))) + 1e-6
+        tol = 3e-2 * max(scale, 1.0)
+        ok = dec_err <= tol and pre_err <= tol
+        elements = kvh * pages * ps * d
+        rows.append(
+            dict(
+                kv=kv,
+                pool_bytes=elements * jnp.dtype(dtype).itemsize,
+                pool_elements=elements,
+                decode_max_err=dec_err,
+                prefill_max_err=pre_err,
+                tol=tol,
+                ok=ok,
+            )
+        )
+        print(
+            f"  large pool kv={kv:4s} {elements * jnp.dtype(dtype).itemsize / 2**30:.3f} GiB "
+            f"({elements / 2**31:.2f} x 2^31 elements): decode err {dec_err:.2e} prefill err "
+            f"{pre_err:.2e} (tol {tol:.1e}) {'ok' if ok else 'FAIL'}"
+        )
+        del k, v, ksc, vsc
     return rows
 
 
@@ -365,6 +434,16 @@ def markdown(res: dict) -> str:
         "",
         f"Correctness vs reference on the device: {ok}/{len(res['correctness'])} configurations ok.",
     ]
+    lines += [
+        "",
+        "| pool past 2^31 elements | GiB | decode err | prefill err | ok |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['kv']} | {r['pool_bytes'] / 2**30:.3f} | {r['decode_max_err']:.2e} "
+        f"| {r['prefill_max_err']:.2e} | {'yes' if r['ok'] else 'NO'} |"
+        for r in res.get("large_pools", [])
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -408,6 +487,8 @@ def main(argv=None) -> int:
 
     print("correctness vs reference:")
     res["correctness"] = check_correctness(interpret, small=opts.smoke)
+    print("pools past 2^31 elements:")
+    res["large_pools"] = check_large_pools(interpret, small=opts.smoke)
 
     print("decode timings:")
     if opts.smoke:
@@ -432,7 +513,7 @@ def main(argv=None) -> int:
     print(
         f"wrote {out / 'gpu_kernels.json'} and {out / 'gpu_kernels.md'} in {res['seconds']:.0f} s"
     )
-    return 0 if all(r["ok"] for r in res["correctness"]) else 1
+    return 0 if all(r["ok"] for r in res["correctness"] + res["large_pools"]) else 1
 
 
 if __name__ == "__main__":
