@@ -5,7 +5,8 @@
 returns the same pytree with every linear weight (layers/{wq, wk, wv, wo, w_gate, w_up, w_down}
 [L, K, N], and lm_head [D, V] when untied) replaced by a quantized-weight pytree of the same logical
 shape (`Int4Weight`, `Int8Weight`, `Fp8Weight`); norms and biases keep the model dtype.
-`layers.linear.linear` calls `w.matmul(x)`, so the model runs unchanged.
+`layers.linear.linear` calls `w.matmul(x)`, so the model runs unchanged (an INT4 stack is
+handed to its kernel whole, `w.matmul(x, layer=l)`, which reads layer l in place).
 
 The embedding table [V, D] is quantized too (`quantize_embedding=True`, the default) in the lm_head
 view [D, V] (`layers/embedding.py`): the model looks rows up with `embed.take(ids)` and, when tied
