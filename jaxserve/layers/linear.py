@@ -47,6 +47,4 @@ def linear(x: jax.Array, w, layer=None) -> jax.Array:
         layer = None
     if isinstance(w, jax.Array):
         return matmul(x, w.astype(x.dtype))
-    if layer is not None:
-        return w.matmul(x, layer=layer)
-    return w.matmul(x)
+    return w.matmul(x) if layer is None else w.matmul(x, layer=layer)
