@@ -48,6 +48,7 @@ from flax import struct
 
 from jaxserve import kv_cache, sampling
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.layers import linear
 from jaxserve.layers.attention import AttentionMetadata, resolve_impl
 from jaxserve.layers.ragged_attention import flat_bucket, flat_buckets
 from jaxserve.models import llama
@@ -338,6 +339,8 @@ class ModelRunner:
     def __init__(
         self, params, model_config: ModelConfig, engine_config: EngineConfig, num_pages: int
     ):
+        if jax.default_backend() == "cpu":  # XLA's CPU GEMM is faster on [out, in] weights
+            params = {**params, "layers": linear.cpu_layout(params["layers"])}
         self.params = params
         self.model_config = model_config
         self.config = engine_config

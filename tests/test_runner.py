@@ -5,9 +5,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from model_testing import forward_logits
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.layers.linear import TransposedWeight
 from jaxserve.loading.dummy import dummy_params
 from jaxserve.runner import ModelRunner
 
@@ -148,3 +150,24 @@ def test_multistep_decode_equals_single_step():
     st = multi_llm.stats()
     assert st["num_d2h_transfers"] == st["num_steps"]
     assert st["num_steps"] < max(3 + 5 * i for i in range(6))  # 4 tokens per round trip
+
+
+def test_runner_stores_plain_layer_weights_transposed_on_cpu():
+    """On CPU the runner keeps each plain [L, in, out] linear weight as [L, out, in]
+    (`linear.TransposedWeight`, RESULTS section 21); the model computes the same logits with it."""
+    cfg = ModelConfig.preset("tiny")
+    params = dummy_params(cfg, "float32")
+    ec = EngineConfig(num_slots=4, max_model_len=64, page_size=32, dtype="float32")
+    runner = ModelRunner(params, cfg, ec, num_pages=8)
+    layers = runner.params["layers"]
+    if jax.default_backend() != "cpu":
+        assert all(isinstance(w, jax.Array) for w in layers.values())
+        return
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        assert isinstance(layers[name], TransposedWeight), name
+        assert layers[name].shape == params["layers"][name].shape
+    assert layers["attn_norm"] is params["layers"]["attn_norm"]
+    seq = np.arange(3, 23, dtype=np.int32)[None]
+    np.testing.assert_allclose(
+        forward_logits(runner.params, cfg, seq), forward_logits(params, cfg, seq), atol=1e-4
+    )

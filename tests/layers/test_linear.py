@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.layers.linear import linear, matmul
+from jaxserve.layers.linear import TransposedWeight, cpu_layout, linear, matmul
 
 
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 5)])
@@ -57,3 +57,37 @@ def test_one_row_bf16_dot_does_not_convert_the_weight_on_cpu():
     assert "f32[512,64]" not in hlo
     # The check can fail: the unpadded dot does carry the converted weight.
     assert "f32[512,64]" in jax.jit(plain).lower(x, w).compile().as_text()
+
+
+def test_transposed_weight_multiplies_as_the_weight_it_stores():
+    """A [L, in, out] stack stored [L, out, in]: same logical shape, same products, whole or one
+    layer at a time (the `linear(layer=)` slice and a `lax.scan` over the stack)."""
+    kx, kw = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (5, 24), jnp.float32)
+    w = jax.random.normal(kw, (3, 24, 40), jnp.float32)
+    t = TransposedWeight.of(w)
+    assert t.shape == (3, 24, 40) and t.t.shape == (3, 40, 24) and t.dtype == jnp.float32
+    want = np.einsum("ni,lio->lno", np.asarray(x), np.asarray(w))
+    for layer in range(3):
+        got = jax.jit(linear)(x, t, jnp.int32(layer))
+        np.testing.assert_allclose(np.asarray(got), want[layer], rtol=1e-5, atol=1e-5)
+
+    def body(carry, lw):  # the scan slices the pytree's leaf on its layer axis
+        return carry, linear(x, lw)
+
+    _, ys = jax.lax.scan(body, 0, t)
+    np.testing.assert_allclose(np.asarray(ys), want, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_layout_transposes_only_plain_stacked_linear_weights():
+    layers = {
+        "attn_norm": jnp.ones((2, 8)),  # norms and biases: 2-D, unchanged
+        "bq": jnp.zeros((2, 4)),
+        "wq": jnp.arange(2 * 8 * 4, dtype=jnp.float32).reshape(2, 8, 4),
+    }
+    out = cpu_layout(layers)
+    assert out["attn_norm"] is layers["attn_norm"] and out["bq"] is layers["bq"]
+    assert isinstance(out["wq"], TransposedWeight) and out["wq"].shape == (2, 8, 4)
+    np.testing.assert_array_equal(
+        np.asarray(out["wq"].t), np.swapaxes(np.asarray(layers["wq"]), 1, 2)
+    )
