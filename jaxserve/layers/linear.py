@@ -53,7 +53,7 @@ class TransposedWeight:
     @classmethod
     def of(cls, w: jax.Array) -> "TransposedWeight":
         """From a weight stored [..., in, out] (one copy of it)."""
-        return cls(jnp.swapaxes(w, -1, -2).copy())
+        return cls(jnp.swapaxes(w, -1, -2))  # eager: a new, transposed buffer
 
     def tree_flatten(self):
         return (self.t,), None
