@@ -32,7 +32,7 @@ def norm(x):  # keeps the 30-layer toy stack finite, so the two variants can be 
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
-def separate(x, p):
+def separate(x, p, mm=mm):  # mm: `experiments/cpu_weight_layout.py` passes [out, in] weights' dot
     x = norm(x)
     q, k, v = mm(x, p["wq"]), mm(x, p["wk"]), mm(x, p["wv"])
     x = x + mm((q + jnp.tile(k + v, (1, 3))).astype(x.dtype), p["wo"])

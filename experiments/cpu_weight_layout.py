@@ -9,70 +9,56 @@ in turn, --reps times each, and the script checks they give the same output. Onl
 the elementwise glue: no attention, norms or KV cache. Median of --reps calls.
 
     .venv/bin/python experiments/cpu_weight_layout.py --rows=4,8,32,64,128
+
+The layer is `experiments/cpu_joined_matmuls.py`'s `separate`, and --rows / --reps are its flags.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
+import cpu_joined_matmuls as cjm  # same directory: its `separate` layer and --rows / --reps flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-_ROWS = flags.DEFINE_list("rows", ["4", "8", "32", "64", "128"], "Token rows M per call.")
-_REPS = flags.DEFINE_integer("reps", 9, "Timed calls per variant and point (median).")
 _JSON = flags.DEFINE_string("json", None, "Write the timings here.")
 
-L, D, I, Q, KV = 30, 576, 1536, 576, 192  # SmolLM2-135M
-SHAPES = dict(
-    wq=(D, Q), wk=(D, KV), wv=(D, KV), wo=(Q, D), w_gate=(D, I), w_up=(D, I), w_down=(I, D)
-)
 
-
-def norm(x):  # keeps the 30-layer toy stack finite
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
-
-
-def make_layer(spec):
-    def mm(x, w):
-        return jnp.einsum(spec, x, w)
-
-    def layer(x, p):
-        x = norm(x)
-        q, k, v = mm(x, p["wq"]), mm(x, p["wk"]), mm(x, p["wv"])
-        x = x + mm((q + jnp.tile(k + v, (1, 3))).astype(x.dtype), p["wo"])
-        h = jax.nn.silu(mm(x, p["w_gate"])) * mm(x, p["w_up"])
-        return x + mm(h.astype(x.dtype), p["w_down"]), None
-
-    return layer
+def mm_transposed(x, w):
+    return jnp.einsum("ni,oi->no", x, w)
 
 
 def main(argv):
     del argv
     rng = np.random.default_rng(0)
+    L, D, I, Q, KV = cjm.L, cjm.D, cjm.I, cjm.Q, cjm.KV  # SmolLM2-135M
+    shapes = dict(
+        wq=(D, Q), wk=(D, KV), wv=(D, KV), wo=(Q, D), w_gate=(D, I), w_up=(D, I), w_down=(I, D)
+    )
     in_out = {
-        n: jnp.asarray(0.02 * rng.standard_normal((L, *s)), jnp.bfloat16) for n, s in SHAPES.items()
+        n: jnp.asarray(0.02 * rng.standard_normal((L, *s)), jnp.bfloat16) for n, s in shapes.items()
     }
     out_in = {n: jnp.swapaxes(w, 1, 2).copy() for n, w in in_out.items()}
     cases = {
-        "[L, in, out]": (make_layer("ni,io->no"), in_out),
-        "[L, out, in]": (make_layer("ni,oi->no"), out_in),
+        "[L, in, out]": (cjm.separate, in_out),
+        "[L, out, in]": (functools.partial(cjm.separate, mm=mm_transposed), out_in),
     }
     run = jax.jit(lambda body, x, p: jax.lax.scan(body, x, p)[0], static_argnums=0)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {L} layers, bf16")
     print("| rows | [L, in, out] ms | [L, out, in] ms | in,out / out,in |")
     print("|---:|---:|---:|---:|")
     results = []
-    for m in map(int, _ROWS.value):
+    for m in map(int, cjm._ROWS.value):
         x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
         outs = {n: np.asarray(run(body, x, p), np.float32) for n, (body, p) in cases.items()}
         a, b = outs.values()
         np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05)  # same values, other summation order
         times = {n: [] for n in cases}
-        for _ in range(_REPS.value):  # alternate, so drift on this noisy VM hits both
+        for _ in range(cjm._REPS.value):  # alternate, so drift on this noisy VM hits both
             for n, (body, p) in cases.items():
                 t = time.perf_counter()
                 jax.block_until_ready(run(body, x, p))
