@@ -1,12 +1,23 @@
-"""Prefix caching A/B on SmolLM2 (CPU): a few-shot batch job and n > 1 sampling, caching off vs on.
+"""Prefix caching A/B on SmolLM2 (CPU): a few-shot batch job, n > 1 sampling and multi-turn chats,
+caching off vs on.
 
-Workload (a research batch job of the common kind): every row is a chat with the same long
+--parts=fewshot (a research batch job of the common kind): every row is a chat with the same long
 few-shot system message (~300 tokens) and a short question of its own, greedy, 32 new tokens; then
-16 prompts with n=4 seeded samples. Both engines live in one process (they share the jit caches, so
-only the first warms up) and run in the order off, on, on, off (--rounds 2), so drift in machine load
-hits both; the table reports each run and the ratio of the medians.
+16 prompts with n=4 seeded samples.
+
+--parts=multiturn: --convs chats of three turns, each turn one `chat` call over all of them. Turn
+t + 1's conversation is turn t's plus its answer (the text) and a follow-up question, so its prompt
+begins with turn t's prompt and answer: the pages a hit can take beyond turn t's prompt hold
+generated tokens (registered since the twelfth session). Greedy, up to 64 new tokens, stopping at
+EOS as a chat does.
+
+Both engines live in one process (they share the jit caches, so only the first warms up) and run in
+the order off, on, on, off (--rounds 2), so drift in machine load hits both; the table reports each
+run and the ratio of the medians. Every run starts from an empty prefix cache
+(`LLM.reset_prefix_cache`); the untimed warm-up's prompts are not reused.
 
     .venv/bin/python experiments/prefix_caching.py --rows 192 --json experiments/out/prefix_caching.json
+    .venv/bin/python experiments/prefix_caching.py --parts=multiturn --json experiments/out/prefix_multiturn.json
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ _ROWS = flags.DEFINE_integer("rows", 192, "Few-shot rows per run.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "off/on pairs (ABBA order).")
 _SLOTS = flags.DEFINE_integer("num_slots", 32, "Slots.")
 _JSON = flags.DEFINE_string("json", None, "Write the results here.")
+_PARTS = flags.DEFINE_list("parts", ["fewshot"], "fewshot (and n=4 sampling), multiturn.")
+_CONVS = flags.DEFINE_integer("convs", 32, "Conversations in the multiturn part.")
 
 SYSTEM = (
     "You are a careful assistant that answers questions about Python's standard library in one "
@@ -85,50 +98,145 @@ def run(llm: LLM, rows: list, n_rows: list) -> dict:
     }
 
 
+FOLLOW_UPS = ["Show it in a one-line code example.", "Name one common mistake people make with it."]
+
+
+def multiturn(llm: LLM, n: int) -> dict:
+    """Three turns of `n` chats; turn t + 1 = turn t's conversation, its answer and a follow-up."""
+    sp = SamplingParams(temperature=0, max_tokens=64)
+    page = llm.engine_config.page_size
+    convs = [[c[1]] for c in chats(n, offset=3000)]  # the user questions alone, no few-shot system
+    turns, prev = [], None
+    for t in range(1 + len(FOLLOW_UPS)):
+        s0, t0 = llm.stats(), time.perf_counter()
+        outs = llm.chat(convs, sp, use_tqdm=False)
+        seconds, s1 = time.perf_counter() - t0, llm.stats()
+        cached = [o.num_cached_tokens for o in outs]
+        lens = [len(o.prompt_token_ids) for o in outs]
+        turns.append(
+            {
+                "seconds": seconds,
+                "prompt_tokens": sum(lens),
+                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                "prefill_tokens_computed": s1["num_prefill_tokens"] - s0["num_prefill_tokens"],
+                "prefill_tokens_cached": sum(cached),
+                # hits past the full pages of the turn before's prompt: generated-token pages
+                "cached_past_previous_prompt": 0
+                if prev is None
+                else sum(max(0, c - page * (p // page)) for c, p in zip(cached, prev)),
+                "tokens": [o.outputs[0].token_ids for o in outs],
+            }
+        )
+        prev = lens
+        if t < len(FOLLOW_UPS):
+            convs = [
+                c + [{"role": "assistant", "content": o.outputs[0].text},
+                     {"role": "user", "content": FOLLOW_UPS[t]}]
+                for c, o in zip(convs, outs)
+            ]  # fmt: skip
+    total = sum(x["seconds"] for x in turns)
+    return {
+        "seconds": total,
+        "output_tok_per_s": sum(x["output_tokens"] for x in turns) / total,
+        "prefill_tokens_computed": sum(x["prefill_tokens_computed"] for x in turns),
+        "prefill_tokens_cached": sum(x["prefill_tokens_cached"] for x in turns),
+        "cached_past_previous_prompt": sum(x["cached_past_previous_prompt"] for x in turns),
+        "prompt_tokens": sum(x["prompt_tokens"] for x in turns),
+        "turns": [{k: v for k, v in x.items() if k != "tokens"} for x in turns],
+        "tokens": [tok for x in turns for tok in x["tokens"]],
+    }
+
+
+def ab(llms: dict, one_run, describe) -> tuple[list, list]:
+    """Runs `one_run(llm)` in the order off, on, on, off (--rounds 2); returns (off, on) runs."""
+    runs = {False: [], True: []}
+    order = [False, True, True, False] * (_ROUNDS.value // 2) + [False, True] * (_ROUNDS.value % 2)
+    for caching in order:
+        if not llms[caching].reset_prefix_cache():  # every run starts from a cold cache
+            raise RuntimeError("the engine still has requests")
+        r = one_run(llms[caching])
+        runs[caching].append(r)
+        print(f"caching={'on ' if caching else 'off'}  {describe(r)}", flush=True)
+    return runs[False], runs[True]
+
+
+def strip(runs: list) -> list:
+    return [{k: v for k, v in r.items() if k != "tokens"} for r in runs]
+
+
+def identical(off: list, on: list) -> str:
+    same = sum(a == b for a, b in zip(off[0]["tokens"], on[0]["tokens"]))
+    return f"{same}/{len(off[0]['tokens'])}"
+
+
+def median_ratio(off: list, on: list, key: str) -> float:
+    return statistics.median(r[key] for r in off) / statistics.median(r[key] for r in on)
+
+
 def main(argv):
     del argv
+    unknown = set(_PARTS.value) - {"fewshot", "multiturn"}
+    if unknown:
+        raise app.UsageError(f"unknown --parts {sorted(unknown)}; known: fewshot, multiturn")
     kw = dict(dtype="bfloat16", num_slots=_SLOTS.value, max_model_len=512, page_size=16)
     llms = {
         False: LLM(None, enable_prefix_caching=False, warmup=True, **kw),
         True: LLM(None, enable_prefix_caching=True, **kw),
     }
-    rows, n_rows = chats(_ROWS.value), chats(16, offset=1000)
     for llm in llms.values():  # untimed: first calls of every shape this workload uses
         llm.chat(
             chats(40, offset=2000), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
         )
-    runs = {False: [], True: []}
-    order = [False, True, True, False] * (_ROUNDS.value // 2) + [False, True] * (_ROUNDS.value % 2)
-    for caching in order:
-        r = run(llms[caching], rows, n_rows)
-        runs[caching].append(r)
-        print(
-            f"caching={'on ' if caching else 'off'}  few-shot {r['fewshot_seconds']:6.1f} s "
-            f"{r['fewshot_output_tok_per_s']:6.1f} tok/s   n=4 {r['n4_seconds']:5.1f} s "
-            f"{r['n4_output_tok_per_s']:6.1f} tok/s   prefill computed {r['prefill_tokens_computed']}"
-            f" cached {r['prefill_tokens_cached']} of {r['prompt_tokens']}",
-            flush=True,
+    summary: dict = {"num_slots": _SLOTS.value}
+    if "fewshot" in _PARTS.value:
+        rows, n_rows = chats(_ROWS.value), chats(16, offset=1000)
+        off, on = ab(
+            llms,
+            lambda llm: run(llm, rows, n_rows),
+            lambda r: (
+                f"few-shot {r['fewshot_seconds']:6.1f} s {r['fewshot_output_tok_per_s']:6.1f} tok/s"
+                f"   n=4 {r['n4_seconds']:5.1f} s {r['n4_output_tok_per_s']:6.1f} tok/s   prefill"
+                f" computed {r['prefill_tokens_computed']} cached {r['prefill_tokens_cached']} of"
+                f" {r['prompt_tokens']}"
+            ),
         )
-    off, on = runs[False], runs[True]
-    same = sum(a == b for a, b in zip(off[0]["tokens"], on[0]["tokens"]))
-    summary = {
-        "rows": _ROWS.value,
-        "num_slots": _SLOTS.value,
-        "fewshot_speedup_median": statistics.median(r["fewshot_seconds"] for r in off)
-        / statistics.median(r["fewshot_seconds"] for r in on),
-        "n4_speedup_median": statistics.median(r["n4_seconds"] for r in off)
-        / statistics.median(r["n4_seconds"] for r in on),
-        "prefill_tokens_computed": {
-            "off": off[0]["prefill_tokens_computed"],
-            "on": on[0]["prefill_tokens_computed"],
-        },  # fmt: skip
-        "identical_outputs": f"{same}/{len(off[0]['tokens'])}",
-        "runs": {
-            k: [{x: y for x, y in r.items() if x != "tokens"} for r in v]
-            for k, v in (("off", off), ("on", on))
-        },  # fmt: skip
+        summary["fewshot"] = {
+            "rows": _ROWS.value,
+            "fewshot_speedup_median": median_ratio(off, on, "fewshot_seconds"),
+            "n4_speedup_median": median_ratio(off, on, "n4_seconds"),
+            "prefill_tokens_computed": {
+                "off": off[0]["prefill_tokens_computed"],
+                "on": on[0]["prefill_tokens_computed"],
+            },  # fmt: skip
+            "identical_outputs": identical(off, on),
+            "runs": {"off": strip(off), "on": strip(on)},
+        }
+    if "multiturn" in _PARTS.value:
+        off, on = ab(
+            llms,
+            lambda llm: multiturn(llm, _CONVS.value),
+            lambda r: (
+                f"multi-turn {r['seconds']:6.1f} s {r['output_tok_per_s']:6.1f} tok/s   prefill"
+                f" computed {r['prefill_tokens_computed']} cached {r['prefill_tokens_cached']}"
+                f" ({r['cached_past_previous_prompt']} past the previous turn's prompt) of"
+                f" {r['prompt_tokens']}"
+            ),
+        )
+        summary["multiturn"] = {
+            "convs": _CONVS.value,
+            "speedup_median": median_ratio(off, on, "seconds"),
+            "prefill_tokens_computed": {
+                "off": off[0]["prefill_tokens_computed"],
+                "on": on[0]["prefill_tokens_computed"],
+            },  # fmt: skip
+            "identical_outputs": identical(off, on),
+            "runs": {"off": strip(off), "on": strip(on)},
+        }
+    printed = {
+        part: {k: v for k, v in d.items() if k != "runs"} if isinstance(d, dict) else d
+        for part, d in summary.items()
     }
-    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=1))
+    print(json.dumps(printed, indent=1))
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(summary, f, indent=1)

@@ -7,7 +7,8 @@
     for i, out in llm.iter_generate(prompts, params): ...   # (input index, output) as each finishes
 
 `LLM(..., enable_prefix_caching=True)` reuses the K/V pages of token prefixes already computed (a
-shared system prompt, the n samples of one prompt) instead of recomputing them (scheduler.py).
+shared system prompt, the n samples of one prompt, a chat's earlier turns and their answers)
+instead of recomputing them (scheduler.py).
 
 A prompt is a str, {"prompt_token_ids": [...]} (works without a tokenizer) or {"prompt": str}.
 `sampling_params` is one SamplingParams (or dict) for all prompts or a list with one per prompt.
@@ -228,6 +229,12 @@ class LLM:
     def stats(self) -> dict:
         """Engine counters: steps, tokens, preemptions, occupancy, KV utilization, transfers."""
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (with `enable_prefix_caching`), so the next requests
+        recompute their prompts, e.g. to time a workload from a cold cache. Returns False, and
+        changes nothing, while requests are unfinished (vLLM's `LLM.reset_prefix_cache`)."""
+        return self.engine.scheduler.reset_prefix_cache()
 
     # -- internals --------------------------------------------------------------------------------
     def _step(self) -> None:

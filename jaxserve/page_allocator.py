@@ -127,3 +127,15 @@ class PageAllocator:
         self._cached[key] = (page, uid)
         self._page_key[page] = key
         return uid
+
+    def reset_cache(self) -> bool:
+        """Forgets every cached prefix; cached pages nobody holds become free pages. Refused
+        (False, nothing changed) while some page is held, since its holder's registrations would
+        be lost mid-request."""
+        if self.num_used_pages:
+            return False
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        self._page_key.clear()
+        return True

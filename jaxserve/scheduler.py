@@ -21,11 +21,14 @@ calls `finish()` for the requests that stopped. Each plan:
 
 Prefix caching (EngineConfig.enable_prefix_caching): at admission a request takes the longest run of
 cached full pages its tokens begin with (`PageAllocator.lookup` / `share`; never the page holding its
-last prefill token, which must be computed to sample from) and prefills only the rest; every full
-page a prefill chunk completes is registered when the plan is made. A plan only reads pages
-registered by earlier plans, which the device runs first. With continuous batching the children of
-an n > 1 request wait at the head of the queue while child 0 prefills a prompt of a page or more,
-then share its pages.
+last prefill token, which must be computed to sample from) and prefills only the rest. Every full
+page a prefill chunk completes is registered when the plan is made; a full page of generated tokens
+is registered once the host has those tokens (at the next plan, or when the request finishes or is
+preempted), as in vLLM. So a chat's next turn, whose prompt holds the previous turn's prompt and
+answer, and a request resumed after preemption find those pages while they stay cached. A plan
+only reads pages registered by earlier plans, which the device runs first. With continuous batching
+the children of an n > 1 request wait at the head of the queue while child 0 prefills a prompt of a
+page or more, then share its pages.
 Requests that want prompt log-probs compute their whole prompt.
 
 Plans may run one step ahead of the host (EngineConfig.async_scheduling): `_commit` advances
@@ -120,17 +123,28 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached prefix page (vLLM's `reset_prefix_cache`); False while requests
+        are queued or running."""
+        if self.has_unfinished():
+            return False
+        return self.allocator.reset_cache()
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Retires a request: its slot and pages are free for the very next plan."""
         request.status = status
         if request in self.running:
+            if self.caching:
+                self._register(request)
             self.running.remove(request)
             self._free_resources(request)
         elif request in self.waiting:
             self.waiting.remove(request)
 
     def _free_resources(self, request: Request) -> None:
-        self.allocator.free(request.pages)
+        # Last page first: cached pages are evicted least recently freed first, and a page is only
+        # found through the pages before it, so a sequence's tail goes before its head (as vLLM).
+        self.allocator.free(request.pages[::-1])
         request.pages = []
         request.block_uids = []
         if request.slot is not None:
@@ -142,6 +156,10 @@ class Scheduler:
     # -- planning ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = SchedulerOutput(num_decode_steps=self.config.decode_steps)
+        if self.caching:  # pages of generated tokens that came back since the last plan
+            for req in self.running:
+                if req.prefill_done:
+                    self._register(req)
         self._compact(plan)
         k = self.config.decode_steps
         for req in list(self.running):
@@ -262,8 +280,11 @@ class Scheduler:
         return pages
 
     def _register(self, req: Request) -> None:
-        """Registers the full pages of prefill tokens `req` has computed (as of this plan)."""
-        full = min(req.num_computed_tokens, req.num_prefill_tokens) // self.page_size
+        """Registers `req`'s full pages whose K/V is computed (in this plan or an earlier one) and
+        whose tokens the host knows: prompt pages as their chunks are planned, pages of generated
+        tokens once those tokens have come back (a step in flight computes K/V for tokens the host
+        has not seen yet)."""
+        full = min(req.num_computed_tokens, req.num_tokens) // self.page_size
         if len(req.block_uids) >= full:
             return
         tokens = req.all_token_ids
@@ -301,7 +322,10 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
-        """Recompute preemption: drop the K/V, keep the tokens, requeue at the front."""
+        """Recompute preemption: drop the K/V, keep the tokens, requeue at the front. With prefix
+        caching its full pages stay cached (evictable), so the resumed request may find them."""
+        if self.caching:
+            self._register(req)
         self.running.remove(req)
         plan.page_updates.pop(req.slot, None)
         if req in plan.decode:

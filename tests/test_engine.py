@@ -390,6 +390,40 @@ def test_prefix_caching_reuses_pages_with_identical_tokens(async_sched, num_page
         assert results[True]["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("async_sched", [True, False])
+def test_prefix_caching_reuses_pages_of_generated_tokens(async_sched):
+    """A chat's next turn (the last prompt, its answer, a new message) reads the answer's pages
+    from the cache; a request preempted with caching on resumes from its own cached pages."""
+    rule = lambda seq, seed: (sum((i + 1) * t for i, t in enumerate(seq)) + seed) % VOCAB
+    first = list(range(3, 13))  # 10 tokens: 2 full pages of 4
+    engine, _ = make_engine(num_slots=2, async_scheduling=async_sched, enable_prefix_caching=True)
+    engine.add_request("1", None, first, greedy(max_tokens=12, ignore_eos=True))
+    answer = run_all(engine)["1"].outputs[0].token_ids
+    assert answer == reference(first, 12, rule=default_rule)
+    second = first + answer + [7, 8, 9]  # 25 tokens; K/V of the first 21 was computed
+    engine.add_request("2", None, second, greedy(max_tokens=6, ignore_eos=True))
+    out = run_all(engine)["2"]
+    assert out.outputs[0].token_ids == reference(second, 6, rule=default_rule)
+    assert out.num_cached_tokens == 20  # 5 pages: the prompt's 2 and 3 of generated tokens
+
+    # 3 slots of 8-token prompts growing to 22 tokens (6 pages each) in 16 pages: the newest is
+    # preempted; the others take only its last page, and it resumes from the rest
+    ps = [[(5 * j + i) % 50 + 3 for j in range(8)] for i in range(3)]
+    engine, _ = make_engine(
+        num_slots=3, num_pages=16, rule=rule, async_scheduling=async_sched,
+        enable_prefix_caching=True,
+    )  # fmt: skip
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), None, p, greedy(max_tokens=14, ignore_eos=True))
+    outs = run_all(engine)
+    for i, p in enumerate(ps):
+        assert outs[str(i)].outputs[0].token_ids == reference(p, 14, rule=rule), i
+    stats = engine.stats()
+    assert stats["num_preemptions"] == 1
+    assert outs["2"].num_cached_tokens == 16  # every prompt differs: the resume hit its own pages
+    assert engine.scheduler.allocator.num_free_pages == 16
+
+
 def test_n_siblings_share_child_zeros_prompt_pages():
     rule = lambda seq, seed: (sum((i + 1) * t for i, t in enumerate(seq)) + seed) % VOCAB
     prompt = list(range(3, 21))  # 18 tokens: 4 full pages of 4, the last page is computed

@@ -251,3 +251,20 @@ def test_prefix_caching_gives_the_same_tokens_with_less_prefill(llm):
     hits = sum(o.num_cached_tokens for o in outs)
     assert hits >= 32 * 12  # all but the first admissions hit
     assert cached.stats()["num_prefill_tokens"] == computed - hits
+
+
+def test_prefix_caching_reuses_a_previous_answers_pages(llm):
+    """A next turn (prompt + answer + more) hits the page decode steps filled: K/V computed one
+    token at a time serves a prefill, and the tokens equal an uncached run's."""
+    first = list(range(40, 60))  # 20 tokens: no full 32-token page of prompt alone
+    sp = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in (20, 12)]
+    cached = make_llm(enable_prefix_caching=True)
+    answer = cached.generate(ids([first]), sp[0], use_tqdm=False)[0].outputs[0].token_ids
+    second = first + answer + [7, 8, 9, 10, 11]  # 45 tokens: page 0 is 20 prompt + 12 answer
+    out = cached.generate(ids([second]), sp[1], use_tqdm=False)[0]
+    assert out.num_cached_tokens == 32
+    want = tokens(llm.generate(ids([first, second]), sp, use_tqdm=False))
+    assert [answer, out.outputs[0].token_ids] == want
+    assert cached.reset_prefix_cache()
+    again = cached.generate(ids([second]), sp[1], use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == want[1]

@@ -72,3 +72,17 @@ def test_prefix_cache_errors_and_disabled_lookup():
         c.register(p[0], (0, (2,)))
     with pytest.raises(ValueError, match="not held"):
         c.register(2, (0, (3,)))
+
+
+def test_reset_cache_frees_cached_pages_only_when_none_is_held():
+    a = PageAllocator(4, enable_caching=True)
+    p = a.allocate(2)
+    u0 = a.register(p[0], (0, (1, 2)))
+    a.register(p[1], (u0, (3, 4)))
+    assert not a.reset_cache()  # held pages: refused, nothing forgotten
+    assert a.lookup((0, (1, 2))) == (p[0], u0)
+    a.free(p)
+    assert a.num_cached_pages == 2 and a.num_free_pages == 4
+    assert a.reset_cache()
+    assert a.num_cached_pages == 0 and a.lookup((0, (1, 2))) is None
+    assert sorted(a.allocate(4)) == [0, 1, 2, 3] and a.num_evictions == 0  # plain free pages

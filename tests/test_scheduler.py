@@ -136,6 +136,33 @@ def test_prefix_cache_hits_full_pages_but_never_the_last_prefill_token():
     assert s.allocator.num_free_pages == 32 and s.allocator.num_shared_refs == 0
 
 
+def test_prefix_cache_registers_generated_pages_once_their_tokens_are_known():
+    s = make(num_slots=2, page_size=4, chunk=8, rows=2, caching=True)
+    s.add(req("a", 6, max_tokens=20))
+    finish_prefill(s.schedule())  # prompt page 0 registered; 6 K/V computed, 7 tokens known
+    (a,) = s.running
+    d1 = s.schedule()  # decodes position 6
+    d2 = s.schedule()  # async: decodes position 7 before d1's token is back
+    assert (a.num_computed_tokens, a.num_tokens, len(a.block_uids)) == (8, 7, 1)
+    d3 = s.schedule()  # page 1's K/V is computed, but its last token is still unknown
+    assert len(a.block_uids) == 1
+    decode(d1)
+    decode(d2)
+    s.schedule()  # now the host has tokens 4-7: page 1 is registered under them
+    assert len(a.block_uids) == 2
+    key = (a.block_uids[0], tuple(a.all_token_ids[4:8]))
+    assert s.allocator.lookup(key) == (a.pages[1], a.block_uids[1])
+    decode(d3)
+    s.finish(a, RequestStatus.FINISHED_STOPPED)  # K/V and tokens of 10 positions: pages 0-1
+    assert s.allocator.num_cached_pages == 2 and s.allocator.num_free_pages == 32
+    turn = a.all_token_ids + [9, 9, 9]  # a later turn: a's prompt, its answer and more
+    b = Request("b", "b", 0, turn, SamplingParams(max_tokens=8), 0, (2,), len(turn) + 8, 0.0)
+    s.add(b)
+    plan = s.schedule()
+    assert b.num_cached_tokens == 8 and plan.prefill[0].start == 8
+    assert not s.reset_prefix_cache()  # b is running
+
+
 def test_slot_buckets_auto_and_bucket_for():
     assert EngineConfig(num_slots=32).resolved_slot_buckets("cpu") == (8, 16, 32)
     assert EngineConfig(num_slots=20).resolved_slot_buckets("cpu") == (8, 16, 20)
