@@ -160,13 +160,20 @@ def ab(llms: dict, one_run, describe) -> tuple[list, list]:
     return runs[False], runs[True]
 
 
-def strip(runs: list) -> list:
-    return [{k: v for k, v in r.items() if k != "tokens"} for r in runs]
-
-
-def identical(off: list, on: list) -> str:
+def both(off: list, on: list) -> dict:
+    """What every part reports of its off and on runs: prefill work, identical outputs, the runs."""
     same = sum(a == b for a, b in zip(off[0]["tokens"], on[0]["tokens"]))
-    return f"{same}/{len(off[0]['tokens'])}"
+    return {
+        "prefill_tokens_computed": {
+            "off": off[0]["prefill_tokens_computed"],
+            "on": on[0]["prefill_tokens_computed"],
+        },
+        "identical_outputs": f"{same}/{len(off[0]['tokens'])}",
+        "runs": {
+            k: [{x: y for x, y in r.items() if x != "tokens"} for r in runs]
+            for k, runs in (("off", off), ("on", on))
+        },
+    }
 
 
 def median_ratio(off: list, on: list, key: str) -> float:
@@ -204,12 +211,7 @@ def main(argv):
             "rows": _ROWS.value,
             "fewshot_speedup_median": median_ratio(off, on, "fewshot_seconds"),
             "n4_speedup_median": median_ratio(off, on, "n4_seconds"),
-            "prefill_tokens_computed": {
-                "off": off[0]["prefill_tokens_computed"],
-                "on": on[0]["prefill_tokens_computed"],
-            },  # fmt: skip
-            "identical_outputs": identical(off, on),
-            "runs": {"off": strip(off), "on": strip(on)},
+            **both(off, on),
         }
     if "multiturn" in _PARTS.value:
         off, on = ab(
@@ -225,12 +227,7 @@ def main(argv):
         summary["multiturn"] = {
             "convs": _CONVS.value,
             "speedup_median": median_ratio(off, on, "seconds"),
-            "prefill_tokens_computed": {
-                "off": off[0]["prefill_tokens_computed"],
-                "on": on[0]["prefill_tokens_computed"],
-            },  # fmt: skip
-            "identical_outputs": identical(off, on),
-            "runs": {"off": strip(off), "on": strip(on)},
+            **both(off, on),
         }
     printed = {
         part: {k: v for k, v in d.items() if k != "runs"} if isinstance(d, dict) else d
