@@ -41,10 +41,10 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from jaxserve.bench.workloads import make_workload
 from jaxserve.config import ModelConfig
 from jaxserve.launch import bench
 from jaxserve.launch import flags as engine_flags
-from jaxserve.workloads import make_workload
 
 _OUT_DIR = flags.DEFINE_string(
     "out_dir", "experiments/out/continuous_vs_static", "Where summary.json and PNGs go."

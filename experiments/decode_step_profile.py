@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import kv_cache as kvc
 from jaxserve.config import ModelConfig
+from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import llama
 

@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxserve import runner as runner_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers.ragged_attention import flat_bucket
 from jaxserve.models import llama
-from jaxserve.runner import ModelRunner, PrefillBatch
+from jaxserve.runner import runner as runner_lib
+from jaxserve.runner.runner import ModelRunner, PrefillBatch
 
 _POOLS = flags.DEFINE_list("pools", ["1024", "4096"], "KV pool sizes (pages) to time.")
 _WIDTHS = flags.DEFINE_list("widths", ["8", "64"], "Page-table width buckets to time.")

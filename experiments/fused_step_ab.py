@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxserve import runner as runner_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers.ragged_attention import flat_bucket
 from jaxserve.models import llama
+from jaxserve.runner import runner as runner_lib
 
 _REPS = flags.DEFINE_integer("reps", 12, "Alternating rounds (median / min over them).")
 _CTX_PAGES = flags.DEFINE_integer("ctx_pages", 8, "Pages of 16 tokens cached per decoding slot.")

@@ -38,7 +38,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxserve import kv_cache as kvc
+from jaxserve.layers import kv_cache as kvc
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.paged_prefill import paged_prefill_attention
 

@@ -8,7 +8,7 @@ Python 3.12, for which no CPU torch wheel exists here):
     .venv-hf/bin/python experiments/hf_baseline.py --workload_json W.json --gguf SmolLM2.gguf \
         --batch_size 32 --threads 2 --out hf.json
 
-Dataflow: the workload JSON (written by `jaxserve.workloads.Workload.to_json`, so both sides serve
+Dataflow: the workload JSON (written by `jaxserve.bench.workloads.Workload.to_json`, so both sides serve
 identical token prompts) is cut in input order into batches of `batch_size` requests; each batch is
 left-padded to its longest prompt (`input_ids`, `attention_mask`: (B, T_max)) and run through greedy
 `generate` with EOS disabled for max(max_tokens of the batch) new tokens: a static batch runs as long as

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import kv_cache as kvc
+from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.linear import linear
 from jaxserve.layers.norm import rms_norm

@@ -20,9 +20,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.eval.perplexity import perplexity
 from jaxserve.loading import load_model
 from jaxserve.models import llama
-from jaxserve.perplexity import perplexity
 from jaxserve.quant import calibration, quantize_params
 
 

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.eval.perplexity import perplexity
 from jaxserve.loading import load_model
-from jaxserve.perplexity import perplexity
 from jaxserve.quant import (
     awq,
     calibration,

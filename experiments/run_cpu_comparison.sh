@@ -30,7 +30,7 @@ GGUF=$(.venv/bin/python -c "from jaxserve.loading.default_model import smollm2_g
 HF_DIR=experiments/out/smollm2-135m-hf-bf16
 .venv/bin/python - "$WORKLOAD" "$OUT/workload.json" <<'EOF'
 import sys
-from jaxserve.workloads import make_workload
+from jaxserve.bench.workloads import make_workload
 make_workload(sys.argv[1], vocab_size=49152).to_json(sys.argv[2])  # SmolLM2's vocabulary
 EOF
 for MODE in ${MODES-continuous ${STATIC:+static}}; do

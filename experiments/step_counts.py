@@ -1,7 +1,7 @@
 r"""Engine steps of continuous vs static batching, counted by the real host loop without a model.
 
 The engine's scheduler and host loop (`LLMEngine`, `Scheduler`) serve a built-in workload against
-`tests/fake_runner.py`'s numpy stand-in for the model, with the engine settings `LLM` uses by
+`jaxserve/testing/fake_runner.py`'s numpy stand-in for the model, with the engine settings `LLM` uses by
 default (64-token prefill chunks, 8 per step, a pool big enough for every slot). The step counts are
 the ones a real run makes with those settings, because scheduling never looks at token values: the
 workloads serve every request to exactly `max_tokens` with `ignore_eos=True`.
@@ -27,18 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 from absl import app, flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fake_runner import FakeRunner  # noqa: E402  (the tests' numpy stand-in for ModelRunner)
-
-from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
-from jaxserve.engine import LLMEngine  # noqa: E402
-from jaxserve.launch.bench import sampling_params_for  # noqa: E402
-from jaxserve.workloads import make_workload  # noqa: E402
+from jaxserve.bench.workloads import make_workload
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.engine import LLMEngine
+from jaxserve.launch.bench import sampling_params_for
+from jaxserve.testing.fake_runner import FakeRunner
 
 _CASES = flags.DEFINE_list(
     "cases",

@@ -9,8 +9,8 @@ can be imported without loading jax.
 """
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

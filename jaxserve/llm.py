@@ -24,12 +24,12 @@ from collections.abc import Iterable, Iterator
 
 from tqdm.auto import tqdm
 
-from jaxserve import kv_cache
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.runner import ModelRunner
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.engine import LLMEngine
+from jaxserve.core.outputs import CompletionOutput, RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.layers import kv_cache
+from jaxserve.runner.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import kv_cache
-from jaxserve import runner as runner_lib
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.layers import kv_cache
 from jaxserve.models import llama
 from jaxserve.quant import quantize_params
+from jaxserve.runner import runner as runner_lib
 from pallas_kernels.check import h200_mesh
 
 NUM_SLOTS, MAX_PAGES, NUM_PAGES, PAGE_SIZE, CHUNK = 32, 16, 512, 16, 64

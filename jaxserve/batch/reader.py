@@ -25,7 +25,7 @@ import os
 from typing import Any
 
 from jaxserve.batch.sharding import derived_seed
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 INPUT_FORMATS = ("auto", "jsonl", "text")

@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags
 
+from jaxserve.bench.workloads import SPECS, Workload, make_workload
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.launch import flags as engine_flags
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.workloads import SPECS, Workload, make_workload
 
 log = logging.getLogger(__name__)
 

@@ -94,8 +94,8 @@ def convert(
     calib_sources=("pydoc",),
 ):
     """Loads, quantizes (method None: keeps float weights) and saves; returns the output path."""
-    from jaxserve.checkpoint import save_checkpoint
     from jaxserve.loading import load_model
+    from jaxserve.loading.checkpoint import save_checkpoint
     from jaxserve.quant import METHODS as REGISTRY
     from jaxserve.quant import calibration, quantize_params
 

@@ -33,8 +33,8 @@ from jaxserve.batch.reader import INPUT_FORMATS, check_input_path, read_input
 from jaxserve.batch.sharding import check_shards, shard_of
 from jaxserve.batch.summary import JobStats, summary, summary_path, write_summary
 from jaxserve.batch.writer import OutputWriter, check_output_path
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.launch import flags as engine_flags
-from jaxserve.sampling_params import SamplingParams
 
 FLAGS = flags.FLAGS
 log = logging.getLogger("jaxserve.generate")

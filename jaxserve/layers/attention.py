@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxserve.kv_cache import KVCache
+from jaxserve.layers.kv_cache import KVCache
 from jaxserve.layers.ragged_attention import ragged_decode_attention
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_prefill as pp

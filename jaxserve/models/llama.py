@@ -32,8 +32,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve import kv_cache as kvc
 from jaxserve.config import ModelConfig
+from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.embedding import embed, is_quantized
 from jaxserve.layers.linear import linear, matmul

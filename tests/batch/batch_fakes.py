@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 def expected_tokens(prompt_ids: list[int], max_tokens: int) -> list[int]:

@@ -12,7 +12,7 @@ from jaxserve.batch.job import StopFlag, output_row, run_job
 from jaxserve.batch.reader import InputRow, read_input
 from jaxserve.batch.summary import percentiles, summary, summary_path
 from jaxserve.batch.writer import OutputWriter, scan_output
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 def make_input(tmp_path, lines: list[bytes]) -> str:

@@ -8,8 +8,8 @@ import json
 import pytest
 from absl import app, flags
 
+from jaxserve.bench.workloads import make_workload
 from jaxserve.launch import bench
-from jaxserve.workloads import make_workload
 
 FLAGS = flags.FLAGS
 TINY = ["--model=tiny", "--load_format=dummy", "--dtype=float32", "--page_size=128"]

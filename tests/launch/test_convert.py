@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve import checkpoint
-from jaxserve.loading import load_model
-from jaxserve.perplexity import perplexity
+from jaxserve.eval.perplexity import perplexity
+from jaxserve.loading import checkpoint, load_model
 from jaxserve.quant import Int4Weight, quantize_params
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "llama"

@@ -15,7 +15,7 @@ from model_testing import (
     sequence_meta,
 )
 
-from jaxserve import kv_cache as kvc
+from jaxserve.layers import kv_cache as kvc
 from jaxserve.loading import hf
 
 

@@ -7,7 +7,7 @@ import zlib
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import kv_cache as kvc
+from jaxserve.layers import kv_cache as kvc
 
 # Absolute tolerances against the f32 reference. f32 queries: the kernel differs only in summation
 # order. bf16 queries: the kernel rounds the probabilities to bf16 before P.V (as FlashAttention

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from ptq_testing import tiny_params
 
-from jaxserve import kv_cache as kvc
 from jaxserve.config import ModelConfig
+from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.norm import rms_norm
 from jaxserve.models import llama

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from model_testing import model_step, sequence_meta
 
-from jaxserve import kv_cache as kvc
 from jaxserve.config import ModelConfig
+from jaxserve.layers import kv_cache as kvc
 from jaxserve.models import llama
 from jaxserve.quant import Int4Weight, int4, pack, quantize_params, unpack, with_impl
 

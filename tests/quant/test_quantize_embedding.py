@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from model_testing import model_step, sequence_meta
 
-from jaxserve import kv_cache as kvc
 from jaxserve.config import ModelConfig
+from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers.embedding import is_quantized
 from jaxserve.models import llama
 from jaxserve.quant import EMBEDDING_METHODS, METHODS, int8, quantize_params, rtn

@@ -46,15 +46,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxserve import kv_cache, sampling
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.layers import linear
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams, make_slot_row
+from jaxserve.core.scheduler import SchedulerOutput, bucket_for
+from jaxserve.layers import kv_cache, linear
 from jaxserve.layers.attention import AttentionMetadata, resolve_impl
 from jaxserve.layers.ragged_attention import flat_bucket, flat_buckets
 from jaxserve.models import llama
-from jaxserve.request import Request
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams, make_slot_row
-from jaxserve.scheduler import SchedulerOutput, bucket_for
+from jaxserve.runner import sampling
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers.linear import TransposedWeight
 from jaxserve.loading.dummy import dummy_params
-from jaxserve.runner import ModelRunner
+from jaxserve.runner.runner import ModelRunner
 
 KW = dict(
     load_format="dummy",

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from ptq_testing import tiny_params
 
-from jaxserve import checkpoint
 from jaxserve.config import ModelConfig
-from jaxserve.perplexity import perplexity
+from jaxserve.eval.perplexity import perplexity
+from jaxserve.loading import checkpoint
 from jaxserve.quant import Int4Weight, quantize_params
 
 CONFIG = ModelConfig.preset("tiny")

@@ -6,9 +6,9 @@ import pytest
 from ptq_testing import tiny_params
 
 from jaxserve.config import ModelConfig
+from jaxserve.eval.perplexity import perplexity
 from jaxserve.layers.norm import rms_norm
 from jaxserve.models import llama
-from jaxserve.perplexity import perplexity
 from jaxserve.quant import calibration
 
 CONFIG = ModelConfig.preset("tiny")

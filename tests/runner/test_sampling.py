@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import sampling
-from jaxserve.sampling_params import SamplingParams, make_slot_row
+from jaxserve.core.sampling_params import SamplingParams, make_slot_row
+from jaxserve.runner import sampling
 
 # Most tests share one shape so the sampler compiles a handful of times, not once per test.
 S, V, K = 8, 64, 4

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.request import Request
-from jaxserve.runner import StepResult
-from jaxserve.scheduler import SchedulerOutput, bucket_for
+from jaxserve.core.request import Request
+from jaxserve.core.scheduler import SchedulerOutput, bucket_for
+from jaxserve.runner.runner import StepResult
 
 
 def default_rule(seq: list[int], seed: int, vocab: int = 64) -> int:

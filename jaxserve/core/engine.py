@@ -29,12 +29,12 @@ import time
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.detokenizer import IncrementalDetokenizer, find_stop, held_back
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxserve.page_allocator import pages_for
-from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling_params import SamplingParams, make_slot_row
-from jaxserve.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.detokenizer import IncrementalDetokenizer, find_stop, held_back
+from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.core.page_allocator import pages_for
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sampling_params import SamplingParams, make_slot_row
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

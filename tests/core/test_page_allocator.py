@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxserve.page_allocator import PageAllocator, pages_for
+from jaxserve.core.page_allocator import PageAllocator, pages_for
 
 
 def test_allocate_free_cycle():

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampling_params import (
+from jaxserve.core.sampling_params import (
     MAX_STOP_IDS,
     SamplingParams,
     SlotRow,
@@ -156,5 +156,7 @@ def test_host_module_does_not_import_jax():
     import subprocess
     import sys
 
-    code = "import sys, jaxserve.sampling_params; assert 'jax' not in sys.modules, 'jax imported'"
+    code = (
+        "import sys, jaxserve.core.sampling_params; assert 'jax' not in sys.modules, 'jax imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

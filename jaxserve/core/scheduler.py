@@ -46,8 +46,8 @@ import collections
 import dataclasses
 
 from jaxserve.config import EngineConfig
-from jaxserve.page_allocator import PageAllocator, pages_for
-from jaxserve.request import Request, RequestStatus
+from jaxserve.core.page_allocator import PageAllocator, pages_for
+from jaxserve.core.request import Request, RequestStatus
 
 
 @dataclasses.dataclass

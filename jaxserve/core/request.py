@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

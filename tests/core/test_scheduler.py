@@ -1,9 +1,9 @@
 """The scheduler's plans: admission under slots/rows/pages, chunking, preemption order, static mode."""
 
 from jaxserve.config import EngineConfig
-from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, bucket_for
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler, bucket_for
 
 
 def make(

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxserve.workloads import SPECS, Workload, make_workload
+from jaxserve.bench.workloads import SPECS, Workload, make_workload
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

@@ -1,4 +1,4 @@
-"""The host loop against a fake model whose tokens are computable by hand (tests/fake_runner.py).
+"""The host loop against a fake model whose tokens are computable by hand (jaxserve/testing/fake_runner.py).
 
 Fill, retire, refill, chunked prefill, preempt and resume, every stop condition, n > 1, static
 batching, multi-step decode and per-prompt errors: each shows up as an exact token mismatch.
@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from fake_runner import FakeRunner, default_rule, fake_logprob, reference
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.detokenizer import held_back
-from jaxserve.engine import LLMEngine, derive_seed
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.detokenizer import held_back
+from jaxserve.core.engine import LLMEngine, derive_seed
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.testing.fake_runner import FakeRunner, default_rule, fake_logprob, reference
 
 EOS = 2
 VOCAB = 64

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxserve.sampling_params import MAX_LOGPROBS, SlotRow
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SlotRow
 
 jax.tree_util.register_dataclass(
     SlotRow, data_fields=[f.name for f in dataclasses.fields(SlotRow)], meta_fields=[]
