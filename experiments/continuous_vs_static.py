@@ -5,9 +5,10 @@ r"""Continuous vs static batching, side by side in one run, plus the KV-memory m
         --dtype=bfloat16
 
 Model: the shared engine flags (`--model`, `--dtype`, `--page_size`, ...). With `--model` unset this
-script writes (once) a small random Llama as a Hugging Face folder, experiments/out/bench-small-llama
-(vocab 8192, hidden 256, 4 layers, 4 heads / 2 KV heads of 64, max_position_embeddings 4096), so the
-`longtail` workload (sequences up to 1152 tokens) fits — the `tiny` preset stops at 512 positions.
+script serves a small random Llama, `SYNTHETIC` loaded with `load_format="dummy"` (vocab 8192,
+hidden 256, 4 layers, 4 heads / 2 KV heads of 64, max_position_embeddings 4096; the same N(0, 0.02)
+weights the earlier runs wrote to experiments/out/bench-small-llama), so the `longtail` workload
+(sequences up to 1152 tokens) fits — the `tiny` preset stops at 512 positions.
 Every step has one of a few fixed shapes: on the CPU a decode step computes the smallest row
 bucket (`--slot_buckets`, default 8/16/32) holding the busy slots, so a nearly empty static batch
 costs less than a full one; `--slot_buckets=32` gives every step the full width. What batching
@@ -38,12 +39,12 @@ import os
 from pathlib import Path
 
 import jax
-import numpy as np
 from absl import app, flags
 
+from jaxserve.bench import core as bench_core
 from jaxserve.bench.workloads import make_workload
 from jaxserve.config import ModelConfig
-from jaxserve.launch import bench
+from jaxserve.launch import bench  # noqa: F401  (defines --workload, --num_requests)
 from jaxserve.launch import flags as engine_flags
 
 _OUT_DIR = flags.DEFINE_string(
@@ -79,47 +80,6 @@ SYNTHETIC = ModelConfig(
 MAX_MODEL_LEN = 2048
 
 
-def write_synthetic_model(out: Path, config: ModelConfig = SYNTHETIC) -> Path:
-    """Random N(0, 0.02) weights saved under Hugging Face tensor names (the loader's own name map)."""
-    from safetensors.numpy import save_file
-
-    from jaxserve.loading.hf import hf_tensor_map
-    from jaxserve.models.llama import init_params
-
-    if (out / "model.safetensors").is_file():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    params = jax.tree.map(np.asarray, init_params(config, jax.random.key(0), np.float32))
-    tensors = {}
-    for path, (names, transposed) in hf_tensor_map(config).items():
-        node = params
-        for k in path.split("/"):
-            node = node[k]
-        per_layer = list(node) if path.startswith("layers/") else [node]
-        for name, x in zip(names, per_layer):
-            tensors[name] = np.ascontiguousarray(x.T if transposed else x)
-    save_file(tensors, str(out / "model.safetensors"))
-    hf = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "rope_theta": config.rope_theta,
-        "rms_norm_eps": config.rms_norm_eps,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "max_position_embeddings": config.max_position_embeddings,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    (out / "config.json").write_text(json.dumps(hf, indent=1))
-    return out
-
-
 def serve(kwargs: dict, workload_for, num_requests: int | None = None, **overrides) -> dict:
     """One engine built with kwargs | overrides, warmed up, serving the workload: its summary.
 
@@ -128,11 +88,11 @@ def serve(kwargs: dict, workload_for, num_requests: int | None = None, **overrid
     before and after is recorded: the 2 cores are shared.
     """
     load_before = os.getloadavg()[0]
-    llm, load_s = bench.make_llm(**(kwargs | overrides))
+    llm, load_s = bench_core.make_llm(**(kwargs | overrides))
     workload = workload_for(llm.model_config.vocab_size)
     if num_requests is not None:
         workload = dataclasses.replace(workload, requests=workload.requests[:num_requests])
-    result = bench.run_benchmark(llm, workload)
+    result = bench_core.run_benchmark(llm, workload)
     s = result.summary | {
         "workload": workload.name,
         "load_s": load_s,
@@ -160,8 +120,9 @@ def main(argv):
     out_dir = Path(_OUT_DIR.value)
     out_dir.mkdir(parents=True, exist_ok=True)
     kwargs = engine_flags.llm_kwargs()
+    kwargs.pop("warmup", None)  # run_benchmark warms up; compiling in the constructor too is waste
     if kwargs.get("model") is None:
-        kwargs["model"] = str(write_synthetic_model(out_dir.parent / "bench-small-llama"))
+        kwargs.update(model=SYNTHETIC, load_format="dummy")  # random weights, no files
     kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
     num_slots = kwargs.pop("num_slots", 32)
 

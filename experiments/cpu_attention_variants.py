@@ -9,7 +9,7 @@ engine's ragged attention with one thing changed; all must equal the engine's ('
     bf16dot   K/V stay bf16 into the two small dots (f32 accumulation) instead of an f32 copy
     reduce    multiply-and-reduce in place of the two small dots
 
---num_flat overrides the flat-page bucket F (default `flat_bucket`: a power of two), to see how
+--num_flat overrides the flat-page bucket F (default: `Resolved.flat_buckets`, powers of two), to see how
 the cost follows F at fixed live pages. Median of --reps calls, variants in turn in one process.
 
     .venv/bin/python experiments/cpu_attention_variants.py --ctx=126,510
@@ -27,11 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxserve.layers.ragged_attention import flat_bucket, ragged_decode_attention
+from jaxserve.layers.ragged_attention import ragged_decode_attention
+from jaxserve.resolve import bucket_for, pow2_buckets
 
 _CTX = flags.DEFINE_list("ctx", ["126", "510"], "Cached tokens per row.")
 _VARIANTS = flags.DEFINE_list("variants", ["current", "bias", "bf16dot", "reduce"], "Variants.")
-_NUM_FLAT = flags.DEFINE_list("num_flat", [], "Flat-page buckets to force (default: flat_bucket).")
+_NUM_FLAT = flags.DEFINE_list(
+    "num_flat", [], "Flat-page buckets to force (default: powers of two, as the engine)."
+)
 _REPS = flags.DEFINE_integer("reps", 7, "Timed calls per point (median).")
 
 L, B, H, KVH, D, PS, P, W = 30, 32, 9, 3, 64, 16, 4096, 64
@@ -117,7 +120,9 @@ def main(argv):
             pt[b, :npg] = rng.choice(P, npg, replace=False)
         pt, kv_lens = jnp.asarray(pt), jnp.full((B,), ctx, jnp.int32)
         ref = None
-        for f in [int(x) for x in _NUM_FLAT.value] or [flat_bucket(B * npg, B * W)]:
+        for f in [int(x) for x in _NUM_FLAT.value] or [
+            bucket_for(B * npg, pow2_buckets(B * W, start=8))
+        ]:
             for name, impl in impls.items():
                 args = (impl, q, kp, vp, kv_lens, pt, f)
                 out = np.asarray(jax.block_until_ready(run(*args)), np.float32)  # compile

@@ -31,7 +31,7 @@ def step_fn(config, with_attention: bool):
         if not with_attention:  # swapped in at trace time only
             real, llama.attention = llama.attention, no_attention
         try:
-            hidden, cache = llama.forward(params, tokens, meta, cache, config, "reference")
+            hidden, cache = llama.forward(params, tokens, meta, cache, config)
         finally:
             if not with_attention:
                 llama.attention = real

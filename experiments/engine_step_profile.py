@@ -27,10 +27,11 @@ import numpy as np
 from absl import app, flags
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.layers.ragged_attention import flat_bucket
 from jaxserve.models import llama
-from jaxserve.runner import runner as runner_lib
-from jaxserve.runner.runner import ModelRunner, PrefillBatch
+from jaxserve.resolve import PrefillShape
+from jaxserve.runner import steps
+from jaxserve.runner.input_batch import PrefillBatch
+from jaxserve.runner.runner import ModelRunner
 
 _POOLS = flags.DEFINE_list("pools", ["1024", "4096"], "KV pool sizes (pages) to time.")
 _WIDTHS = flags.DEFINE_list("widths", ["8", "64"], "Page-table width buckets to time.")
@@ -113,7 +114,7 @@ def main(argv):
             rng = np.random.default_rng(0)
             for slot in range(s):
                 pages = rng.choice(pool, size=w, replace=False).tolist()
-                runner.set_pages(slot, pages)
+                runner._set_pages(slot, pages)
                 runner._active[slot] = True
             runner._dirty = True
             runner._flush()
@@ -122,29 +123,27 @@ def main(argv):
                 max_total_len=jnp.full((s,), 10**6, jnp.int32),
             )
 
-            if runner.ragged:  # as `decode_shape`: the whole table, a bucket of the live pages
-                shape = (runner.max_pages, flat_bucket(s * w, runner.max_flat))
-            else:
-                shape = (w, 0)
+            # as a decode step over all s slots of w pages each (`Resolved.decode_shape`)
+            shape = runner.resolved.decode_shape(s - 1, [w] * s)
 
             def gen(shape=shape, runner=runner, ctx=ctx):
                 # seq_len grows each call; reset so every rep sees the same ctx
                 runner.state = runner.state.replace(seq_len=jnp.full((s,), ctx, jnp.int32))
-                return runner.generate(*shape)[0]
+                return runner.generate(shape).tokens
 
-            row = {"impl": impl, "pool_pages": pool, "width": w, "ctx": ctx, "num_flat": shape[1]}
+            row = {"impl": impl, "pool_pages": pool, "width": w, "ctx": ctx}
+            row["num_flat"] = shape.num_flat
             row["generate_ms"] = timed(gen, _REPS.value) * 1e3
             if _OP_PROFILE.value:
-                compiled = runner_lib._generate.lower(
+                compiled = steps.generate.lower(
                     runner.params,
                     runner.cache,
                     runner.state,
                     np.bool_(False),
-                    width=shape[0],
-                    num_flat=shape[1],
+                    config=c,
+                    impl=runner.resolved.model,
+                    shape=shape,
                     num_steps=ec.decode_steps,
-                    rows=s,
-                    **runner._static(),
                 ).compile()
                 ops = op_profile(gen, compiled.as_text())
                 total = sum(ops.values())
@@ -165,7 +164,9 @@ def main(argv):
                 )
                 row[f"prefill_r{r}_ms"] = (
                     timed(
-                        lambda b=batch, w=w, runner=runner: runner.prefill(b, w, False)[0],
+                        lambda b=batch, w=w, runner=runner: (
+                            runner.prefill(b, PrefillShape(b.tokens.shape[0], w, False)).tokens
+                        ),
                         _REPS.value,
                     )
                     * 1e3

@@ -20,7 +20,7 @@ from pathlib import Path
 from absl import app, flags
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.launch.bench import CompileCounter
+from jaxserve.bench.core import CompileCounter
 
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Dtypes to measure.")
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "8"], "Prompts per generate call.")

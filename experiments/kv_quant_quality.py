@@ -33,12 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.layers import kv_cache as kvc
-from jaxserve.layers.attention import AttentionMetadata, attention
-from jaxserve.layers.linear import linear
+from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.norm import rms_norm
-from jaxserve.layers.rope import apply_rope
 from jaxserve.loading import load_model
 from jaxserve.models import llama
+from jaxserve.resolve import REFERENCE_IMPL
 from pallas_kernels.paged_attention import paged_attention_reference
 
 log = logging.getLogger("kv_quant_quality")
@@ -67,16 +66,7 @@ def text_windows(tokenizer, windows: int, length: int, bos: int | None) -> np.nd
 
 def prefill_meta(b: int, t: int) -> AttentionMetadata:
     """Each row in its own contiguous pages, the whole window as one chunk."""
-    w = -(-t // PAGE_SIZE)
-    table = np.arange(b * w, dtype=np.int32).reshape(b, w)
-    pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    slots = table[:, pos[0] // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-    return AttentionMetadata(
-        positions=jnp.asarray(pos),
-        slot_mapping=jnp.asarray(slots, jnp.int32),
-        page_table=jnp.asarray(table),
-        seq_lens=jnp.full((b,), t, jnp.int32),
-    )
+    return AttentionMetadata.contiguous(np.full((b,), t), t, PAGE_SIZE)
 
 
 def new_cache(config, b, t, variant):
@@ -106,28 +96,17 @@ def perplexity(params, config, tokens, variant) -> float:
 
 
 def layer_queries(params, config, tokens):
-    """The f32 run layer by layer (the same math as `llama.forward`'s scanned layer), keeping each
-    layer's queries. Returns (q f32[L, B, T, H, Dh], f32 cache, final hidden [B, T, D])."""
+    """The f32 run layer by layer (`llama.decoder_layer`, the scanned layer of `llama.forward`),
+    keeping each layer's queries. Returns (q f32[L, B, T, H, Dh], f32 cache, final hidden)."""
     c = config
     b, t = tokens.shape
-    h, kvh, dh = c.num_heads, c.num_kv_heads, c.head_dim
     meta = prefill_meta(b, t)
-    inv_freq = c.inv_freq()
 
     @jax.jit
     def one(x, cache, lp, li):
-        y = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        q, k, v = linear(y, lp["wq"]), linear(y, lp["wk"]), linear(y, lp["wv"])
-        if c.attention_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = apply_rope(q.reshape(b, t, h, dh), meta.positions, inv_freq)  # (B, T, H, Dh)
-        k = apply_rope(k.reshape(b, t, kvh, dh), meta.positions, inv_freq)
-        cache = kvc.write(cache, li, k, v.reshape(b, t, kvh, dh), meta.slot_mapping)
-        o = attention(q, cache, li, meta, "reference")
-        x = x + linear(o.reshape(b, t, h * dh), lp["wo"])
-        y = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
-        gate = jax.nn.silu(linear(y, lp["w_gate"]))
-        return x + linear(gate * linear(y, lp["w_up"]), lp["w_down"]), cache, q
+        attend = llama.paged_attend(cache, li, meta, REFERENCE_IMPL)
+        x, cache, taps = llama.decoder_layer(lp, x, meta.positions, attend, c)
+        return x, cache, taps["q"]
 
     x = params["embed"][jnp.asarray(tokens)]
     cache = new_cache(config, b, t, "f32")

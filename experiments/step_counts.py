@@ -16,8 +16,9 @@ whatever the hardware: a target above it cannot be met on that workload.
 
     .venv/bin/python experiments/step_counts.py --cases=longtail:256,longtail:1024,longtail-small:128
 
---num_slots and --page_size are the engine flags (`jaxserve.launch.flags`; unset, `LLM`'s defaults
-32 and 16); --prefill_chunk_size and --prefill_rows default to `LLM`'s 64 tokens, 8 per step.
+The engine flags (`jaxserve.launch.flags`) set the engine: --num_slots, --page_size,
+--prefill_chunk_size, --max_num_batched_tokens; unset, `EngineConfig`'s defaults (32 slots, pages of
+16, 64-token chunks, 8 per step) at max_model_len 2048.
 
 Prints a table; --json writes it. No JAX computation runs (pure host code: both modes of 1,000 requests
 take ~30 s).
@@ -31,10 +32,11 @@ from pathlib import Path
 
 from absl import app, flags
 
+from jaxserve.bench.core import sampling_params_for
 from jaxserve.bench.workloads import make_workload
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.engine import LLMEngine
-from jaxserve.launch.bench import sampling_params_for
+from jaxserve.launch import flags as engine_flags
 from jaxserve.testing.fake_runner import FakeRunner
 
 _CASES = flags.DEFINE_list(
@@ -42,8 +44,6 @@ _CASES = flags.DEFINE_list(
     ["longtail:256", "longtail:1024", "longtail-small:128"],
     "workload:num_requests pairs to count.",
 )
-_CHUNK = flags.DEFINE_integer("prefill_chunk_size", 64, "Prefill chunk length (LLM's default).")
-_ROWS = flags.DEFINE_integer("prefill_rows", 8, "Prefill chunks per step (LLM's default).")
 _SEED = flags.DEFINE_integer("workload_seed", 0, "Workload seed (the benchmarks use 0).")
 _JSON = flags.DEFINE_string("json", None, "Write the table here as JSON.")
 
@@ -51,26 +51,25 @@ MAX_MODEL_LEN = 2048  # what LLM picks for SmolLM2 and the benchmark's synthetic
 VOCAB = 49152  # SmolLM2's vocabulary (only the prompts' token values depend on it)
 
 
-def settings() -> tuple[int, int, int, int]:
-    """Slots and page size (engine flags; unset: LLM's defaults), prefill chunk, chunks per step."""
-    fv = flags.FLAGS
-    return fv.num_slots or 32, fv.page_size or 16, _CHUNK.value, _ROWS.value
+MODEL = dataclasses.replace(ModelConfig.preset("tiny"), max_position_embeddings=MAX_MODEL_LEN)
+
+
+def settings(batching: str = "continuous") -> EngineConfig:
+    """The engine flags that were set, at MAX_MODEL_LEN, with a pool for every slot at it."""
+    ec = dataclasses.replace(
+        engine_flags.engine_config(), max_model_len=MAX_MODEL_LEN, batching=batching
+    ).for_model(MODEL)
+    return dataclasses.replace(ec, num_pages=ec.num_slots * ec.max_pages_per_seq)
 
 
 def count_steps(workload, batching: str) -> dict:
     """Serves `workload` through the real host loop; returns its step and token counts."""
-    num_slots, page_size, chunk, rows = settings()
-    num_pages = num_slots * (MAX_MODEL_LEN // page_size)  # every slot can reach max_model_len
-    mc = dataclasses.replace(ModelConfig.preset("tiny"), vocab_size=workload.vocab_size)
-    ec = EngineConfig(
-        num_slots=num_slots,
-        max_model_len=MAX_MODEL_LEN,
-        page_size=page_size,
-        num_pages=num_pages,
-        max_num_batched_tokens=rows * chunk,
-        prefill_chunk_size=chunk,
-        batching=batching,
-    )
+    ec = settings(batching)
+    num_slots, num_pages, page_size, chunk = (
+        ec.num_slots, ec.num_pages, ec.page_size, ec.prefill_chunk_size
+    )  # fmt: skip
+    rows = ec.max_num_batched_tokens // chunk
+    mc = dataclasses.replace(MODEL, vocab_size=workload.vocab_size)
     runner = FakeRunner(
         num_slots, num_pages, page_size, rows=rows, chunk=chunk,
         slot_buckets=(num_slots,),
@@ -96,7 +95,9 @@ def count_steps(workload, batching: str) -> dict:
 def main(argv):
     del argv
     rows = []
-    num_slots, page_size, chunk, prefill_rows = settings()
+    ec = settings()
+    num_slots, page_size, chunk = ec.num_slots, ec.page_size, ec.prefill_chunk_size
+    prefill_rows = ec.max_num_batched_tokens // chunk
     print(
         f"{num_slots} slots, page_size {page_size}, prefill chunks of {chunk} tokens, "
         f"{prefill_rows} per step"

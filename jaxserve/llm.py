@@ -6,25 +6,31 @@
     for out in llm.stream("Once upon a time"): ...          # incremental snapshots
     for i, out in llm.iter_generate(prompts, params): ...   # (input index, output) as each finishes
 
+The constructor's keyword arguments are exactly `EngineConfig`'s fields, whose defaults and help
+text live there once (`help(EngineConfig)`; the launch flags show the same text): it builds
+`EngineConfig(model=model, **settings)`, loads the model, then fills the model-dependent defaults
+with `config.for_model(model_config)` (max_model_len, the prefill chunk, the step's token budget).
 `LLM(..., enable_prefix_caching=True)` reuses the K/V pages of token prefixes already computed (a
 shared system prompt, the n samples of one prompt, a chat's earlier turns and their answers)
-instead of recomputing them (scheduler.py).
+instead of recomputing them (core/prefix_cache.py).
 
 A prompt is a str, {"prompt_token_ids": [...]} (works without a tokenizer) or {"prompt": str}.
 `sampling_params` is one SamplingParams (or dict) for all prompts or a list with one per prompt.
 A bad prompt or bad per-prompt parameters give that prompt an output with `error` set while the
-rest complete; bad constructor arguments raise ValueError naming the argument.
+rest complete. An unknown constructor argument raises TypeError naming it, a bad value ValueError
+naming the field (before the model loads, except a max_model_len beyond the model's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.engine import LLMEngine
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
@@ -32,96 +38,50 @@ from jaxserve.layers import kv_cache
 from jaxserve.runner.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+_SETTINGS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "bfloat16",
-        quantization: str | None = None,
-        kv_cache_dtype: str = "auto",
-        num_slots: int = 32,
-        max_model_len: int | None = None,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        kv_cache_memory: int | None = None,
-        attention_impl: str = "auto",
-        load_format: str = "auto",
-        seed: int = 0,
-        max_num_batched_tokens: int | None = None,
-        prefill_chunk_size: int | None = None,
-        decode_steps: int = 1,
-        batching: str = "continuous",
-        async_scheduling: bool = True,
-        enable_prefix_caching: bool = False,
-        slot_buckets: tuple[int, ...] | str = "auto",
-        fuse_prefill: bool = False,
-        warmup: bool = False,
-    ):
+    """The offline engine: `LLM(model, **settings)`, the settings being `EngineConfig`'s fields.
+
+    Attributes: `engine_config` (filled: `EngineConfig.for_model`), `model_config`, `tokenizer`
+    (None for dummy weights), `source` (what was loaded), `num_pages` (the KV pool), `engine`
+    (the `LLMEngine`) and `warmup_seconds` (None unless built with warmup=True).
+    """
+
+    def __init__(self, model: str | ModelConfig | None = None, **settings):
         from jaxserve.loading import load_model  # lazy: loading pulls in transformers
 
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        if max_model_len is not None and (
-            not isinstance(max_model_len, int)
-            or isinstance(max_model_len, bool)
-            or max_model_len < 2
-        ):
-            raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
-        loaded = load_model(model, dtype=dtype, load_format=load_format, quantization=quantization)
-        config = loaded.config
-        if max_model_len is None:
-            max_model_len = min(config.max_position_embeddings, 2048)
-        if max_model_len > config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                f"{config.max_position_embeddings}"
-            )
-        # Defaults: 64-token prefill chunks, 8 per step. A chunk is padded to its fixed length, so
-        # short chat prompts (~40 tokens) waste little, and 8 prompts are admitted per step; on
-        # the CPU this ran a 96-prompt chat job 1.9x faster than 2 chunks of 256 (experiments/prefill_chunk_ab.py).
-        # Long prompts take one chunk per step: raise prefill_chunk_size for long-prompt TTFT.
-        if prefill_chunk_size is None:
-            prefill_chunk_size = min(64, 1 << (max_model_len - 1).bit_length())
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 8 * prefill_chunk_size
-        engine_config = EngineConfig(
-            num_slots=num_slots,
-            max_model_len=max_model_len,
-            page_size=page_size,
-            num_pages=num_pages,
-            kv_cache_memory=kv_cache_memory,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            attention_impl=attention_impl,
-            max_num_batched_tokens=max_num_batched_tokens,
-            prefill_chunk_size=prefill_chunk_size,
-            decode_steps=decode_steps,
-            batching=batching,
-            async_scheduling=async_scheduling,
-            enable_prefix_caching=enable_prefix_caching,
-            slot_buckets=slot_buckets,
-            fuse_prefill=fuse_prefill,
+        for name in settings:
+            if name not in _SETTINGS:
+                raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        requested = EngineConfig(model=model, **settings)  # fails here, before the model loads
+        loaded = load_model(
+            requested.model,
+            dtype=requested.dtype,
+            load_format=requested.load_format,
+            quantization=requested.quantization,
         )
+        config = loaded.config
+        engine_config = requested.for_model(config)
         self.model_config = config
         self.engine_config = engine_config
         self.tokenizer = loaded.tokenizer
         self.source = loaded.source
         self.num_pages = resolve_num_pages(engine_config, config)
+        seed = engine_config.seed
         runner = ModelRunner(loaded.params, config, engine_config, self.num_pages)
         self.engine = LLMEngine(
             runner, config, engine_config, self.num_pages, tokenizer=self.tokenizer, seed=seed
         )
         self._outbox: dict[str, list[RequestOutput]] = {}
-        self.warmup_seconds = runner.warmup() if warmup else None
+        self.warmup_seconds = runner.warmup() if engine_config.warmup else None
         logger.info(
             "LLM ready: %s, %d slots, %d KV pages of %d tokens",
             self.source,
-            num_slots,
+            engine_config.num_slots,
             self.num_pages,
-            page_size,
+            engine_config.page_size,
         )
 
     # -- public API -------------------------------------------------------------------------------

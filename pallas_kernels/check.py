@@ -7,58 +7,30 @@ device is an "NVIDIA H200" and lowered with `lowering_platforms=("cuda",)`, whic
 -> Triton IR lowering (block shapes, dtypes, supported primitives). It does not run Triton's own
 compiler to PTX, which happens when XLA compiles on a real GPU (`experiments/gpu_kernels.py`).
 
-Each kernel file defines `lowering_cases() -> list[KernelCheck]`; adding a kernel file to the
-registry is one line in `KERNEL_MODULES`. Prints a table and exits non-zero if any case fails.
+Each kernel file defines `lowering_cases() -> list[KernelCheck]` (`lowering.py`, a leaf the kernels
+import); adding a kernel file to the registry is one line in `KERNEL_MODULES`. Prints a table and exits non-zero if any case fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib
 import sys
 import time
 import traceback
-from collections.abc import Callable
 
-import jax
+from pallas_kernels import int4_matmul, paged_attention, paged_prefill
+from pallas_kernels.lowering import KernelCheck, h200_mesh, lower_for_h200
 
-KERNEL_MODULES = (
-    "pallas_kernels.paged_attention",
-    "pallas_kernels.paged_prefill",
-    "pallas_kernels.int4_matmul",
-)
+__all__ = ["KERNEL_MODULES", "KernelCheck", "collect", "h200_mesh", "lower_for_h200", "run"]
 
-
-@dataclasses.dataclass(frozen=True)
-class KernelCheck:
-    name: str  # "<kernel>/<model>/<config>"
-    fn: Callable  # the public kernel function, called with `args`
-    args: tuple  # jax.ShapeDtypeStruct per argument (None for an absent optional argument)
+KERNEL_MODULES = (paged_attention, paged_prefill, int4_matmul)
 
 
 def collect(modules=KERNEL_MODULES) -> list[KernelCheck]:
     checks = []
-    for name in modules:
-        checks.extend(importlib.import_module(name).lowering_cases())
+    for module in modules:
+        checks.extend(module.lowering_cases())
     return checks
-
-
-def h200_mesh() -> jax.sharding.AbstractMesh:
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    return jax.sharding.AbstractMesh(
-        (1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=dev
-    )
-
-
-def lower_for_h200(check: KernelCheck) -> str:
-    """StableHLO text of the case lowered for CUDA; raises whatever the lowering raises."""
-    with jax.sharding.use_abstract_mesh(h200_mesh()):
-        lowered = jax.jit(check.fn).trace(*check.args).lower(lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    if "triton" not in text:
-        raise RuntimeError("lowered module holds no Triton custom call")
-    return text
 
 
 def run(checks: list[KernelCheck], verbose: bool = False) -> list[tuple[str, bool, float, str]]:

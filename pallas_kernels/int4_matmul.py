@@ -1,7 +1,12 @@
-"""W4A16 matmul with the dequantization fused in: x[M, K] @ W[K, N], W packed INT4 (`quant/int4.py`).
+"""W4A16 matmul with the dequantization fused in: x[M, K] @ W[K, N], W in the packed INT4 layout.
 
-Layout (defined in `jaxserve/quant/int4.py`): packed u32[K, N/8] where nibble j of packed column c
-is the code of output column j * N/8 + c; scales and mins f16[K/g, N]; W = q * scale + min.
+Layout (defined, with its diagram, in `int4_layout.py`): packed u32[K, N/8] where nibble j of
+packed column c is the code of output column j * N/8 + c; scales and mins f16[K/g, N];
+W = q * scale + min.
+
+The implementation is a static choice of the caller, `impl=`: 'pallas' (this kernel, GPU),
+'pallas_interpret' (the same kernel interpreted, for CPU tests), 'xla' (unpack + dot, any backend)
+or 'reference'. Nothing here reads `jax.default_backend()`: the engine picks once, when it is built.
 
 Stacked layers: given `layer`, the weight arrays are a model's whole stack [L, ...] and the kernel
 reads layer `layer` (a traced index) in place, as the paged-attention kernels read the KV pool.
@@ -50,8 +55,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxserve.quant.int4 import PACK, check_arrays, dequantize_arrays
+from pallas_kernels.int4_layout import PACK, check_arrays, dequantize_arrays
+from pallas_kernels.lowering import KernelCheck
 
+IMPLS = ("pallas", "pallas_interpret", "xla", "reference")
 ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 H200_SMS = 132
 
@@ -233,7 +240,7 @@ def int4_matmul(
     mins: jax.Array,
     *,
     group_size: int,
-    impl: str = "auto",
+    impl: str,
     config: Int4MatmulConfig | None = None,
     layer: jax.Array | int | None = None,
 ) -> jax.Array:
@@ -242,11 +249,14 @@ def int4_matmul(
     x:       f32/bf16/f16[..., K]
     packed:  u32[K, N/8];  scales, mins: f16[K/g, N]
              with `layer`: a stack u32[L, K, N/8], f16[L, K/g, N], of which layer `layer` is W
-    impl:    'auto' (Pallas on GPU, XLA elsewhere), 'pallas', 'pallas_interpret', 'xla', 'reference'
+    impl:    'pallas' (the fused kernel; GPU), 'pallas_interpret' (it, interpreted; CPU tests),
+             'xla' (unpack + dot; any backend) or 'reference' (f32 jnp): a static choice
     config:  tiles for the Pallas kernel (default: `plan` from the shape)
     layer:   i32[] or int (may be traced, e.g. under `lax.scan`): the Pallas kernel reads that
              layer of the stack in place; the XLA and reference paths slice it out
     """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     check_arrays(packed, scales, mins, group_size)
     want_ndim = 2 if layer is None else 3
     if packed.ndim != want_ndim:
@@ -258,8 +268,6 @@ def int4_matmul(
         raise ValueError(f"x must be f32/bf16/f16, got {x.dtype}")
     if x.ndim < 1 or x.shape[-1] != packed.shape[-2]:
         raise ValueError(f"x has shape {x.shape}; its last dim must be K={packed.shape[-2]}")
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     if impl in ("pallas", "pallas_interpret"):
         if layer is None:  # one layer: a stack of one (free reshapes)
             packed, scales, mins, layer = packed[None], scales[None], mins[None], 0
@@ -272,16 +280,11 @@ def int4_matmul(
         )
     if impl == "xla":
         return int4_matmul_xla(x, packed, scales, mins, group_size)
-    if impl == "reference":
-        return int4_matmul_reference(x, packed, scales, mins, group_size)
-    raise ValueError(
-        f"impl must be 'auto', 'pallas', 'pallas_interpret', 'xla' or 'reference', got {impl!r}"
-    )
+    return int4_matmul_reference(x, packed, scales, mins, group_size)
 
 
 def lowering_cases() -> list:
     """CUDA lowering cases for `pallas_kernels.check`: SmolLM2 and Llama-3-8B projections."""
-    from pallas_kernels.check import KernelCheck
 
     sds = jax.ShapeDtypeStruct
     shapes = {
@@ -337,7 +340,7 @@ def int4_matmul_xla(x, packed, scales, mins, group_size: int) -> jax.Array:
 
 
 def int4_matmul_reference(x, packed, scales, mins, group_size: int) -> jax.Array:
-    """The definition: x (as f32) @ W (f32, per `int4.dequantize_arrays`) -> x.dtype."""
+    """The definition: x (as f32) @ W (f32, per `int4_layout.dequantize_arrays`) -> x.dtype."""
     w = dequantize_arrays(packed, scales, mins, group_size)  # (K, N) f32
     y = jnp.einsum("...k,kn->...n", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
     return y.astype(x.dtype)

@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.lowering import KernelCheck
 from pallas_kernels.paged_common import (
     KV_DTYPES,
     MASK_VALUE,
@@ -259,7 +260,6 @@ def paged_attention(
 
 def lowering_cases() -> list:
     """Every decode configuration the engine uses: models x page size x q dtype x KV dtype."""
-    from pallas_kernels.check import KernelCheck  # here, not at the top: check.py imports this file
 
     sds = jax.ShapeDtypeStruct
     cases = []

@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.lowering import KernelCheck
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.paged_common import (
     KV_DTYPES,
@@ -266,7 +267,6 @@ def paged_prefill_attention(
 
 def lowering_cases() -> list:
     """Every prefill configuration the engine uses: models x page size x q/KV dtype x chunk."""
-    from pallas_kernels.check import KernelCheck  # here, not at the top: check.py imports this file
 
     sds = jax.ShapeDtypeStruct
     cases = []

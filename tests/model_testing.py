@@ -60,7 +60,7 @@ def sequence_meta(
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
 def model_step(params, tokens, meta, cache, config: ModelConfig):
     """tokens i32[B, T] -> (f32 logits [B, T, V], cache): one forward over the paged cache."""
-    hidden, cache = llama.forward(params, tokens, meta, cache, config, "reference")
+    hidden, cache = llama.forward(params, tokens, meta, cache, config)
     return llama.compute_logits(params, hidden, config), cache
 
 

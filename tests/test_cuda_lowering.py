@@ -1,15 +1,16 @@
 """The engine's jitted steps, as a GPU engine builds them, lower for CUDA (no GPU needed).
 
 `python -m pallas_kernels.check` lowers each kernel on its own; this lowers the whole step
-functions (`runner._generate`, `_prefill`, `_mixed`) with the Pallas attention and, for INT4
+functions (`runner.steps.generate`, `prefill`) with the Pallas attention and, for INT4
 params, the fused dequantize-matmul, at SmolLM2 and Llama-3-8B shapes and the engine's bucket
 shapes. It catches
 what only shows when the kernels sit inside the model: block shapes the engine's buckets produce,
 the GQA group of 3, the 576-wide hidden size, dtypes across kernel boundaries.
 
 The shapes are abstract (`jax.eval_shape`); the device is an abstract "NVIDIA H200"
-(`pallas_kernels.check.h200_mesh`). Code that picks a path with `jax.default_backend()` at trace
-time sees "gpu" here, as it would on the GPU.
+(`pallas_kernels.check.h200_mesh`). The GPU engine's choices come from `jaxserve.resolve` with
+backend "gpu", exactly as a GPU engine makes them: nothing reads the backend while tracing, so
+nothing needs patching here.
 """
 
 from __future__ import annotations
@@ -24,18 +25,22 @@ import pytest
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers import kv_cache
 from jaxserve.models import llama
-from jaxserve.quant import quantize_params
+from jaxserve.quant import quantize_params, with_matmul_impl
+from jaxserve.resolve import DecodeShape, PrefillShape, resolve
 from jaxserve.runner import runner as runner_lib
+from jaxserve.runner import steps
+from jaxserve.runner.input_batch import PrefillBatch
 from pallas_kernels.check import h200_mesh
 
 NUM_SLOTS, MAX_PAGES, NUM_PAGES, PAGE_SIZE, CHUNK = 32, 16, 512, 16, 64
-
-
-@pytest.fixture
-def on_gpu(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    yield
-    jax.clear_caches()  # no trace made while "on the GPU" may serve a later CPU call
+# A GPU engine's choices (the step shapes below are given explicitly).
+_TINY = ModelConfig.preset("tiny")
+GPU = resolve(
+    EngineConfig(num_slots=NUM_SLOTS, max_model_len=256, page_size=PAGE_SIZE).for_model(_TINY),
+    _TINY,
+    "gpu",
+    NUM_PAGES,
+)
 
 
 def abstract_model(model: str, quantization: str | None):
@@ -43,7 +48,7 @@ def abstract_model(model: str, quantization: str | None):
     params = jax.eval_shape(lambda k: llama.init_params(c, k, jnp.bfloat16), jax.random.key(0))
     if quantization:
         params = jax.eval_shape(lambda p: quantize_params(p, c, quantization, 64), params)
-    return c, params
+    return c, with_matmul_impl(params, GPU.int4_matmul)
 
 
 def abstract_cache(c: ModelConfig, kv_cache_dtype: str):
@@ -60,9 +65,9 @@ def abstract_cache(c: ModelConfig, kv_cache_dtype: str):
     )
 
 
-def abstract_batch(rows: int) -> runner_lib.PrefillBatch:
+def abstract_batch(rows: int) -> PrefillBatch:
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    return runner_lib.PrefillBatch(
+    return PrefillBatch(
         tokens=i32(rows, CHUNK),
         slots=i32(rows),
         start=i32(rows),
@@ -86,18 +91,13 @@ def kernels(text: str) -> set[str]:
     return names
 
 
-def lower_step(kind: str, v: dict, c, params, cache, state, mixed_width: int = 8) -> str:
-    """Lowers one step program, given as `ModelRunner.step_variants` lists them."""
+def lower_step(shape, c, params, cache, state, impl=None) -> str:
+    """Lowers one step program, a `DecodeShape` or a `PrefillShape` as `Resolved` lists them."""
     flag = np.bool_(False)
-    static = dict(config=c, impl="auto")
-    if kind == "generate":
-        return lower(runner_lib._generate, params, cache, state, flag, num_steps=1, **v, **static)
-    if kind == "prefill":
-        batch = abstract_batch(v["rows"])
-        pf = dict(width=v["width"], prompt_logprobs=v["prompt_logprobs"])
-        return lower(runner_lib._prefill, params, cache, state, batch, flag, **pf, **static)
-    args = (params, cache, state, abstract_batch(1), flag, flag)
-    return lower(runner_lib._mixed, *args, prefill_width=mixed_width, **v, **static)
+    static = dict(config=c, impl=impl or GPU.model, shape=shape)
+    if isinstance(shape, DecodeShape):
+        return lower(steps.generate, params, cache, state, flag, num_steps=1, **static)
+    return lower(steps.prefill, params, cache, state, abstract_batch(shape.rows), flag, **static)
 
 
 def int4_codes_shapes(text: str) -> set[tuple[int, int, int]]:
@@ -113,11 +113,7 @@ def int4_codes_shapes(text: str) -> set[tuple[int, int, int]]:
     return out
 
 
-EXPECTED = {
-    "generate": {"paged_decode"},
-    "prefill": {"paged_prefill"},
-    "mixed": {"paged_decode", "paged_prefill"},
-}
+EXPECTED = {DecodeShape: {"paged_decode"}, PrefillShape: {"paged_prefill"}}
 
 
 @pytest.mark.parametrize(
@@ -129,20 +125,15 @@ EXPECTED = {
         ("llama3-8b", "int4-rtn", "fp8"),  # head_dim 128, GQA group 4, 128k vocab
     ],
 )
-def test_engine_steps_lower_for_cuda(on_gpu, model, quantization, kv_cache_dtype):
+def test_engine_steps_lower_for_cuda(model, quantization, kv_cache_dtype):
     c, params = abstract_model(model, quantization)
     cache = abstract_cache(c, kv_cache_dtype)
-    state = jax.eval_shape(lambda: runner_lib.init_slot_state(NUM_SLOTS, MAX_PAGES, c.vocab_size))
-    decode = dict(rows=NUM_SLOTS, width=MAX_PAGES, num_flat=0)
-    variants = [
-        ("generate", decode),
-        ("prefill", dict(rows=8, width=8, prompt_logprobs=False)),
-        ("mixed", decode),
-    ]
+    state = jax.eval_shape(lambda: steps.init_slot_state(NUM_SLOTS, MAX_PAGES, c.vocab_size))
+    variants = [DecodeShape(NUM_SLOTS, MAX_PAGES, 0), PrefillShape(8, 8, False)]
     int4 = {"int4_matmul"} if quantization else set()  # the INT8 tied table runs in XLA
-    for kind, v in variants:
-        text = lower_step(kind, v, c, params, cache, state)
-        assert kernels(text) == EXPECTED[kind] | int4, kind
+    for shape in variants:
+        text = lower_step(shape, c, params, cache, state)
+        assert kernels(text) == EXPECTED[type(shape)] | int4, shape
         if quantization:
             # Each layer's INT4 kernel gets the whole stack of its weight, [L * K, N/8] codes,
             # and reads the scan's layer in place: no per-layer slice is copied out for it. (An
@@ -152,9 +143,9 @@ def test_engine_steps_lower_for_cuda(on_gpu, model, quantization, kv_cache_dtype
             assert layer_calls and all(r == c.num_layers * k for r, k in layer_calls), shapes
 
 
-def test_every_warmup_program_lowers_for_cuda(on_gpu):
-    """A GPU engine's whole warm-up set (`ModelRunner.step_variants`): every decode, prefill and
-    fused bucket of the benchmark's engine shape, SmolLM2 bf16 with fuse_prefill on."""
+def test_every_warmup_program_lowers_for_cuda():
+    """A GPU engine's whole warm-up set (`Resolved.decode_shapes` + `prefill_shapes`): every
+    decode and prefill bucket of the benchmark's engine shape, SmolLM2 bf16."""
     c, params = abstract_model("smollm2-135m", None)
     ec = EngineConfig(
         num_slots=NUM_SLOTS,
@@ -163,17 +154,14 @@ def test_every_warmup_program_lowers_for_cuda(on_gpu):
         num_pages=NUM_PAGES,
         prefill_chunk_size=CHUNK,
         max_num_batched_tokens=512,
-        fuse_prefill=True,
     )
-    runner = runner_lib.ModelRunner(params, c, ec, NUM_PAGES)
-    assert not runner.ragged and runner.slot_buckets == (NUM_SLOTS,)  # the GPU's choices
+    runner = runner_lib.ModelRunner(params, c, ec, NUM_PAGES, backend="gpu")
+    r = runner.resolved
+    assert r.model.attention == "pallas" and r.slot_buckets == (NUM_SLOTS,)  # the GPU's choices
     spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
     cache, state = jax.tree.map(spec, runner.cache), jax.tree.map(spec, runner.state)
-    seen = []
-    for kind, v in runner.step_variants():
-        text = lower_step(kind, v, c, params, cache, state, runner.mixed_width)
-        assert kernels(text) == EXPECTED[kind], (kind, v)
-        seen.append(kind)
-    # 8 page-table widths (1..128 pages): 8 decode, 8 x (4 row buckets + prompt log-probs)
-    # prefill, 8 fused programs.
-    assert [seen.count(k) for k in ("generate", "prefill", "mixed")] == [8, 40, 8]
+    shapes = r.decode_shapes() + r.prefill_shapes()
+    for shape in shapes:
+        assert kernels(lower_step(shape, c, params, cache, state, r.model)) == EXPECTED[type(shape)]
+    # 8 page-table widths (1..128 pages): 8 decode, 8 x (4 row buckets + prompt log-probs) prefill.
+    assert [sum(isinstance(s, k) for s in shapes) for k in (DecodeShape, PrefillShape)] == [8, 40]

@@ -1,5 +1,6 @@
 """`LLM` end to end on the tiny dummy model: reference equality, batch invariance, preemption,
-per-prompt errors, streaming, iter_generate, n > 1, log-probs, static batching, argument checks.
+per-prompt errors, streaming, iter_generate, n > 1, log-probs, static batching, argument checks
+(EngineConfig's fields, model-dependent defaults filled).
 
 All LLMs here share one shape configuration (so the jit caches are shared across them) except the
 small-KV-pool one used for preemption.
@@ -207,6 +208,9 @@ def test_static_batching_same_tokens_more_steps(llm):
         (dict(slot_buckets=(8, 16)), "slot_buckets"),  # must end at num_slots (32)
         (dict(slot_buckets=(16, 8, 32)), "slot_buckets"),
         (dict(slot_buckets="none"), "slot_buckets"),
+        (dict(seed=1.5), "seed"),
+        (dict(max_model_len=1), "max_model_len"),
+        (dict(load_format="gguf"), "load_format"),
     ],
 )
 def test_bad_arguments_raise(kw, word):
@@ -214,10 +218,33 @@ def test_bad_arguments_raise(kw, word):
         make_llm(**kw)
 
 
+def test_arguments_are_engine_config_fields(monkeypatch):
+    for name in ("fuse_prefill", "max_seq_len"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'"):
+            make_llm(**{name: 1})
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the arguments were checked")
+
+    monkeypatch.setattr("jaxserve.loading.load_model", no_load)
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        make_llm(prefill_chunk_size=48)
+
+
+def test_model_dependent_defaults_are_filled():
+    """LLM's defaults: max_model_len min(512, 2048) for tiny, 64-token chunks, 8 per step; the
+    chunk capped at the next power of two of a short max_model_len."""
+    c = LLM("tiny", load_format="dummy", dtype="float32", num_slots=2).engine_config
+    assert (c.max_model_len, c.prefill_chunk_size, c.max_num_batched_tokens) == (512, 64, 512)
+    c = LLM("tiny", load_format="dummy", dtype="float32", num_slots=2, max_model_len=20)
+    c = c.engine_config
+    assert (c.max_model_len, c.prefill_chunk_size, c.max_num_batched_tokens) == (20, 32, 256)
+
+
 def test_ragged_and_reference_attention_give_the_same_tokens(llm):
     """The CPU default ('ragged' decode attention over the live pages) decodes the same greedy
     tokens as the gather reference, over lengths spanning one and two pages."""
-    assert llm.engine.runner.ragged
+    assert llm.engine.runner.resolved.ragged
     ps = ids(prompts(12, seed=4, lo=3, hi=50))
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = tokens(make_llm(attention_impl="reference").generate(ps, sp, use_tqdm=False))

@@ -10,29 +10,32 @@
                                                         retire (slot and pages freed at once)
                        -> outputs of finished requests (and snapshots of streamed ones)
 
-Stop conditions, checked per token on the host once `min_tokens` are out: EOS (unless ignore_eos),
-`stop_token_ids`, `stop` strings (the text is cut before the stop string unless
-include_stop_str_in_output; streamed snapshots hold back a tail that could start one), then
-`max_tokens` and `max_model_len` (finish_reason "length").
-
-The runner is duck-typed (`dispatch(plan)`, `fetch(handle) -> StepResult`, transfer counters), so the host loop is
-tested against a fake model whose tokens are computable by hand (tests/test_engine.py).
+Tokens become text, log-probs and stop decisions in `output_processor.py`. The runner is anything
+implementing `runner_api.Runner` (`dispatch(plan)`, `fetch(handle) -> StepResult`, its decode row
+buckets, transfer counters): `ModelRunner` on the device, or `jaxserve.testing.fake_runner`, a
+numpy model whose tokens are computable by hand (tests/core/test_engine.py). Host only.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.detokenizer import IncrementalDetokenizer, find_stop, held_back
-from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.core.detokenizer import IncrementalDetokenizer
+from jaxserve.core.output_processor import (
+    RequestGroup,
+    add_prompt_logprobs,
+    append_token,
+    make_output,
+)
+from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.page_allocator import pages_for
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.runner_api import Runner, StepResult
 from jaxserve.core.sampling_params import SamplingParams, make_slot_row
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 
@@ -51,23 +54,10 @@ def derive_seed(seed: int, index: int) -> int:
     return z ^ (z >> 31)
 
 
-@dataclasses.dataclass
-class _Group:
-    """One user request: its n children and how it is reported."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    arrival_time: float
-    stream: bool
-    detokenizers: list[IncrementalDetokenizer | None]
-
-
 class LLMEngine:
     def __init__(
         self,
-        runner,
+        runner: Runner,
         model_config: ModelConfig,
         config: EngineConfig,
         num_pages: int,
@@ -76,16 +66,16 @@ class LLMEngine:
     ):
         self.runner = runner
         self.model_config = model_config
-        self.config = config
+        self.config = config = config.for_model(model_config)  # a filled config comes back equal
         self.num_pages = num_pages
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config, num_pages, getattr(runner, "slot_buckets", None))
+        self.scheduler = Scheduler(config, num_pages, runner.slot_buckets)
         self._rng = np.random.default_rng(seed)  # seeds of unseeded requests
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, RequestGroup] = {}
         self._pending: list[RequestOutput] = []  # error outputs, delivered by the next step()
         self._inflight = None  # (plan, device handle) dispatched but not yet fetched
         self._counter = 0
@@ -151,7 +141,7 @@ class LLMEngine:
             else None
             for _ in children
         ]
-        self._groups[request_id] = _Group(
+        self._groups[request_id] = RequestGroup(
             request_id, prompt, prompt_token_ids, children, now, stream, detoks
         )
         for child in children[1:]:
@@ -241,16 +231,16 @@ class LLMEngine:
         for group in touched:
             done = all(c.status.finished for c in group.children)
             if done or group.stream:
-                outputs.append(self._make_output(group))
+                outputs.append(make_output(group))
             if done:
                 del self._groups[group.request_id]
                 self.num_finished += 1
         return outputs
 
-    def _update(self, plan: SchedulerOutput, result) -> list[_Group]:
+    def _update(self, plan: SchedulerOutput, result: StepResult) -> list[RequestGroup]:
         """Applies one step's tokens. K/V counts were advanced when the plan was made."""
         now = time.monotonic()
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestGroup] = {}
         for req, slot, steps in zip(plan.decode, plan.decode_slots, plan.decode_steps):
             req.num_pending_tokens -= steps
             if req.status.finished:
@@ -277,7 +267,7 @@ class LLMEngine:
                 result.prompt_logprobs is not None
                 and req.sampling_params.prompt_logprobs is not None
             ):
-                self._add_prompt_logprobs(req, chunk, result, i)
+                add_prompt_logprobs(req, chunk, result, i)
             if sampled:
                 top = None
                 if result.prefill_top_ids is not None:
@@ -287,103 +277,14 @@ class LLMEngine:
                 touched[req.group_id] = self._groups[req.group_id]
         return list(touched.values())
 
-    def _add_prompt_logprobs(self, req: Request, chunk, result, row: int) -> None:
-        n_prompt = len(req.prompt_token_ids)
-        k = req.sampling_params.prompt_logprobs
-        for t in range(chunk.length):
-            p = chunk.start + t  # the entry scores prompt token p + 1
-            if p + 1 >= n_prompt:
-                break
-            target = req.prompt_token_ids[p + 1]
-            entry = {target: float(result.prompt_logprobs[row, t])}
-            for tid, lp in zip(
-                result.prompt_top_ids[row, t][:k], result.prompt_top_logprobs[row, t][:k]
-            ):
-                entry.setdefault(int(tid), float(lp))
-            req.prompt_logprobs.append(entry)
-
+    # -- outputs and stats ----------------------------------------------------------------------
     def _append(self, req: Request, token: int, logprob: float, top, now: float) -> None:
-        """Adds one generated token and retires the request if it hit a stop condition."""
-        sp = req.sampling_params
-        req.output_token_ids.append(token)
-        req.output_logprobs.append(logprob)
-        req.cumulative_logprob += logprob
-        if sp.logprobs is not None:
-            entry = {token: logprob}
-            if top is not None:
-                for tid, lp in zip(top[0][: sp.logprobs], top[1][: sp.logprobs]):
-                    entry.setdefault(int(tid), float(lp))
-            req.top_logprobs.append(entry)
-        if req.first_token_time is None:
-            req.first_token_time = now
+        """One generated token into `req`; retires it (slot and pages freed) if it stopped."""
         self.num_generation_tokens += 1
         detok = self._groups[req.group_id].detokenizers[req.index]
-        new_text = detok.add(token) if detok is not None else ""
-        req.text += new_text
-
-        status = None
-        if len(req.output_token_ids) >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif sp.stop_token_ids and token in sp.stop_token_ids:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-            elif sp.stop and new_text:
-                hit = find_stop(req.text, len(new_text), sp.stop, sp.include_stop_str_in_output)
-                if hit is not None:
-                    req.text = hit[0]
-                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit[1]
-        if status is None and req.num_tokens >= req.max_total_len:
-            status = RequestStatus.FINISHED_LENGTH
+        status = append_token(req, token, logprob, top, now, detok)
         if status is not None:
-            req.finished_time = now
             self.scheduler.finish(req, status)
-
-    # -- outputs and stats ----------------------------------------------------------------------
-    def _make_output(self, group: _Group) -> RequestOutput:
-        children = group.children
-        outs = [
-            CompletionOutput(
-                index=c.index,
-                # A snapshot of a running request holds back a possible stop-string start.
-                text=c.text
-                if c.status.finished or not c.sampling_params.stop
-                else c.text[: len(c.text) - held_back(c.text, c.sampling_params.stop)],
-                token_ids=list(c.output_token_ids),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                logprobs=list(c.top_logprobs) if c.sampling_params.logprobs is not None else None,
-                cumulative_logprob=c.cumulative_logprob,
-            )
-            for c in children
-        ]
-        firsts = [c.first_token_time for c in children if c.first_token_time is not None]
-        ends = [c.finished_time for c in children if c.finished_time is not None]
-        tpots = [
-            (c.finished_time - c.first_token_time) / (len(c.output_token_ids) - 1)
-            for c in children
-            if c.finished_time is not None and len(c.output_token_ids) > 1
-        ]
-        metrics = RequestMetrics(
-            arrival_time=group.arrival_time,
-            first_token_time=min(firsts) if firsts else None,
-            finished_time=max(ends) if len(ends) == len(children) else None,
-            ttft=(min(firsts) - group.arrival_time) if firsts else None,
-            tpot=sum(tpots) / len(tpots) if tpots else None,
-            num_preemptions=sum(c.num_preemptions for c in children),
-        )
-        first = children[0]
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=list(group.prompt_token_ids),
-            outputs=outs,
-            finished=all(c.status.finished for c in children),
-            metrics=metrics,
-            prompt_logprobs=list(first.prompt_logprobs)
-            if first.sampling_params.prompt_logprobs is not None
-            else None,
-            num_cached_tokens=sum(c.num_cached_tokens for c in children),
-        )
 
     def _record_occupancy(self) -> None:
         self.num_steps += 1
@@ -425,7 +326,6 @@ class LLMEngine:
             "num_kv_pages": self.num_pages,
             "num_h2d_transfers": self.runner.num_h2d_transfers,
             "num_d2h_transfers": self.runner.num_d2h_transfers,
-            "num_fused_steps": getattr(self.runner, "num_fused_steps", 0),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }

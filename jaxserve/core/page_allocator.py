@@ -1,29 +1,27 @@
-"""Host-side KV page allocator: reference-counted pages and an optional prefix cache. Host only.
+"""Host-side KV page allocator: reference-counted pages, free or evictable. Host only (no jax).
 
 Pages are handed out as sequences grow (`allocate`) and returned the moment a request finishes or
 is preempted (`free`). Pages are never reserved for `max_model_len` up front; that is what lets far
 more requests share a fixed KV budget.
 
-Prefix caching (vLLM's automatic prefix caching, `enable_caching=True`): a page that holds a full
-page of some token sequence's K/V can be `register`ed under a key naming its content exactly,
+A page can have several holders (`share`); it returns to the pool when its last holder frees it.
+Where it returns depends on whether its K/V is worth keeping: a page the prefix cache has
+`retain`ed (prefix_cache.py: it is registered under a key, a later request may reuse it) becomes
+evictable instead of free. Evictable pages still count as free pages, and `share` takes one back
+without recomputing its K/V; an allocation reuses them only once no plain free page is left, least
+recently freed first, and then calls `on_evict(page)` so the cache drops the page's key.
 
-    key = (uid of the previous page's key, or 0 for the first page,  the page's token ids)
-
-so a key names the whole token prefix up to the page's end, with no hash collisions: uids are never
-reused, so the key of a page whose parent was evicted can never match again. A later request whose
-tokens begin with the same pages finds them with `lookup` and takes them with `share` instead of
-recomputing them. Pages are reference-counted: a page returns to the pool when its last holder
-frees it; a registered page then stays cached (`evictable`, least recently freed first) until an
-allocation needs it, so its K/V can still be reused until then.
-
-    page states:   free --allocate--> held (ref >= 1) --free (ref 0)--> free       (unregistered)
-                                      held --free (ref 0)--> evictable --share--> held
-                                      evictable --allocate (pool otherwise empty)--> held, key gone
+    page states:   free --allocate--> held (ref >= 1) --free (ref 0)--> free       (not retained)
+                                      held --retain--> held, retained
+                   held, retained --free (ref 0)--> evictable --share--> held, retained
+                   evictable --allocate (no free page left)--> held, not retained (on_evict)
+                   evictable --release_retained--> free
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -32,23 +30,22 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, enable_caching: bool = False):
+    def __init__(self, num_pages: int):
         if num_pages < 1:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
-        self.enable_caching = enable_caching
         self._free = collections.deque(range(num_pages))  # FIFO: freed pages are reused last
         self._ref = [0] * num_pages
-        self._cached: dict[tuple, tuple[int, int]] = {}  # key -> (page, uid)
-        self._page_key: dict[int, tuple] = {}  # registered page -> its key
-        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._next_uid = 1
+        self._retained: set[int] = set()  # pages kept (evictable) when their last holder frees
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
+        # Told which retained page an allocation reuses (set by the PrefixCache that retains them).
+        self.on_evict: Callable[[int], None] | None = None
         self.num_shared_refs = 0  # sum over pages of (ref - 1) for ref > 1
         self.num_evictions = 0
 
     @property
     def num_free_pages(self) -> int:
-        """Pages an allocation can take: free ones and cached ones nobody holds."""
+        """Pages an allocation can take: free ones and evictable ones (retained, nobody holds)."""
         return len(self._free) + len(self._evictable)
 
     @property
@@ -56,16 +53,15 @@ class PageAllocator:
         """Pages some request holds."""
         return self.num_pages - self.num_free_pages
 
-    @property
-    def num_cached_pages(self) -> int:
-        return len(self._page_key)
-
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_pages
 
+    def is_held(self, page: int) -> bool:
+        return 0 <= page < self.num_pages and self._ref[page] > 0
+
     def allocate(self, n: int) -> list[int]:
         """n page ids; raises RuntimeError if the pool has fewer free (callers check first).
-        Free pages go first; then cached pages nobody holds, least recently freed first."""
+        Free pages go first; then evictable pages, least recently freed first."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({n})")
         if n > self.num_free_pages:
@@ -76,66 +72,47 @@ class PageAllocator:
                 p = self._free.popleft()
             else:
                 p, _ = self._evictable.popitem(last=False)
-                del self._cached[self._page_key.pop(p)]
+                self._retained.remove(p)
                 self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(p)
             self._ref[p] = 1
             pages.append(p)
         return pages
 
     def free(self, pages: list[int]) -> None:
-        """Drops one reference to each page; a page nobody holds returns to the pool (or stays
-        cached, evictable, if it is registered)."""
+        """Drops one reference to each page; a page nobody holds returns to the pool: free, or
+        evictable if it is retained."""
         for p in pages:
             if not (0 <= p < self.num_pages) or self._ref[p] <= 0:
                 raise ValueError(f"page {p} is not allocated (double free?)")
             self._ref[p] -= 1
             if self._ref[p] >= 1:
                 self.num_shared_refs -= 1
-            elif p in self._page_key:
+            elif p in self._retained:
                 self._evictable[p] = None
             else:
                 self._free.append(p)
 
-    # -- prefix cache -----------------------------------------------------------------------
-    def lookup(self, key: tuple) -> tuple[int, int] | None:
-        """(page, uid) registered under `key`, or None."""
-        return self._cached.get(key) if self.enable_caching else None
+    def retain(self, page: int) -> None:
+        """Keeps held `page`'s K/V once its last holder frees it (evictable, not free)."""
+        if not self.is_held(page) or page in self._retained:
+            raise ValueError(f"page {page} is not held, or is retained already")
+        self._retained.add(page)
 
     def share(self, page: int) -> None:
-        """Takes one more reference to a registered page (found by `lookup`)."""
-        if page not in self._page_key:
-            raise ValueError(f"page {page} is not a cached page")
+        """Takes one more reference to a retained page, held or evictable."""
+        if page not in self._retained:
+            raise ValueError(f"page {page} is not retained (only cached pages are shared)")
         if self._ref[page] == 0:
             del self._evictable[page]
         else:
             self.num_shared_refs += 1
         self._ref[page] += 1
 
-    def register(self, page: int, key: tuple) -> int:
-        """Records that held `page` holds the K/V named by `key`; returns the key's uid. If the key
-        is already cached (another page computed the same prefix), that entry's uid is returned and
-        `page` stays private to its holder."""
-        if not self.enable_caching:
-            raise RuntimeError("register needs enable_caching=True")
-        if self._ref[page] <= 0 or page in self._page_key:
-            raise ValueError(f"page {page} is not held, or is registered already")
-        hit = self._cached.get(key)
-        if hit is not None:
-            return hit[1]
-        uid = self._next_uid
-        self._next_uid += 1
-        self._cached[key] = (page, uid)
-        self._page_key[page] = key
-        return uid
-
-    def reset_cache(self) -> bool:
-        """Forgets every cached prefix; cached pages nobody holds become free pages. Refused
-        (False, nothing changed) while some page is held, since its holder's registrations would
-        be lost mid-request."""
-        if self.num_used_pages:
-            return False
+    def release_retained(self) -> None:
+        """Retains nothing any more: evictable pages become free pages (their K/V forgotten), held
+        ones go back to the free list when their holders free them."""
         self._free.extend(self._evictable)
         self._evictable.clear()
-        self._cached.clear()
-        self._page_key.clear()
-        return True
+        self._retained.clear()

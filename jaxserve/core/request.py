@@ -63,12 +63,11 @@ class Request:
     num_pending_tokens: int = 0  # output tokens scheduled on the device, not yet seen by the host
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
-    admitted_seq: int = -1  # admission counter: the newest running request is preempted first
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
     # Prefix caching: uids of the keys of this sequence's first full pages (matched or registered,
-    # see page_allocator), prefill tokens taken from the cache at the last admission, and child 0
+    # see prefix_cache), prefill tokens taken from the cache at the last admission, and child 0
     # of an n > 1 request (its siblings wait for its prompt pages instead of recomputing them).
     block_uids: list[int] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0

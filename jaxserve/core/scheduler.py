@@ -1,35 +1,39 @@
-"""The scheduler: a waiting queue, a slot table and the page allocator. Host only (no jax).
+"""The scheduler: a waiting queue, a slot table and the KV pages. Host only (no jax).
 
 `schedule()` returns a `SchedulerOutput` (the plan of one engine step); the engine runs it and
-calls `finish()` for the requests that stopped. Each plan:
+calls `finish()` for the requests that stopped. A plan is made in six phases:
 
-  0. compact: with decode row buckets (EngineConfig.slot_buckets) the decode step computes only
+  1. _register_returned_pages: with prefix caching (prefix_cache.py), the full pages of generated
+     tokens that came back since the last plan are registered, so later requests can find them.
+  2. _compact: with decode row buckets (EngineConfig.slot_buckets) the decode step computes only
      the first B slots. Admission takes the lowest free slot; when retirements leave few enough
      requests for a smaller bucket, those in slots >= B move to free slots below it
      (`plan.moves`, applied by the runner before anything else of the plan but the releases).
-  1. decode: every running request whose prefill is done generates `decode_steps` tokens (fewer
-     near its length limit). Pages are allocated for them first. When the pool is empty the newest
-     running request is preempted by recompute: its pages and slot are freed at once and it goes
-     back to the front of the waiting queue, keeping its generated tokens.
-  2. prefill: running requests with prompt left get the next fixed-size chunk
+  3. _schedule_decodes: every running request whose prefill is done generates `decode_steps`
+     tokens (fewer near its length limit). Pages are allocated for them first. When the pool is
+     empty the newest running request is preempted by recompute: its pages and slot are freed at
+     once and it goes back to the front of the waiting queue, keeping its generated tokens.
+  4. _schedule_prefills: running requests with prompt left get the next fixed-size chunk
      (`prefill_chunk_size` tokens), oldest first, at most `max_prefill_rows` chunks per step
      (= max_num_batched_tokens // prefill_chunk_size), so a long prompt is spread over many steps
      and never stalls the running decodes.
-  3. admit: waiting requests take free slots while chunk rows and pages (with a small watermark)
-     allow. With batching="static" a new batch is admitted only when every slot is empty, and
-     then as many requests as there are slots.
+  5. _admit: waiting requests, oldest first, take the lowest free slots as the admission policy
+     (chosen once from EngineConfig.batching) allows, and their first chunk while rows are left:
+       ContinuousAdmission  while chunk rows and pages (with a small watermark) allow; with prefix
+                            caching the children of an n > 1 request wait at the head of the queue
+                            while child 0 prefills a prompt of a page or more, then share its pages
+       StaticAdmission      a new batch only when no request is running, then as many requests as
+                            there are slots, whatever the rows and pages (the baseline)
+     An admitted request first takes the cached pages its tokens begin with (`PrefixCache.take`)
+     and prefills only the rest.
+  6. _commit: advances the planned requests as if the plan had run, and registers every full page
+     a prefill chunk completes.
 
-Prefix caching (EngineConfig.enable_prefix_caching): at admission a request takes the longest run of
-cached full pages its tokens begin with (`PageAllocator.lookup` / `share`; never the page holding its
-last prefill token, which must be computed to sample from) and prefills only the rest. Every full
-page a prefill chunk completes is registered when the plan is made; a full page of generated tokens
-is registered once the host has those tokens (at the next plan, or when the request finishes or is
-preempted), as in vLLM. So a chat's next turn, whose prompt holds the previous turn's prompt and
-answer, and a request resumed after preemption find those pages while they stay cached. A plan
-only reads pages registered by earlier plans, which the device runs first. With continuous batching
-the children of an n > 1 request wait at the head of the queue while child 0 prefills a prompt of a
-page or more, then share its pages.
-Requests that want prompt log-probs compute their whole prompt.
+Prefix caching registers a page of generated tokens only once the host has those tokens (at the
+next plan, or when the request finishes or is preempted), as in vLLM. So a chat's next turn, whose
+prompt holds the previous turn's prompt and answer, and a request resumed after preemption find
+those pages while they stay cached. A plan only reads pages registered by earlier plans, which the
+device runs first. Requests that want prompt log-probs compute their whole prompt.
 
 Plans may run one step ahead of the host (EngineConfig.async_scheduling): `_commit` advances
 `num_computed_tokens` and `num_pending_tokens` when a plan is made, so the next plan is exact except
@@ -46,8 +50,11 @@ import collections
 import dataclasses
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.admission import AdmissionPolicy, ContinuousAdmission, StaticAdmission
 from jaxserve.core.page_allocator import PageAllocator, pages_for
+from jaxserve.core.prefix_cache import PrefixCache
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.resolve import bucket_for
 
 
 @dataclasses.dataclass
@@ -86,11 +93,6 @@ class SchedulerOutput:
         return bool(self.decode or self.prefill)
 
 
-def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest of `buckets` (increasing) that is >= n."""
-    return next((b for b in buckets if b >= n), buckets[-1])
-
-
 class Scheduler:
     def __init__(
         self, config: EngineConfig, num_pages: int, slot_buckets: tuple[int, ...] | None = None
@@ -102,14 +104,23 @@ class Scheduler:
         self.page_size = config.page_size
         self.chunk = config.prefill_chunk_size
         self.max_prefill_rows = max(1, config.max_num_batched_tokens // config.prefill_chunk_size)
-        self.caching = config.enable_prefix_caching
-        self.allocator = PageAllocator(num_pages, enable_caching=self.caching)
-        self.watermark = max(1, num_pages // 100)  # free pages kept back at admission
+        self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = PrefixCache(
+            self.allocator, self.page_size, enabled=config.enable_prefix_caching
+        )
+        self.admission: AdmissionPolicy
+        if config.batching == "static":
+            self.admission = StaticAdmission()
+        else:
+            self.admission = ContinuousAdmission(
+                watermark=max(1, num_pages // 100),  # free pages kept back at admission
+                page_size=self.page_size,
+                wait_for_leader=config.enable_prefix_caching,
+            )
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.free_slots = list(range(config.num_slots))
         self._released: list[int] = []
-        self._admit_counter = 0
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prefill tokens taken from the prefix cache
         self.num_slot_moves = 0
@@ -128,14 +139,13 @@ class Scheduler:
         are queued or running."""
         if self.has_unfinished():
             return False
-        return self.allocator.reset_cache()
+        return self.prefix_cache.reset()
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Retires a request: its slot and pages are free for the very next plan."""
         request.status = status
         if request in self.running:
-            if self.caching:
-                self._register(request)
+            self.prefix_cache.register(request)
             self.running.remove(request)
             self._free_resources(request)
         elif request in self.waiting:
@@ -156,69 +166,20 @@ class Scheduler:
     # -- planning ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = SchedulerOutput(num_decode_steps=self.config.decode_steps)
-        if self.caching:  # pages of generated tokens that came back since the last plan
-            for req in self.running:
-                if req.prefill_done:
-                    self._register(req)
+        self._register_returned_pages()
         self._compact(plan)
-        k = self.config.decode_steps
-        for req in list(self.running):
-            if req.status != RequestStatus.RUNNING or not req.prefill_done:
-                continue
-            steps = min(k, req.max_total_len - req.num_scheduled_tokens_total)
-            if steps < 1:
-                continue  # reaches its length limit with a step in flight; retired on its return
-            if self._grow(req, req.num_computed_tokens + steps, plan, self_preempt=True):
-                plan.decode.append(req)
-
-        rows = self.max_prefill_rows
-        for req in list(self.running):
-            if rows == 0:
-                break
-            if req.status != RequestStatus.RUNNING or req.prefill_done:
-                continue
-            if self._schedule_chunk(req, plan):
-                rows -= 1
-
-        static = self.config.batching == "static"
-        if static and self.running:
-            pass  # a static batch is refilled only when all of it has finished
-        else:
-            while self.waiting and self.free_slots and (rows > 0 or static):
-                req = self.waiting[0]
-                if req.num_pending_tokens:
-                    break  # preempted with tokens in flight: re-prefill once they are known
-                if self.caching and not static and _leader_prefilling(req, self.page_size):
-                    break  # its prompt pages are being computed: share them next step
-                req.begin_prefill()
-                hits = self._take_cached(req)
-                start = len(hits) * self.page_size
-                first = pages_for(
-                    start + min(self.chunk, req.num_prefill_tokens - start), self.page_size
-                ) - len(hits)
-                headroom = self.watermark if self.running else 0  # alone, a request always fits
-                if not static and not self.allocator.can_allocate(first + headroom):
-                    self.allocator.free(hits)  # back to the cache, still evictable
-                    break
-                self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
-                req.slot = self.free_slots.pop(0)
-                if hits:
-                    req.pages = hits
-                    req.num_computed_tokens = req.num_cached_tokens = start
-                    self.num_cached_tokens += start
-                    plan.page_updates[req.slot] = list(hits)
-                req.admitted_seq = self._admit_counter
-                self._admit_counter += 1
-                self.running.append(req)
-                plan.inserted.append(req)
-                if rows > 0 and self._schedule_chunk(req, plan):
-                    rows -= 1
-
-        plan.released = self._released
-        self._released = []
+        self._schedule_decodes(plan)
+        rows_left = self._schedule_prefills(plan)
+        self._admit(plan, rows_left)
+        plan.released, self._released = self._released, []
         self._commit(plan)
         return plan
+
+    def _register_returned_pages(self) -> None:
+        """Registers the full pages of generated tokens that came back since the last plan."""
+        for req in self.running:
+            if req.prefill_done:
+                self.prefix_cache.register(req)
 
     def _compact(self, plan: SchedulerOutput) -> None:
         """Moves requests out of slots >= B into free lower slots when that lets the decode steps
@@ -236,6 +197,75 @@ class Scheduler:
             self.free_slots.append(req.slot)
             req.slot = dst
         self.free_slots.sort()
+
+    def _schedule_decodes(self, plan: SchedulerOutput) -> None:
+        """Every running request past its prefill decodes, oldest first; a request that finds no
+        page preempts the newest ones, itself last."""
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING or not req.prefill_done:
+                continue  # preempted by an older request earlier in this loop, or prefilling
+            steps = min(
+                self.config.decode_steps, req.max_total_len - req.num_scheduled_tokens_total
+            )
+            if steps < 1:
+                continue  # reaches its length limit with a step in flight; retired on its return
+            if self._grow(req, req.num_computed_tokens + steps, plan, self_preempt=True):
+                plan.decode.append(req)
+
+    def _schedule_prefills(self, plan: SchedulerOutput) -> int:
+        """The next chunk of each running request with prefill left, oldest first, while chunk
+        rows are left; returns the rows left for admission."""
+        rows = self.max_prefill_rows
+        for req in list(self.running):
+            if rows == 0:
+                break
+            if req.status != RequestStatus.RUNNING or req.prefill_done:
+                continue
+            if self._schedule_chunk(req, plan):
+                rows -= 1
+        return rows
+
+    def _admit(self, plan: SchedulerOutput, rows: int) -> None:
+        """Waiting requests take free slots, oldest first, while the admission policy allows; each
+        is planned its first chunk if a row is left (else at the next plan)."""
+        if not self.admission.is_open(self.running):
+            return
+        while self.waiting and self.free_slots and self.admission.wants_more(rows):
+            req = self.waiting[0]
+            if req.num_pending_tokens:
+                break  # preempted with tokens in flight: re-prefill once they are known
+            if self.admission.must_wait(req):
+                break
+            req.begin_prefill()
+            hits = self.prefix_cache.take(req)
+            if not self.admission.fits(
+                self.allocator, self._first_chunk_pages(req, hits), self.running
+            ):
+                self.allocator.free(hits)  # back to the cache, still evictable
+                break
+            self._insert(req, hits, plan)
+            if rows > 0 and self._schedule_chunk(req, plan):
+                rows -= 1
+
+    def _first_chunk_pages(self, req: Request, hits: list[int]) -> int:
+        """New pages `req`'s first chunk needs, past the cached pages `hits` it begins with."""
+        start = len(hits) * self.page_size
+        length = min(self.chunk, req.num_prefill_tokens - start)
+        return pages_for(start + length, self.page_size) - len(hits)
+
+    def _insert(self, req: Request, hits: list[int], plan: SchedulerOutput) -> None:
+        """Moves the head of the queue into the lowest free slot, holding its cached pages."""
+        self.waiting.popleft()
+        req.status = RequestStatus.RUNNING
+        req.slot = self.free_slots.pop(0)
+        if hits:
+            start = len(hits) * self.page_size
+            req.pages = hits
+            req.num_computed_tokens = req.num_cached_tokens = start
+            self.num_cached_tokens += start
+            plan.page_updates[req.slot] = list(hits)
+        self.running.append(req)
+        plan.inserted.append(req)
 
     def _commit(self, plan: SchedulerOutput) -> None:
         """Advances the planned requests as if the plan had run, so the next plan can be made
@@ -256,41 +286,9 @@ class Scheduler:
             req.num_computed_tokens += chunk.length
             if chunk.is_last and not forced:
                 req.num_pending_tokens += 1
-            if self.caching:
-                self._register(req)
+            self.prefix_cache.register(req)  # the full pages this chunk completes
 
-    # -- prefix cache -------------------------------------------------------------------------
-    def _key(self, req: Request, tokens: list[int], i: int) -> tuple:
-        parent = req.block_uids[i - 1] if i else 0
-        return parent, tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
-
-    def _take_cached(self, req: Request) -> list[int]:
-        """Shares the cached pages `req`'s prefill tokens begin with (fills req.block_uids)."""
-        if not self.caching or req.sampling_params.prompt_logprobs is not None:
-            return []
-        tokens = req.all_token_ids[: req.num_prefill_tokens]
-        pages = []
-        for i in range((req.num_prefill_tokens - 1) // self.page_size):
-            hit = self.allocator.lookup(self._key(req, tokens, i))
-            if hit is None:
-                break
-            self.allocator.share(hit[0])
-            pages.append(hit[0])
-            req.block_uids.append(hit[1])
-        return pages
-
-    def _register(self, req: Request) -> None:
-        """Registers `req`'s full pages whose K/V is computed (in this plan or an earlier one) and
-        whose tokens the host knows: prompt pages as their chunks are planned, pages of generated
-        tokens once those tokens have come back (a step in flight computes K/V for tokens the host
-        has not seen yet)."""
-        full = min(req.num_computed_tokens, req.num_tokens) // self.page_size
-        if len(req.block_uids) >= full:
-            return
-        tokens = req.all_token_ids
-        for i in range(len(req.block_uids), full):
-            req.block_uids.append(self.allocator.register(req.pages[i], self._key(req, tokens, i)))
-
+    # -- pages ----------------------------------------------------------------------------------
     def _schedule_chunk(self, req: Request, plan: SchedulerOutput) -> bool:
         start = req.num_computed_tokens
         length = min(self.chunk, req.num_prefill_tokens - start)
@@ -324,8 +322,7 @@ class Scheduler:
     def _preempt(self, req: Request, plan: SchedulerOutput) -> None:
         """Recompute preemption: drop the K/V, keep the tokens, requeue at the front. With prefix
         caching its full pages stay cached (evictable), so the resumed request may find them."""
-        if self.caching:
-            self._register(req)
+        self.prefix_cache.register(req)
         self.running.remove(req)
         plan.page_updates.pop(req.slot, None)
         if req in plan.decode:
@@ -340,15 +337,3 @@ class Scheduler:
         self.num_preemptions += 1
         plan.preempted.append(req)
         self.waiting.appendleft(req)
-
-
-def _leader_prefilling(req: Request, page_size: int) -> bool:
-    """`req` is a later child of an n > 1 request whose child 0 is still computing prompt pages."""
-    lead = req.leader
-    return (
-        lead is not None
-        and lead.status == RequestStatus.RUNNING
-        and not lead.prefill_done
-        and len(req.prompt_token_ids) > page_size
-        and req.sampling_params.prompt_logprobs is None
-    )

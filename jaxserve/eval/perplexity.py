@@ -26,13 +26,15 @@ from jaxserve.config import ModelConfig
 from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import llama
+from jaxserve.resolve import ModelImpl
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attn_impl"), donate_argnames=("cache",))
 def _window_nll(params, tokens, lens, meta, cache, config, attn_impl):
     """tokens i32[B, T], lens i32[B] -> (nll f32[], scored tokens i32[], cache)."""
-    hidden, cache = llama.forward(params, tokens, meta, cache, config, attn_impl)
-    logits = llama.compute_logits(params, hidden[:, :-1], config)  # (B, T-1, V) f32
+    impl = ModelImpl(attention=attn_impl)
+    hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)
+    logits = llama.compute_logits(params, hidden[:, :-1], config, impl)  # (B, T-1, V) f32
     target = tokens[:, 1:]  # (B, T-1)
     picked = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
     nll = jax.nn.logsumexp(logits, axis=-1) - picked  # (B, T-1)
@@ -84,19 +86,10 @@ def perplexity(
         kv_cache_dtype,
         dtype,
     )
-    page_table = np.arange(batch * ppr, dtype=np.int32).reshape(batch, ppr)  # (B, P)
-    t = np.arange(window, dtype=np.int32)
-    positions = np.broadcast_to(t, (batch, window))
-    contiguous = page_table[:, t // page_size] * page_size + t % page_size  # (B, T)
     total, count = 0.0, 0
     for s in range(0, n_rows, batch):
         bl = lens[s : s + batch]
-        meta = AttentionMetadata(
-            positions=jnp.asarray(positions),
-            slot_mapping=jnp.asarray(np.where(t[None, :] < bl[:, None], contiguous, -1)),
-            page_table=jnp.asarray(page_table),
-            seq_lens=jnp.asarray(bl),
-        )
+        meta = AttentionMetadata.contiguous(bl, window, page_size)  # row b in pages b * ppr ...
         nll, cnt, cache = _window_nll(
             params,
             jnp.asarray(toks[s : s + batch]),

@@ -1,4 +1,4 @@
 """absl entry points (`python -m jaxserve.launch.<name>`): generate, merge, bench, convert.
 
-The engine flags they share are defined once, in `jaxserve.launch.flags`.
+The engine flags they share are generated in `jaxserve.launch.flags`, one per `EngineConfig` field.
 """

@@ -23,7 +23,11 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from jaxserve.launch import flags as shared_flags  # noqa: F401  (defines --model, --dtype, ...)
+from jaxserve.launch import flags as shared_flags
+from jaxserve.loading import load_model
+from jaxserve.loading.checkpoint import save_checkpoint
+from jaxserve.quant import METHODS as REGISTRY
+from jaxserve.quant import calibration, quantize_params, refine
 
 FLAGS = flags.FLAGS
 log = logging.getLogger("jaxserve.convert")
@@ -94,11 +98,6 @@ def convert(
     calib_sources=("pydoc",),
 ):
     """Loads, quantizes (method None: keeps float weights) and saves; returns the output path."""
-    from jaxserve.loading import load_model
-    from jaxserve.loading.checkpoint import save_checkpoint
-    from jaxserve.quant import METHODS as REGISTRY
-    from jaxserve.quant import calibration, quantize_params
-
     if method is not None and method not in METHODS:
         raise ValueError(f"--quantization must be one of {METHODS}, got {method!r}")
     if Path(output).exists():
@@ -128,8 +127,6 @@ def convert(
             raise ValueError(f"--refine_steps applies to int4-gptq only, not {method}")
         options = {}
         if method == "int4-gptq":
-            from jaxserve.quant import refine
-
             recipe.update(act_order=act_order, refine_steps=refine_steps)
             rc = refine.RefineConfig(steps=refine_steps) if refine_steps else None
             options = dict(act_order=act_order, refine_config=rc)
@@ -150,12 +147,13 @@ def main(argv: list[str]) -> int:
         print("error: --output is required", file=sys.stderr)
         return 2
     try:
+        settings = shared_flags.engine_config()  # unset: EngineConfig's defaults (bfloat16)
         path = convert(
-            FLAGS.model,
-            FLAGS.quantization,
+            settings.model,
+            settings.quantization,
             FLAGS.output,
             group_size=FLAGS.group_size,
-            dtype=FLAGS.dtype or "bfloat16",
+            dtype=settings.dtype,
             calib_tokens=FLAGS.calib_tokens,
             calib_seqlen=FLAGS.calib_seqlen,
             act_order=FLAGS.act_order,

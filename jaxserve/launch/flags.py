@@ -1,136 +1,27 @@
-"""The engine flags shared by every launcher (generate, bench, convert), defined once here.
+"""The engine flags of every launcher (generate, bench, convert): one per `EngineConfig` field.
 
-Importing this module defines the flags on absl's global FLAGS; a launcher then builds its engine
-with `LLM(**llm_kwargs())` or `engine_config()`. A flag left unset is not passed on, so the engine's
-own default applies (the help text says which). Every launcher accepts `--flagfile=FILE`.
+Importing this module defines, on absl's global FLAGS, a flag for each field of `EngineConfig`,
+named like the field, with the field's help text (which says its default) and a type from its
+annotation: bool, int, str, an enum for a field with fixed choices, and two parsed strings,
+`--kv_cache_memory=8GiB` (bytes) and `--slot_buckets=auto|8,16,32`. Every flag defaults to None:
+a flag left unset is not passed on, so the engine's own default applies. A launcher then builds its
+engine with `LLM(**llm_kwargs())`, or takes `engine_config()`; both raise ValueError naming a bad
+field. Every launcher accepts `--flagfile=FILE`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import types
+import typing
 from typing import Any
 
 from absl import flags
 
-from jaxserve.config import ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, EngineConfig
+from jaxserve.config import EngineConfig
 
 FLAGS = flags.FLAGS
-_DEFAULTS = EngineConfig()
-
-flags.DEFINE_string(
-    "model",
-    None,
-    "Model to serve: unset = SmolLM2-135M-Instruct (the default GGUF); a Hugging Face directory "
-    "(config.json + *.safetensors); a .gguf file; a converted checkpoint directory "
-    "(checkpoints/<name>/); or a preset name (tiny, smollm2-135m, llama3.2-1b, ...) with "
-    "--load_format=dummy.",
-)
-flags.DEFINE_enum(
-    "load_format",
-    "auto",
-    ["auto", "dummy"],
-    "auto: read the weights from --model; dummy: random weights with --model's preset shapes.",
-)
-flags.DEFINE_enum(
-    "dtype", None, list(DTYPES), "Weight/activation dtype. Unset: the engine's default."
-)
-flags.DEFINE_string(
-    "quantization",
-    None,
-    "Weight quantization applied at load time (e.g. int4, int8, fp8). Unset: weights as stored.",
-)
-flags.DEFINE_enum(
-    "kv_cache_dtype",
-    None,
-    list(KV_CACHE_DTYPES),
-    f"KV cache storage dtype; auto = the model dtype. Unset: {_DEFAULTS.kv_cache_dtype}.",
-)
-flags.DEFINE_integer(
-    "num_slots",
-    None,
-    f"Requests decoded concurrently (batch slots). Unset: {_DEFAULTS.num_slots}.",
-    lower_bound=1,
-)
-flags.DEFINE_integer(
-    "max_model_len",
-    None,
-    f"Longest sequence (prompt + output tokens); longer prompts are rejected per request. "
-    f"Unset: {_DEFAULTS.max_model_len}.",
-    lower_bound=1,
-)
-flags.DEFINE_integer(
-    "page_size",
-    None,
-    f"Tokens per KV cache page (a power of two). Unset: {_DEFAULTS.page_size}.",
-    lower_bound=1,
-)
-flags.DEFINE_integer(
-    "num_pages",
-    None,
-    "KV cache pages in the pool. Unset: from --kv_cache_memory, else enough for every slot to "
-    "reach --max_model_len.",
-    lower_bound=1,
-)
-flags.DEFINE_string(
-    "kv_cache_memory",
-    None,
-    "KV cache size in bytes, e.g. 8GiB, 512MiB, 2e9 (used when --num_pages is unset).",
-)
-flags.DEFINE_enum(
-    "attention_impl",
-    None,
-    list(ATTENTION_IMPLS),
-    "Attention: auto = Pallas kernels on GPU, ragged elsewhere (XLA decode over the live pages); "
-    "reference = the jnp gather reference; pallas_interpret runs the kernels in interpret mode "
-    f"(CPU). Unset: {_DEFAULTS.attention_impl}.",
-)
-flags.DEFINE_integer(
-    "seed",
-    None,
-    "Base random seed: dummy weights, and the seed requests without their own are derived from. "
-    "Unset: the engine's default.",
-)
-flags.DEFINE_integer(
-    "decode_steps",
-    None,
-    "Decode steps per host round trip (lax.scan on the device; new requests are admitted between "
-    f"round trips). Unset: {_DEFAULTS.decode_steps}.",
-)
-flags.DEFINE_bool(
-    "enable_prefix_caching",
-    None,
-    "Reuse the cached KV pages of identical token prefixes (shared system prompts, the n samples "
-    f"of one prompt) instead of recomputing them. Unset: {_DEFAULTS.enable_prefix_caching}.",
-)
-flags.DEFINE_string(
-    "slot_buckets",
-    None,
-    "Decode row buckets: 'auto' (powers of two from 8 up to --num_slots on CPU, one bucket of "
-    "all slots on GPU) or comma-separated increasing sizes ending at --num_slots, e.g. 32 (every "
-    f"decode step computes all slots) or 8,16,32. Unset: {_DEFAULTS.slot_buckets}.",
-)
-flags.DEFINE_bool(
-    "fuse_prefill",
-    None,
-    "Run a step's decode rows and a lone prefill chunk (of a prompt's first two) in one forward "
-    f"pass. Unset: {_DEFAULTS.fuse_prefill}.",
-)
-
-ENGINE_CONFIG_FLAGS = (
-    "num_slots",
-    "max_model_len",
-    "page_size",
-    "num_pages",
-    "kv_cache_memory",
-    "dtype",
-    "kv_cache_dtype",
-    "attention_impl",
-    "decode_steps",
-    "enable_prefix_caching",
-    "slot_buckets",
-    "fuse_prefill",
-)
-LLM_FLAGS = ("model", "load_format", "quantization", "seed") + ENGINE_CONFIG_FLAGS
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -148,27 +39,84 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def _value(name: str, fv: flags.FlagValues) -> Any:
-    value = fv[name].value
-    if name == "kv_cache_memory" and value is not None:
-        return parse_bytes(value)
-    if name == "slot_buckets" and value is not None and value != "auto":
-        try:
-            return tuple(int(x) for x in value.split(","))
-        except ValueError:
-            raise ValueError(
-                f"--slot_buckets: expected 'auto' or comma-separated ints, got {value!r}"
-            ) from None
-    return value
+def parse_slot_buckets(text: str) -> tuple[int, ...] | str:
+    """'auto' -> 'auto'; '8,16,32' -> (8, 16, 32). ValueError if malformed."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--slot_buckets: expected 'auto' or comma-separated ints, got {text!r}"
+        ) from None
+
+
+class _Parser(flags.ArgumentParser):
+    """A string flag whose value is `parse(text)` (a ValueError is absl's flag error)."""
+
+    def __init__(self, parse, syntax: str):
+        self._parse, self.syntax = parse, syntax
+
+    def parse(self, argument):
+        return self._parse(argument) if isinstance(argument, str) else argument
+
+    def flag_type(self) -> str:
+        return self.syntax
+
+
+class _Serializer(flags.ArgumentSerializer):
+    """Writes a parsed value back as flag text (`FLAGS.flags_into_string`, flagfiles)."""
+
+    def serialize(self, value) -> str:
+        return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+# The two fields whose flag is text parsed into another type.
+_PARSERS = {
+    "kv_cache_memory": _Parser(parse_bytes, "bytes"),
+    "slot_buckets": _Parser(parse_slot_buckets, "auto | comma-separated ints"),
+}
+
+
+def _base_type(annotation) -> Any:
+    """`int | None` -> int; `str | ModelConfig | None` -> str (the flag names the model)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return str if str in args else args[0]
+    return annotation
+
+
+def _define(field: dataclasses.Field, annotation) -> None:
+    name, text = field.name, field.metadata["help"]
+    base = _base_type(annotation)
+    if name in _PARSERS:
+        flags.DEFINE(_PARSERS[name], name, None, text, serializer=_Serializer())
+    elif "choices" in field.metadata:
+        flags.DEFINE_enum(name, None, list(field.metadata["choices"]), text)
+    elif base is bool:
+        flags.DEFINE_bool(name, None, text)
+    elif base is int:
+        flags.DEFINE_integer(name, None, text)
+    elif base is str:
+        flags.DEFINE_string(name, None, text)
+    else:
+        raise TypeError(f"no flag type for EngineConfig.{name}: {annotation}")
+
+
+_HINTS = typing.get_type_hints(EngineConfig)
+FLAG_NAMES = tuple(f.name for f in dataclasses.fields(EngineConfig))  # one flag per field
+for _field in dataclasses.fields(EngineConfig):
+    _define(_field, _HINTS[_field.name])
 
 
 def llm_kwargs(fv: flags.FlagValues = FLAGS) -> dict[str, Any]:
-    """`LLM(**llm_kwargs())`: the engine flags that were set (model always, None = SmolLM2)."""
-    kwargs = {name: _value(name, fv) for name in LLM_FLAGS}
-    return {k: v for k, v in kwargs.items() if v is not None or k == "model"}
+    """`LLM(**llm_kwargs())`: the engine flags that were set, checked by `EngineConfig`
+    (ValueError naming a bad field); an unset flag is left out, so its default applies."""
+    kwargs = {name: fv[name].value for name in FLAG_NAMES if fv[name].value is not None}
+    EngineConfig(**kwargs)
+    return kwargs
 
 
 def engine_config(fv: flags.FlagValues = FLAGS) -> EngineConfig:
-    """An EngineConfig from the engine flags that were set (the rest keep EngineConfig defaults)."""
-    kwargs = {name: _value(name, fv) for name in ENGINE_CONFIG_FLAGS}
-    return EngineConfig(**{k: v for k, v in kwargs.items() if v is not None})
+    """The EngineConfig of the engine flags that were set (unfilled: `for_model` fills it)."""
+    return EngineConfig(**llm_kwargs(fv))

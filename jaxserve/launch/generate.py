@@ -33,6 +33,7 @@ from jaxserve.batch.reader import INPUT_FORMATS, check_input_path, read_input
 from jaxserve.batch.sharding import check_shards, shard_of
 from jaxserve.batch.summary import JobStats, summary, summary_path, write_summary
 from jaxserve.batch.writer import OutputWriter, check_output_path
+from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.launch import flags as engine_flags
 
@@ -138,7 +139,7 @@ def main(argv: list[str]) -> int:
 
 
 def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -> int:
-    base_seed = FLAGS.seed if FLAGS.seed is not None else 0
+    base_seed = EngineConfig(**llm_kwargs).seed  # --seed, else the engine's default
     rows = read_input(
         FLAGS.input,
         input_format=FLAGS.input_format,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxserve.layers.kv_cache import KVCache
@@ -27,12 +28,23 @@ class AttentionMetadata:
     # Static: flat live-page bucket of a decode step for the 'ragged' impl (0 = not used).
     num_flat_pages: int = struct.field(pytree_node=False, default=0)
 
-
-def resolve_impl(impl: str) -> str:
-    """'auto' -> 'pallas' on GPU, 'ragged' elsewhere."""
-    if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "ragged"
-    return impl
+    @classmethod
+    def contiguous(cls, lens, length: int, page_size: int) -> AttentionMetadata:
+        """Rows b = 0..B-1 of `length` tokens from position 0, row b in its own pages
+        b * P .. (b + 1) * P - 1 (P = ceil(length / page_size)); lens i32[B] valid tokens per row
+        (the rest are padding: slot -1). The layout of a whole-window forward (perplexity,
+        calibration-style experiments, model tests) over a cache of B * P pages."""
+        lens = np.asarray(lens, np.int32)
+        b, p = len(lens), -(-length // page_size)
+        table = np.arange(b * p, dtype=np.int32).reshape(b, p)  # (B, P)
+        t = np.arange(length, dtype=np.int32)
+        slots = table[:, t // page_size] * page_size + t % page_size  # (B, T)
+        return cls(
+            positions=jnp.asarray(np.broadcast_to(t, (b, length))),
+            slot_mapping=jnp.asarray(np.where(t[None, :] < lens[:, None], slots, -1)),
+            page_table=jnp.asarray(table),
+            seq_lens=jnp.asarray(lens),
+        )
 
 
 def attention(
@@ -40,12 +52,13 @@ def attention(
 ) -> jax.Array:
     """q: [B, T, H, D] -> [B, T, H, D]. The new tokens' K/V must already be written to `cache`.
 
+    impl (static) is resolved when the engine is built (`jaxserve.resolve`), never here:
+
     'pallas' / 'pallas_interpret': T == 1 runs the flash-decoding kernel, T > 1 the ragged
     chunked-prefill kernel; both read the whole stacked pool at the traced `layer`.
     'ragged' (XLA, the CPU default): decode over the step's live pages laid end to end
     (`ragged_attention.py`, needs meta.num_flat_pages); prefill chunks use the reference.
     """
-    impl = resolve_impl(impl)
     if impl == "ragged":
         if q.shape[1] == 1 and meta.num_flat_pages > 0:
             kv_len = jnp.minimum(meta.seq_lens, meta.positions[:, 0] + 1)

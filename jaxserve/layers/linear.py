@@ -11,15 +11,16 @@ import math
 import jax
 import jax.numpy as jnp
 
-MIN_CPU_ROWS = 4  # see `matmul`
 
-
-def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, out_dtype=None) -> jax.Array:
+def matmul(
+    x: jax.Array, w: jax.Array, *, transposed: bool = False, out_dtype=None, min_rows: int = 1
+) -> jax.Array:
     """x[..., in] @ w -> [..., out]; w is [in, out], or [out, in] with `transposed`.
 
     out_dtype: the dot's result type (e.g. f32 accumulation for logits); default x.dtype.
 
-    On CPU fewer than MIN_CPU_ROWS rows are padded up to it (zero rows, sliced off after):
+    min_rows (static; `ModelImpl.min_matmul_rows`, 4 on CPU): fewer rows are padded up to it
+    (zero rows, sliced off after). Why on CPU:
     - XLA's CPU backend sends a one-row bf16 dot to a generic emitter that first converts the
       whole weight to f32; SmolLM2's tied logits for one prefill chunk took 43 ms as one row and
       4 ms as two (`experiments/RESULTS.md` section 17);
@@ -29,8 +30,8 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False, out_dtype=No
     """
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     m = x2.shape[0]
-    if m < MIN_CPU_ROWS and jax.default_backend() == "cpu":
-        x2 = jnp.pad(x2, ((0, MIN_CPU_ROWS - m), (0, 0)))
+    if m < min_rows:
+        x2 = jnp.pad(x2, ((0, min_rows - m), (0, 0)))
     spec = "ni,oi->no" if transposed else "ni,io->no"
     y = jnp.einsum(spec, x2, w, preferred_element_type=out_dtype)[:m]
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -43,7 +44,7 @@ class TransposedWeight:
     PyTorch's nn.Linear layout. XLA's CPU GEMM multiplies SmolLM2's 30-layer projection stack
     1.17x faster at 32 rows (1.42x at 4) with the weights stored this way
     (`experiments/cpu_weight_layout.py`, RESULTS section 21), so `ModelRunner` stores plain layer
-    weights like this on CPU (`cpu_layout`). Slicing a stack (`lax.scan`, `linear(layer=)`)
+    weights like this on CPU (`cpu_layout`, chosen by `jaxserve.resolve`). Slicing a stack (`lax.scan`, `linear(layer=)`)
     slices `t` on its leading axes: the layer axis stays first.
     """
 
@@ -71,8 +72,8 @@ class TransposedWeight:
     def dtype(self):
         return self.t.dtype
 
-    def matmul(self, x: jax.Array) -> jax.Array:
-        return matmul(x, self.t.astype(x.dtype), transposed=True)
+    def matmul(self, x: jax.Array, min_rows: int = 1) -> jax.Array:
+        return matmul(x, self.t.astype(x.dtype), transposed=True, min_rows=min_rows)
 
 
 def cpu_layout(layers: dict) -> dict:
@@ -84,8 +85,10 @@ def cpu_layout(layers: dict) -> dict:
     }
 
 
-def linear(x: jax.Array, w, layer=None) -> jax.Array:
+def linear(x: jax.Array, w, layer=None, min_rows: int = 1) -> jax.Array:
     """x[..., in] @ w[in, out] -> [..., out] in x.dtype.
+
+    min_rows: see `matmul` (plain and transposed weights; quantized ones multiply themselves).
 
     layer (i32[] or int): w is a stack [L, in, out] and the weight is its layer `layer`. A
     quantized weight whose kernel reads a stack's layer in place (`reads_layer_in_place`: INT4)
@@ -95,5 +98,7 @@ def linear(x: jax.Array, w, layer=None) -> jax.Array:
         w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), w)
         layer = None
     if isinstance(w, jax.Array):
-        return matmul(x, w.astype(x.dtype))
+        return matmul(x, w.astype(x.dtype), min_rows=min_rows)
+    if isinstance(w, TransposedWeight):
+        return w.matmul(x, min_rows=min_rows)
     return w.matmul(x) if layer is None else w.matmul(x, layer=layer)

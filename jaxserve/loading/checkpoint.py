@@ -16,9 +16,10 @@ On disk (see checkpoints/README.md):
     save_checkpoint(path, config, params, tokenizer, recipe)
     load_checkpoint(path, quantization=None) -> LoadedModel(config, params, tokenizer, source)
 
-Loading rebuilds each quantized weight from its type name and static fields, then checks that the
-recipe matches the weights (method family, group size, which weights are quantized) and that every
-parameter has the shape the config implies; a mismatch raises ValueError naming the weight.
+Loading rebuilds each quantized weight from its type name and static fields (except the INT4
+matmul `impl`, which the engine sets for its backend), then checks that the recipe matches the
+weights (method family, group size, which weights are quantized) and that every parameter has the
+shape the config implies; a mismatch raises ValueError naming the weight.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.loading.loaded import LoadedModel
+from jaxserve.loading.tokenizer import load_tokenizer
 from jaxserve.models import llama
 from jaxserve.quant import QUANTIZED_TYPES, linear_weight_names
 
@@ -41,6 +44,9 @@ FORMAT = "jaxserve-checkpoint"
 VERSION = 1
 META_FILE = "jaxserve_checkpoint.json"
 TYPES = {cls.__name__: cls for cls in QUANTIZED_TYPES}
+# Static fields the engine chooses when it is built, not the checkpoint: saved for the record but
+# not restored (the INT4 matmul `impl`; checkpoints written before it became static say "auto").
+RUNTIME_FIELDS = ("impl",)
 # The weight type each quantization family must produce.
 FAMILY_TYPE = {"int4": "Int4Weight", "int8": "Int8Weight", "fp8": "Fp8Weight"}
 
@@ -165,12 +171,9 @@ def _check_recipe(recipe: dict, weights: dict, params: dict, config: ModelConfig
             )
 
 
-def load_checkpoint(path, quantization: str | None = None):
+def load_checkpoint(path, quantization: str | None = None) -> LoadedModel:
     """-> LoadedModel(config, params, tokenizer, source). quantization, if given, must equal the
     recipe's method (so a server asked for int4-gptq never silently serves an int8 checkpoint)."""
-    from jaxserve.loading import LoadedModel
-    from jaxserve.loading.tokenizer import load_tokenizer
-
     path = Path(path).resolve()
     if not is_checkpoint(path):
         raise ValueError(f"{path} is not a jaxserve checkpoint (needs {META_FILE} and params/)")
@@ -197,7 +200,8 @@ def load_checkpoint(path, quantization: str | None = None):
             if not isinstance(node, dict) or part not in node:
                 raise ValueError(f"weight {name} is listed in {META_FILE} but missing from params/")
             node = node[part]
-        w = TYPES[spec["type"]](**node, **spec["static"])
+        static = {k: v for k, v in spec["static"].items() if k not in RUNTIME_FIELDS}
+        w = TYPES[spec["type"]](**node, **static)
         if list(w.shape) != list(spec["shape"]):
             raise ValueError(
                 f"weight {name} has shape {tuple(w.shape)}, recipe says {tuple(spec['shape'])}"

@@ -1,8 +1,11 @@
 """A functional Llama-family transformer (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) over a paged KV cache.
 
-    forward(params, tokens, meta, cache, config, attn_impl) -> (hidden, cache)
-    forward_parts(params, [(tokens, meta), ...], cache, config, attn_impl) -> ([hidden], cache)
-    compute_logits(params, hidden, config) -> f32 logits
+    forward(params, tokens, meta, cache, config, impl) -> (hidden, cache)
+    decoder_layer(lp, x, positions, attend, config, proj) -> (x, aux, taps)   one layer
+    compute_logits(params, hidden, config, impl) -> f32 logits
+
+`decoder_layer` is written once: `forward` scans it over the paged cache, calibration
+(`quant/calibration.py`) runs it with a dense causal attention to collect the linears' inputs.
 
 Params are a plain pytree passed into jit (never closed over). Per-layer weights are stacked on a
 leading layer axis and the layers run under `lax.scan`, so compile time does not depend on depth:
@@ -29,6 +32,9 @@ params' dtype (`model_dtype`: the float embedding's, else final_norm's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -39,6 +45,7 @@ from jaxserve.layers.embedding import embed, is_quantized
 from jaxserve.layers.linear import linear, matmul
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
+from jaxserve.resolve import REFERENCE_IMPL, ModelImpl
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -128,48 +135,17 @@ def forward(
     meta: AttentionMetadata,
     cache: kvc.KVCache,
     config: ModelConfig,
-    attn_impl: str = "reference",
+    impl: ModelImpl = REFERENCE_IMPL,
 ) -> tuple[jax.Array, kvc.KVCache]:
     """Runs the new tokens through every layer, writing their K/V into the paged cache.
 
     tokens: i32[B, T]; meta: positions/slot_mapping [B, T], page_table [B, W], seq_lens [B].
+    impl (static): the attention implementation and the matmul row padding (`jaxserve.resolve`).
     Returns the final-norm hidden states [B, T, D] (params dtype) and the updated cache.
     """
-    (hidden,), cache = forward_parts(params, [(tokens, meta)], cache, config, attn_impl)
-    return hidden, cache
-
-
-def forward_parts(
-    params: dict,
-    parts: list[tuple[jax.Array, AttentionMetadata]],
-    cache: kvc.KVCache,
-    config: ModelConfig,
-    attn_impl: str = "reference",
-) -> tuple[list[jax.Array], kvc.KVCache]:
-    """`forward` over several token batches at once (e.g. decode rows [B, 1] and a prefill chunk
-    [R, T]): parts = [(tokens i32[B_i, T_i], meta_i)], each with its own attention metadata.
-
-    The norms, projections and MLP run on all the parts' tokens together ([N, D], N = sum of
-    B_i * T_i), so each layer's weights are read once; rope, the K/V writes and attention run per
-    part. Parts must write disjoint cache slots. Returns ([hidden_i [B_i, T_i, D]], cache).
-    """
     c = config
-    h, kvh, dh = c.num_heads, c.num_kv_heads, c.head_dim
-    inv_freq = c.inv_freq()
     dtype = model_dtype(params)
-    shapes = [tokens.shape for tokens, _ in parts]
-    metas = [meta for _, meta in parts]
-    x = jnp.concatenate(
-        [embed(params["embed"], tokens, dtype).reshape(-1, c.hidden_size) for tokens, _ in parts]
-    )  # (N, D)
-
-    def split(a):  # (N, ...) -> [(B_i, T_i, ...)]
-        out, start = [], 0
-        for b, t in shapes:
-            out.append(a[start : start + b * t].reshape(b, t, *a.shape[1:]))
-            start += b * t
-        return out
-
+    x = embed(params["embed"], tokens, dtype)  # (B, T, D)
     # Weights whose kernel reads a layer of the stack in place (INT4) stay out of the scan's
     # inputs, which would slice (copy) each layer out for the kernel; they get the layer index.
     whole = {
@@ -182,56 +158,88 @@ def forward_parts(
         lp, li = xs
 
         def proj(a, name):  # a @ layer li's weight `name`
-            if name in whole:
-                return linear(a, whole[name], layer=li)
-            return linear(a, lp[name])
+            w = whole[name] if name in whole else lp[name]
+            return linear(a, w, layer=li if name in whole else None, min_rows=impl.min_matmul_rows)
 
-        y = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-        q = proj(y, "wq")
-        k = proj(y, "wk")
-        v = proj(y, "wv")
-        if c.attention_bias:
-            q = q + lp["bq"].astype(dtype)
-            k = k + lp["bk"].astype(dtype)
-            v = v + lp["bv"].astype(dtype)
-        qs, ks = [], []
-        for qi, ki, meta in zip(split(q), split(k), metas):
-            b, t = qi.shape[:2]
-            qs.append(apply_rope(qi.reshape(b, t, h, dh), meta.positions, inv_freq))
-            ks.append(
-                apply_rope(ki.reshape(b, t, kvh, dh), meta.positions, inv_freq).reshape(-1, kvh, dh)
-            )
-        # ONE write of every part's K/V before any attention reads: the cache is then updated in
-        # place (a write between two reads of it would make XLA copy the whole pool).
-        cache = kvc.write(
-            cache,
-            li,
-            jnp.concatenate(ks)[None],
-            v.reshape(1, -1, kvh, dh),
-            jnp.concatenate([m.slot_mapping.reshape(-1) for m in metas])[None],
+        x, cache, _ = decoder_layer(
+            lp, x, meta.positions, paged_attend(cache, li, meta, impl), c, proj
         )
-        outs = [
-            attention(qi, cache, li, meta, attn_impl).reshape(-1, h * dh)
-            for qi, meta in zip(qs, metas)
-        ]
-        o = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # (N, H*Dh)
-        x = x + proj(o, "wo")
-        y = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
-        gate = jax.nn.silu(proj(y, "w_gate").astype(jnp.float32)).astype(dtype)
-        x = x + proj(gate * proj(y, "w_up"), "w_down")
         return (x, cache), None
 
     (x, cache), _ = jax.lax.scan(
         layer, (x, cache), (scanned, jnp.arange(c.num_layers, dtype=jnp.int32))
     )
-    return split(rms_norm(x, params["final_norm"], c.rms_norm_eps)), cache
+    return rms_norm(x, params["final_norm"], c.rms_norm_eps), cache
 
 
-def compute_logits(params: dict, hidden: jax.Array, config: ModelConfig) -> jax.Array:
+def paged_attend(cache: kvc.KVCache, layer, meta: AttentionMetadata, impl: ModelImpl):
+    """The engine's `attend` for `decoder_layer`: writes the new tokens' K/V into layer `layer`
+    of the paged cache (ONE write, before attention reads it, so XLA updates the donated pool in
+    place), then runs paged attention over it. Returns (out [B, T, H, Dh], the updated cache)."""
+
+    def attend(q, k, v):
+        new = kvc.write(cache, layer, k, v, meta.slot_mapping)
+        return attention(q, new, layer, meta, impl.attention), new
+
+    return attend
+
+
+def decoder_layer(
+    lp: dict,
+    x: jax.Array,
+    positions: jax.Array,
+    attend: Callable,
+    config: ModelConfig,
+    proj: Callable | None = None,
+) -> tuple[jax.Array, Any, dict]:
+    """One decoder layer: the engine's, calibration's (AWQ/GPTQ statistics) and the experiments'.
+
+    lp: the layer's params (no layer axis) or, with `proj`, at least its norms and biases;
+    x [B, T, D] in the activation dtype; positions i32[B, T];
+    attend(q [B, T, H, Dh] (roped), k [B, T, KVH, Dh] (roped), v [B, T, KVH, Dh]) ->
+      (out [B, T, H, Dh], aux): the attention over whatever holds the keys (the paged cache, whose
+      updated self is `aux`; or a dense causal softmax over the window);
+    proj(a, name) -> a @ the layer's weight `name` (default: `linear(a, lp[name])`).
+
+    Returns (x' [B, T, D], aux, taps), taps = the inputs of the layer's linears, {"attn" [B, T, D]
+    -> wq/wk/wv, "o" [B, T, H*Dh] -> wo, "mlp" [B, T, D] -> w_gate/w_up, "down" [B, T, I] ->
+    w_down} and the roped queries "q" [B, T, H, Dh]. Unused taps cost nothing under jit.
+    """
+    c = config
+    b, t, _ = x.shape
+    h, kvh, dh = c.num_heads, c.num_kv_heads, c.head_dim
+    dtype = x.dtype
+    inv_freq = c.inv_freq()
+    if proj is None:
+        proj = lambda a, name: linear(a, lp[name])  # noqa: E731
+
+    a_in = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)  # (B, T, D)
+    q, k, v = proj(a_in, "wq"), proj(a_in, "wk"), proj(a_in, "wv")
+    if c.attention_bias:
+        q = q + lp["bq"].astype(dtype)
+        k = k + lp["bk"].astype(dtype)
+        v = v + lp["bv"].astype(dtype)
+    q = apply_rope(q.reshape(b, t, h, dh), positions, inv_freq)  # (B, T, H, Dh)
+    k = apply_rope(k.reshape(b, t, kvh, dh), positions, inv_freq)  # (B, T, KVH, Dh)
+    o, aux = attend(q, k, v.reshape(b, t, kvh, dh))
+    o_in = o.reshape(b, t, h * dh)
+    x = x + proj(o_in, "wo")
+    m_in = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
+    d_in = jax.nn.silu(proj(m_in, "w_gate").astype(jnp.float32)).astype(dtype) * proj(m_in, "w_up")
+    x = x + proj(d_in, "w_down")
+    return x, aux, {"attn": a_in, "q": q, "o": o_in, "mlp": m_in, "down": d_in}
+
+
+def compute_logits(
+    params: dict, hidden: jax.Array, config: ModelConfig, impl: ModelImpl = REFERENCE_IMPL
+) -> jax.Array:
     """hidden[..., D] -> f32 logits[..., V]."""
+    rows = impl.min_matmul_rows
     if config.tie_word_embeddings:
         w = params["embed"]
         if is_quantized(w):  # the lm_head view (D, V)
             return linear(hidden, w).astype(jnp.float32)
-        return matmul(hidden, w.astype(hidden.dtype), transposed=True, out_dtype=jnp.float32)
-    return linear(hidden, params["lm_head"]).astype(jnp.float32)
+        return matmul(
+            hidden, w.astype(hidden.dtype), transposed=True, out_dtype=jnp.float32, min_rows=rows
+        )
+    return linear(hidden, params["lm_head"], min_rows=rows).astype(jnp.float32)

@@ -16,9 +16,11 @@ bf16 instead of <= 0.27x. Why optional: a tied table is also the output projecti
 shows most in the logits (llama.cpp keeps output.weight at higher precision in its 4-bit mixes), so
 `quantize_embedding=False` (bf16 table) or `embedding_method="int8"` trades bytes back for quality.
 
-`with_impl(params, impl)` forces the INT4 matmul implementation (e.g. 'pallas_interpret' on CPU).
+`with_matmul_impl(params, impl)` sets every INT4 weight's matmul implementation, a static choice:
+Int4Weight defaults to 'xla' (runs everywhere) and the engine's runner calls this once with its
+backend's choice ('pallas' on GPU, 'xla' elsewhere); tests force 'pallas_interpret' on CPU.
 GGUF Q4_0/Q4_1/Q8_0 files import without re-quantizing: `load_model(path, quantization=
-"gguf-native")` (`gguf_import.py`).
+"gguf-native")` (`jaxserve/loading/gguf_native.py`; loading imports quant, never the reverse).
 
 Methods live in `METHODS`: name -> fn(params, config, group_size, calib) -> params. Per-weight
 methods (RTN, INT8, FP8) are built with `per_weight(fn)`; calibration-based ones (AWQ, GPTQ) see
@@ -33,7 +35,7 @@ import jax
 
 from jaxserve.config import ModelConfig
 from jaxserve.layers.embedding import is_quantized
-from jaxserve.quant import int4, int8, rtn
+from jaxserve.quant import awq, gptq, int4, int8, rtn
 from jaxserve.quant.int4 import Int4Weight, pack, unpack
 from jaxserve.quant.int8 import Fp8Weight, Int8Weight
 
@@ -107,15 +109,12 @@ METHODS: dict[str, Callable[[dict, ModelConfig, int, object], dict]] = {
 }
 
 
+# The calibrated methods expose only the options `quantize_params` documents.
 def _awq(params, config, group_size, calib):
-    from jaxserve.quant import awq  # lazy: awq imports this package
-
     return awq.quantize_awq(params, config, group_size, calib)
 
 
 def _gptq(params, config, group_size, calib, act_order=False, refine_config=None):
-    from jaxserve.quant import gptq  # lazy: gptq imports this package
-
     return gptq.quantize_gptq(
         params, config, group_size, calib, act_order=act_order, refine_config=refine_config
     )
@@ -172,8 +171,12 @@ def quantize_embedding_table(params: dict, method: str, group_size: int) -> dict
     return replace_weights(params, {"embed": EMBEDDING_METHODS[method](table, group_size)})
 
 
-def with_impl(params: dict, impl: str) -> dict:
-    """params with every Int4Weight's matmul forced to `impl` (see `Int4Weight`; 'auto' resets)."""
+def with_matmul_impl(params: dict, impl: str) -> dict:
+    """params with every Int4Weight's `impl` replaced (one of `int4.IMPLS`; see `Int4Weight`).
+
+    Other leaves (float arrays, INT8/FP8 weights) are returned untouched. Works on abstract params
+    (`jax.eval_shape` output) too: only the static field changes.
+    """
     if impl not in int4.IMPLS:
         raise ValueError(f"impl must be one of {int4.IMPLS}, got {impl!r}")
     return jax.tree.map(
@@ -252,5 +255,5 @@ __all__ = [
     "quantize_params",
     "replace_weights",
     "unpack",
-    "with_impl",
+    "with_matmul_impl",
 ]

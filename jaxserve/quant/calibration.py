@@ -38,10 +38,8 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.layers.embedding import embed
-from jaxserve.layers.linear import linear
-from jaxserve.layers.norm import rms_norm
-from jaxserve.layers.rope import apply_rope
-from jaxserve.quant import int4
+from jaxserve.models import llama
+from jaxserve.quant import int4, rtn
 
 log = logging.getLogger(__name__)
 
@@ -175,39 +173,29 @@ class LayerStats:
 
 
 def _causal_attention(q, k, v, config: ModelConfig):
-    """Dense causal GQA attention. q [N, T, H, Dh], k/v [N, T, KVH, Dh] -> [N, T, H*Dh]."""
+    """Dense causal GQA attention over whole windows (the `attend` of `llama.decoder_layer`).
+    q [N, T, H, Dh], k/v [N, T, KVH, Dh] -> ([N, T, H, Dh], None)."""
     n, t, h, dh = q.shape
     kvh, g = config.num_kv_heads, config.q_per_kv
     qg = q.reshape(n, t, kvh, g, dh)  # head h = kv * G + g, as in the paged reference
     s = jnp.einsum("ntkgd,nskd->nkgts", qg, k) / jnp.sqrt(jnp.float32(dh))
     mask = jnp.tril(jnp.ones((t, t), bool))
     p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
-    return jnp.einsum("nkgts,nskd->ntkgd", p, v).reshape(n, t, h * dh)
+    return jnp.einsum("nkgts,nskd->ntkgd", p, v).reshape(n, t, h, dh), None
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def layer_forward(lp: dict, x: jax.Array, config: ModelConfig) -> tuple[jax.Array, dict]:
-    """One decoder layer in f32. lp: that layer's params (no layer axis); x f32[N, T, D].
+    """One decoder layer (the model's own, `llama.decoder_layer`) in f32 over whole windows.
+    lp: that layer's params (no layer axis); x f32[N, T, D].
 
     Returns (x_out f32[N, T, D], {"attn", "o", "mlp", "down"} -> the linears' inputs).
     """
-    c = config
     n, t, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
-    inv_freq = c.inv_freq()
-    a_in = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)
-    q, k, v = linear(a_in, lp["wq"]), linear(a_in, lp["wk"]), linear(a_in, lp["wv"])
-    if c.attention_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    q = apply_rope(q.reshape(n, t, c.num_heads, c.head_dim), positions, inv_freq)
-    k = apply_rope(k.reshape(n, t, c.num_kv_heads, c.head_dim), positions, inv_freq)
-    v = v.reshape(n, t, c.num_kv_heads, c.head_dim)
-    o_in = _causal_attention(q, k, v, c)  # (N, T, H*Dh)
-    x = x + linear(o_in, lp["wo"])
-    m_in = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
-    d_in = jax.nn.silu(linear(m_in, lp["w_gate"])) * linear(m_in, lp["w_up"])  # (N, T, I)
-    x = x + linear(d_in, lp["w_down"])
-    return x, {"attn": a_in, "o": o_in, "mlp": m_in, "down": d_in}
+    attend = functools.partial(_causal_attention, config=config)
+    x, _, taps = llama.decoder_layer(lp, x, positions, attend, config)
+    return x, {k: taps[k] for k in LINEAR_INPUTS}
 
 
 @jax.jit
@@ -359,8 +347,6 @@ def quantize_lm_head(params: dict, config: ModelConfig, group_size: int, allow_s
     """An untied lm_head [D, V] -> asymmetric RTN Int4Weight (the calibrated methods cover layers)."""
     if config.tie_word_embeddings:
         return params
-    from jaxserve.quant import rtn
-
     w = params["lm_head"]
     g = group_size_for("lm_head", w.shape[0], group_size, allow_smaller)
     return {**params, "lm_head": rtn.quantize_int4_rtn(w, g, symmetric=False)}

@@ -4,7 +4,8 @@
 
 Per-output-channel is one group spanning all of K (scales [..., 1, N]): the scale then factors out
 of the dot, `(x @ q) * scale`, so the weight is never dequantized. GGUF Q8_0 (blocks of 32 inputs,
-an f16 scale each) imports exactly as g = 32 (`gguf_import.py`); that path dequantizes then dots.
+an f16 scale each) imports exactly as g = 32 (`loading/gguf_native.py`); that path dequantizes then
+dots.
 
     int8: scale = amax / 127,  q = round(w / scale)          in -127..127
     fp8:  scale = amax / 448,  q = float8_e4m3fn(w / scale)  (448 = e4m3's largest finite value)

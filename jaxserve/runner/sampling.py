@@ -83,11 +83,6 @@ def init_state(num_slots: int, vocab_size: int) -> SamplingState:
     )
 
 
-def row_to_device(row: SlotRow) -> SlotRow:
-    """The same row with jnp leaves (one device_put of the whole pytree)."""
-    return jax.device_put(row)
-
-
 def _one_hot_rows(ids: jax.Array, vocab_size: int, dtype) -> jax.Array:
     """ids i32[N] (-1 = padding, ids >= V dropped) -> dtype[V] counts (or presence for bool)."""
     # A negative id would wrap around to the end of the vocab: send it out of range instead.

@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.core.request import Request
-from jaxserve.core.scheduler import SchedulerOutput, bucket_for
-from jaxserve.runner.runner import StepResult
+from jaxserve.core.runner_api import StepResult
+from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.resolve import bucket_for
 
 
 def default_rule(seq: list[int], seed: int, vocab: int = 64) -> int:
@@ -26,6 +27,8 @@ def fake_logprob(token: int) -> float:
 
 
 class FakeRunner:
+    """Implements `jaxserve.core.runner_api.Runner` in numpy (no jax)."""
+
     def __init__(
         self,
         num_slots,
@@ -73,12 +76,15 @@ class FakeRunner:
         self.seed[s] = req.seed
 
     def dispatch(self, plan: SchedulerOutput) -> StepResult:
-        return self.execute(plan)  # computed at once; the engine still fetches it a step later
+        return self._run(plan)  # computed at once; the engine still fetches it a step later
 
     def fetch(self, handle: StepResult) -> StepResult:
         return handle
 
-    def execute(self, plan: SchedulerOutput) -> StepResult:
+    def warmup(self) -> float:
+        return 0.0  # nothing to compile
+
+    def _run(self, plan: SchedulerOutput) -> StepResult:
         self.plans.append(plan)
         self.log.append(
             {

@@ -1,9 +1,13 @@
-"""The scheduler's plans: admission under slots/rows/pages, chunking, preemption order, static mode."""
+"""The scheduler's plans: admission under slots/rows/pages, chunking, preemption order, the two
+admission policies (continuous, static), prefix-cache hits and registration."""
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.admission import ContinuousAdmission, StaticAdmission
+from jaxserve.core.page_allocator import PageAllocator
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import Scheduler, bucket_for
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.resolve import bucket_for
 
 
 def make(
@@ -112,6 +116,62 @@ def test_static_batch_waits_for_all():
     assert plan.released == [first.slot if first.slot is not None else 0]
 
 
+def test_continuous_admission_policy():
+    policy = ContinuousAdmission(watermark=2, page_size=4, wait_for_leader=True)
+    running = [req("r", 4)]
+    assert policy.is_open([]) and policy.is_open(running)
+    assert policy.wants_more(1) and not policy.wants_more(0)  # one prefill row per admission
+    pool = PageAllocator(5)
+    pool.allocate(2)
+    assert policy.fits(pool, 3, []) and not policy.fits(pool, 4, [])  # alone: every free page
+    assert policy.fits(pool, 1, running) and not policy.fits(pool, 2, running)  # + watermark
+    lead, child, short = req("g-0", 8), req("g-1", 8), req("s-1", 4)
+    child.leader, short.leader = lead, req("s-0", 4)
+    short.leader.status = lead.status = RequestStatus.RUNNING
+    lead.begin_prefill()
+    short.leader.begin_prefill()
+    assert policy.must_wait(child)  # child 0 computes the prompt pages it will share
+    assert not policy.must_wait(short)  # a prompt of one page or less: nothing to share
+    assert not policy.must_wait(lead)
+    assert not ContinuousAdmission(2, 4, wait_for_leader=False).must_wait(child)  # no caching
+    lead.num_computed_tokens = 8
+    assert not policy.must_wait(child)  # its prompt pages are cached now
+
+
+def test_static_admission_policy():
+    policy = StaticAdmission()
+    assert policy.is_open([]) and not policy.is_open([req("r", 4)])  # the batch is running
+    assert policy.wants_more(0)  # rows bound the chunks, not the admissions
+    pool = PageAllocator(2)
+    pool.allocate(2)
+    assert policy.fits(pool, 3, [req("r", 4)])  # no page check: the pool preempts if it must
+    child = req("g-1", 8)
+    child.leader = req("g-0", 8)
+    child.leader.status = RequestStatus.RUNNING
+    assert not policy.must_wait(child)
+
+
+def test_admission_policy_follows_batching():
+    assert isinstance(make(batching="continuous").admission, ContinuousAdmission)
+    assert isinstance(make(batching="static").admission, StaticAdmission)
+    assert make(num_pages=300).admission.watermark == 3
+
+
+def test_static_batch_ignores_rows_and_pages_continuous_keeps_a_watermark():
+    # 8-token prompts: 2 pages each for the first chunk; a pool of 5 pages, watermark 1
+    plans = {}
+    for batching in ("continuous", "static"):
+        s = make(num_slots=3, num_pages=5, page_size=4, chunk=8, rows=3, batching=batching)
+        for i in range(3):
+            s.add(req(str(i), 8))
+        plans[batching] = s.schedule()
+    cont, stat = plans["continuous"], plans["static"]
+    assert [r.request_id for r in cont.inserted] == ["0", "1"]  # 2 + 2 (+ 1 kept back) pages
+    assert [c.request.request_id for c in cont.prefill] == ["0", "1"]
+    assert [r.request_id for r in stat.inserted] == ["0", "1", "2"]  # every slot filled
+    assert [c.request.request_id for c in stat.prefill] == ["0", "1"]  # "2" waits for pages
+
+
 def test_prefix_cache_hits_full_pages_but_never_the_last_prefill_token():
     s = make(num_slots=4, page_size=4, chunk=16, rows=4, caching=True)
     s.add(req("a", 12))
@@ -151,10 +211,10 @@ def test_prefix_cache_registers_generated_pages_once_their_tokens_are_known():
     s.schedule()  # now the host has tokens 4-7: page 1 is registered under them
     assert len(a.block_uids) == 2
     key = (a.block_uids[0], tuple(a.all_token_ids[4:8]))
-    assert s.allocator.lookup(key) == (a.pages[1], a.block_uids[1])
+    assert s.prefix_cache.lookup(key) == (a.pages[1], a.block_uids[1])
     decode(d3)
     s.finish(a, RequestStatus.FINISHED_STOPPED)  # K/V and tokens of 10 positions: pages 0-1
-    assert s.allocator.num_cached_pages == 2 and s.allocator.num_free_pages == 32
+    assert s.prefix_cache.num_cached_pages == 2 and s.allocator.num_free_pages == 32
     turn = a.all_token_ids + [9, 9, 9]  # a later turn: a's prompt, its answer and more
     b = Request("b", "b", 0, turn, SamplingParams(max_tokens=8), 0, (2,), len(turn) + 8, 0.0)
     s.add(b)
@@ -163,10 +223,5 @@ def test_prefix_cache_registers_generated_pages_once_their_tokens_are_known():
     assert not s.reset_prefix_cache()  # b is running
 
 
-def test_slot_buckets_auto_and_bucket_for():
-    assert EngineConfig(num_slots=32).resolved_slot_buckets("cpu") == (8, 16, 32)
-    assert EngineConfig(num_slots=20).resolved_slot_buckets("cpu") == (8, 16, 20)
-    assert EngineConfig(num_slots=4).resolved_slot_buckets("cpu") == (4,)
-    assert EngineConfig(num_slots=32).resolved_slot_buckets("gpu") == (32,)
-    assert EngineConfig(num_slots=6, slot_buckets=[2, 6]).resolved_slot_buckets("gpu") == (2, 6)
+def test_bucket_for():
     assert [bucket_for(n, (2, 4, 8)) for n in (0, 1, 2, 3, 5, 8)] == [2, 2, 2, 4, 8, 8]

@@ -3,7 +3,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers.linear import TransposedWeight, cpu_layout, linear, matmul
+from jaxserve.resolve import resolve
+
+_TINY = ModelConfig.preset("tiny")
+CPU_ROWS = resolve(EngineConfig().for_model(_TINY), _TINY, "cpu", 64).model.min_matmul_rows
 
 
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 5)])
@@ -20,14 +25,14 @@ def test_matmul_equals_einsum(lead, transposed):
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_a_row_gets_the_same_bits_among_few_or_many_rows(transposed):
-    """Rows padded up to MIN_CPU_ROWS give the numbers those rows get among others (SmolLM2's
-    576-wide hidden state; bf16 in, f32 out, as the tied logits)."""
+    """Rows padded up to min_rows (CPU_ROWS, what `resolve` picks on CPU) give the numbers those
+    rows get among others (SmolLM2's 576-wide hidden state; bf16 in, f32 out, as tied logits)."""
     kx, kw = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (8, 576), jnp.bfloat16)
     w = jax.random.normal(kw, (1024, 576) if transposed else (576, 1024), jnp.bfloat16)
     many = np.asarray(matmul(x, w, transposed=transposed, out_dtype=jnp.float32))
     for m in (1, 2, 3, 4):
-        few = matmul(x[:m], w, transposed=transposed, out_dtype=jnp.float32)
+        few = matmul(x[:m], w, transposed=transposed, out_dtype=jnp.float32, min_rows=CPU_ROWS)
         assert few.dtype == jnp.float32 and few.shape == (m, 1024)
         np.testing.assert_array_equal(np.asarray(few), many[:m], err_msg=f"{m} rows")
 
@@ -43,12 +48,12 @@ def test_linear_keeps_the_input_dtype():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the padding is a CPU code path")
 def test_one_row_bf16_dot_does_not_convert_the_weight_on_cpu():
     """XLA's CPU one-row bf16 dot converts the whole weight to f32 first (43 ms for SmolLM2's
-    tied logits); `matmul` pads to two rows, so no f32 copy of the weight is in the program."""
+    tied logits); `matmul` pads to CPU_ROWS rows, so no f32 copy of the weight is in the program."""
     x = jax.ShapeDtypeStruct((1, 1, 64), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((512, 64), jnp.bfloat16)
 
     def f(x, w):
-        return matmul(x, w, transposed=True, out_dtype=jnp.float32)
+        return matmul(x, w, transposed=True, out_dtype=jnp.float32, min_rows=CPU_ROWS)
 
     def plain(x, w):
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.layers.ragged_attention import flat_bucket, flat_buckets, ragged_decode_attention
+from jaxserve.layers.ragged_attention import ragged_decode_attention
+from jaxserve.resolve import bucket_for, pow2_buckets
 from pallas_kernels.paged_attention import paged_attention_reference
 
 L, KVH, G, D, PS, P = 2, 2, 3, 16, 4, 64
@@ -50,7 +51,8 @@ def reference(q, k, v, kv_lens, pt, layer, ks, vs):
 def test_matches_reference(kv_lens, w, quantized):
     q, k, v, lens, pt, ks, vs = case(kv_lens, w, quantized=quantized)
     total = int(sum(-(-n // PS) for n in kv_lens))
-    for f in {flat_bucket(total, len(kv_lens) * w), len(kv_lens) * w}:  # tight and roomy buckets
+    tight = bucket_for(total, pow2_buckets(len(kv_lens) * w, start=8))  # as Resolved.decode_shape
+    for f in {tight, len(kv_lens) * w}:  # tight and roomy buckets
         for layer in (0, 1):
             got = ragged(q, k, v, lens, pt, f, jnp.int32(layer), ks, vs)
             want = reference(q, k, v, lens, pt, layer, ks, vs)
@@ -67,10 +69,3 @@ def test_row_result_does_not_depend_on_other_rows():
     for i in range(4):
         alone = np.asarray(fn(q[i : i + 1], k, v, lens[i : i + 1], pt[i : i + 1], 32))
         np.testing.assert_array_equal(alone[0], full[i])
-
-
-def test_buckets():
-    assert flat_buckets(100) == [8, 16, 32, 64, 100]
-    assert flat_bucket(0, 100) == 8 and flat_bucket(33, 100) == 64 and flat_bucket(99, 100) == 100
-    for mp in (3, 8, 9, 4096):
-        assert {flat_bucket(n, mp) for n in range(mp + 1)} <= set(flat_buckets(mp))

@@ -11,7 +11,7 @@ from ptq_testing import tiny_params
 from jaxserve.config import ModelConfig
 from jaxserve.eval.perplexity import perplexity
 from jaxserve.loading import checkpoint
-from jaxserve.quant import Int4Weight, quantize_params
+from jaxserve.quant import Int4Weight, quantize_params, with_matmul_impl
 
 CONFIG = ModelConfig.preset("tiny")
 
@@ -52,6 +52,21 @@ def test_round_trip_gives_identical_logits(tmp_path, kind):
         assert isinstance(loaded.params["embed"], Int4Weight)
         assert loaded.params["layers"]["wq"].group_size == 32
     assert _nll(loaded.params) == _nll(params)
+
+
+def test_int4_impl_is_not_restored(tmp_path):
+    """The matmul impl is the engine's choice: a checkpoint's (old ones say "auto") is ignored."""
+    params = with_matmul_impl(_int4(tiny_params(CONFIG)), "pallas")
+    recipe = {"quantization": "int4-rtn", "group_size": 32}
+    path = checkpoint.save_checkpoint(tmp_path / "ck", CONFIG, params, None, recipe)
+    meta_file = path / checkpoint.META_FILE
+    meta = json.loads(meta_file.read_text())
+    assert meta["weights"]["layers/wq"]["static"] == {"group_size": 32, "impl": "pallas"}
+    for spec in meta["weights"].values():
+        spec["static"]["impl"] = "auto"  # as written before impl became a static choice
+    meta_file.write_text(json.dumps(meta))
+    loaded = checkpoint.load_checkpoint(path)
+    assert loaded.params["layers"]["wq"].impl == "xla" and loaded.params["embed"].impl == "xla"
 
 
 def test_mismatched_recipe_or_shapes_are_errors_naming_the_weight(tmp_path):

@@ -1,6 +1,8 @@
-"""load_model dispatch: dummy presets, HF directories, bad arguments."""
+"""load_model dispatch: dummy presets and configs, HF directories, bad arguments."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import pytest
@@ -28,6 +30,19 @@ def test_dummy_real_scale_preset_shapes():
     assert lm.params["embed"].shape == (49152, 576)
 
 
+@pytest.mark.parametrize(
+    "name, source", [("small-custom", "dummy:small-custom"), ("", "dummy:custom")]
+)
+def test_dummy_any_model_config(name, source):
+    config = dataclasses.replace(ModelConfig.preset("tiny"), num_layers=3, vocab_size=96, name=name)
+    lm = load_model(config, dtype="float32", load_format="dummy")
+    assert lm.config is config and lm.tokenizer is None and lm.source == source
+    check_params(lm.params, config)
+    assert lm.params["layers"]["wq"].shape[0] == 3 and lm.params["embed"].shape[0] == 96
+    q = load_model(config, load_format="dummy", quantization="int8")
+    assert type(q.params["layers"]["wq"]).__name__ == "Int8Weight"
+
+
 def test_hf_directory():
     lm = load_model(str(GOLDEN_DIR / "mistral"))
     assert lm.config.architecture == "mistral" and lm.tokenizer is None
@@ -39,7 +54,18 @@ def test_hf_directory():
     [
         (dict(model="no/such-model"), r"cannot load model 'no/such-model': expected None or"),
         (dict(model="llama3-8b"), r"with load_format='dummy' a preset name"),
-        (dict(model="gpt5", load_format="dummy"), r"needs a preset name, got 'gpt5'"),
+        (
+            dict(model="gpt5", load_format="dummy"),
+            r"needs a preset name or a ModelConfig, got 'gpt5'",
+        ),
+        (
+            dict(model=ModelConfig.preset("tiny")),
+            r"a ModelConfig as model needs load_format='dummy'",
+        ),
+        (
+            dict(model="tiny", load_format="dummy", quantization="gguf-native"),
+            r"reads a GGUF file; load_format must be 'auto'",
+        ),
         (dict(model="tiny", load_format="safetensors"), r"load_format must be one of"),
         (dict(model="tiny", dtype="float16", load_format="dummy"), r"dtype must be one of"),
     ],

@@ -64,7 +64,7 @@ def test_engine_greedy_tokens_match_hf(smollm2_gguf_path):
         prefill_chunk_size=16,  # prompts of 35-40 tokens take three chunks
         max_num_batched_tokens=32,
     )
-    assert llm.engine.runner.ragged
+    assert llm.engine.runner.resolved.ragged
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in recs], sp, False)
     assert_greedy_matches(golden, [list(o.outputs[0].token_ids) for o in outs])

@@ -15,6 +15,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import llama
+from jaxserve.resolve import ModelImpl
 
 # jax warns on every Triton-backend pallas_call (upstream deprecation).
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -25,7 +26,7 @@ PS, WIDTH, CHUNK = 8, 4, 8
 
 @functools.partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
 def _step(params, tokens, meta, cache, config, impl):
-    hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)
+    hidden, cache = llama.forward(params, tokens, meta, cache, config, ModelImpl(attention=impl))
     return llama.compute_logits(params, hidden, config), cache  # (B, T, V)
 
 

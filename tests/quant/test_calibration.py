@@ -105,12 +105,7 @@ def _paged_forward(params, c, tokens):
     b, t = tokens.shape
     ps = 16
     cache = kvc.init(c.num_layers, c.num_kv_heads, b * t // ps, ps, c.head_dim, "auto", jnp.float32)
-    page_table = np.arange(b * t // ps, dtype=np.int32).reshape(b, t // ps)
-    pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    slots = page_table[:, pos[0] // ps] * ps + pos[0] % ps
-    meta = AttentionMetadata(
-        jnp.asarray(pos), jnp.asarray(slots), jnp.asarray(page_table), jnp.full((b,), t, jnp.int32)
-    )
+    meta = AttentionMetadata.contiguous(np.full((b,), t), t, ps)
     return _forward(params, jnp.asarray(tokens), meta, cache, c)[0]
 
 

@@ -9,7 +9,7 @@ from model_testing import model_step, sequence_meta
 from jaxserve.config import ModelConfig
 from jaxserve.layers import kv_cache as kvc
 from jaxserve.models import llama
-from jaxserve.quant import Int4Weight, int4, pack, quantize_params, unpack, with_impl
+from jaxserve.quant import Int4Weight, int4, pack, quantize_params, unpack, with_matmul_impl
 
 
 def _random_weight(rng, lead, k, n, g):
@@ -130,13 +130,42 @@ def test_tiny_model_runs_the_pallas_kernel_inside_the_layer_scan():
     config = ModelConfig.preset("tiny")
     params = llama.init_params(config, jax.random.key(1), jnp.float32)
     q = quantize_params(params, config, "int4-rtn-asym", group_size=32)
-    forced = with_impl(q, "pallas_interpret")
-    assert forced["layers"]["w_down"].impl == "pallas_interpret" and q["lm_head"].impl == "auto"
+    forced = with_matmul_impl(q, "pallas_interpret")
+    assert forced["layers"]["w_down"].impl == "pallas_interpret" and q["lm_head"].impl == "xla"
     np.testing.assert_allclose(
         _tiny_forward(forced, config), _tiny_forward(q, config), rtol=1e-5, atol=1e-5
     )
-    with pytest.raises(ValueError, match="impl must be one of"):
-        with_impl(q, "gpu")
+
+
+def test_with_matmul_impl_replaces_only_the_int4_impl():
+    config = ModelConfig.preset("tiny")
+    params = llama.init_params(config, jax.random.key(2), jnp.float32)
+    q = quantize_params(params, config, "int4-rtn", group_size=32, embedding_method="int8")
+    assert {w.impl for w in jax.tree.leaves(q, is_leaf=_is_int4) if _is_int4(w)} == {"xla"}
+    out = with_matmul_impl(q, "pallas")
+    # The same arrays; only the treedef's static field differs (a jit retraces for a new impl).
+    assert all(a is b for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(q), strict=True))
+    for (path, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(q, is_leaf=_is_int4),
+        jax.tree_util.tree_leaves_with_path(out, is_leaf=_is_int4),
+        strict=True,
+    ):
+        if _is_int4(a):
+            assert b.impl == "pallas" and b.group_size == a.group_size, path
+            assert b.packed is a.packed and b.scales is a.scales and b.mins is a.mins, path
+        else:
+            assert b is a, path  # float leaves and the INT8 table untouched
+    assert type(out["embed"]).__name__ == "Int8Weight"
+    # Abstract params (what a GPU lowering test builds) work too; the original is not mutated.
+    abstract = with_matmul_impl(jax.eval_shape(lambda: q), "pallas")
+    assert abstract["layers"]["wq"].impl == "pallas" and q["layers"]["wq"].impl == "xla"
+    for bad in ("auto", "gpu"):
+        with pytest.raises(ValueError, match="impl must be one of"):
+            with_matmul_impl(q, bad)
+
+
+def _is_int4(x) -> bool:
+    return isinstance(x, Int4Weight)
 
 
 def test_quantize_params_errors_name_the_weight():

@@ -8,6 +8,7 @@ import pytest
 from model_testing import forward_logits
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.bench.core import CompileCounter
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers.linear import TransposedWeight
 from jaxserve.loading.dummy import dummy_params
@@ -22,29 +23,10 @@ KW = dict(
     prefill_chunk_size=16,
     max_num_batched_tokens=32,
 )
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class CompileCounter:
-    """Counts XLA backend compilations (jax.monitoring) while active."""
-
-    def __init__(self):
-        self.count = 0
-
-    def _listener(self, event, duration, **kwargs):
-        if event == COMPILE_EVENT:
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listener)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
 def test_no_recompilation_after_warmup():
-    llm = LLM("tiny", warmup=True, fuse_prefill=True, **KW)
+    llm = LLM("tiny", warmup=True, **KW)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, 128, n).tolist()} for n in (1, 5, 17, 40, 62)]
     params = [
@@ -78,41 +60,6 @@ def test_no_recompilation_after_warmup():
     assert llm.engine.runner.slot_buckets == (8, 16, 32)
     st = llm.stats()
     assert st["num_slot_moves"] > 0 and 8 < st["mean_decode_rows"] < 32
-    assert st["num_fused_steps"] > 0  # the fused decode + prefill programs ran, compiled at warm-up
-
-
-def test_fused_decode_and_prefill_equal_separate_calls():
-    """fuse_prefill runs a lone prefill chunk in the decode step's forward pass: the same tokens
-    and log-probs as the two separate calls, sampled and greedy, and such steps do happen here."""
-    rng = np.random.default_rng(1)
-    prompts = [
-        {"prompt_token_ids": rng.integers(3, 128, int(rng.integers(3, 30))).tolist()}
-        for _ in range(48)
-    ]
-    params = [
-        SamplingParams(
-            temperature=0.8 * (i % 2),
-            seed=i,
-            max_tokens=int(rng.integers(18, 34)),  # > 16 running: the full row bucket
-            ignore_eos=True,
-            logprobs=2 if i % 3 == 0 else None,
-        )
-        for i in range(48)
-    ]
-    kw = {**KW, "max_num_batched_tokens": 16}  # one chunk per step: the steps that fuse
-    fused_llm = LLM("tiny", fuse_prefill=True, **kw)
-    separate_llm = LLM("tiny", **kw)  # the default: separate calls
-    fused = fused_llm.generate(prompts, params, use_tqdm=False)
-    separate = separate_llm.generate(prompts, params, use_tqdm=False)
-    assert fused_llm.stats()["num_fused_steps"] > 0
-    assert separate_llm.stats()["num_fused_steps"] == 0
-    for a, b in zip(fused, separate):
-        assert a.error is None and b.error is None
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        if a.outputs[0].logprobs is not None:
-            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-                assert la.keys() == lb.keys()
-                np.testing.assert_allclose(list(la.values()), list(lb.values()), atol=1e-5)
 
 
 def test_state_and_cache_are_donated():
@@ -128,12 +75,12 @@ def test_state_and_cache_are_donated():
     )
     runner = ModelRunner(params, cfg, ec, num_pages=8)
     old_cache, old_last = runner.cache.k, runner.state.last_token
-    jax.block_until_ready(runner.generate(1))
+    jax.block_until_ready(runner.generate(runner.resolved.decode_shapes()[0]))
     assert old_cache.is_deleted() and old_last.is_deleted()
-    assert runner.widths == [1, 2]
-    assert runner.width_for(1) == 1 and runner.width_for(2) == 2
+    assert runner.resolved.widths == (1, 2)
+    assert runner.resolved.width_for(1) == 1 and runner.resolved.width_for(2) == 2
     with pytest.raises(ValueError, match="max_pages_per_seq"):
-        runner.width_for(3)
+        runner.resolved.width_for(3)
 
 
 def test_multistep_decode_equals_single_step():
@@ -154,15 +101,15 @@ def test_multistep_decode_equals_single_step():
 
 def test_runner_stores_plain_layer_weights_transposed_on_cpu():
     """On CPU the runner keeps each plain [L, in, out] linear weight as [L, out, in]
-    (`linear.TransposedWeight`, RESULTS section 21); the model computes the same logits with it."""
+    (`linear.TransposedWeight`, RESULTS section 21); the model computes the same logits with it.
+    A GPU engine (resolved for "gpu", built here without running) keeps them as loaded."""
     cfg = ModelConfig.preset("tiny")
     params = dummy_params(cfg, "float32")
     ec = EngineConfig(num_slots=4, max_model_len=64, page_size=32, dtype="float32")
-    runner = ModelRunner(params, cfg, ec, num_pages=8)
+    gpu = ModelRunner(params, cfg, ec, num_pages=8, backend="gpu")
+    assert all(isinstance(w, jax.Array) for w in gpu.params["layers"].values())
+    runner = ModelRunner(params, cfg, ec, num_pages=8, backend="cpu")
     layers = runner.params["layers"]
-    if jax.default_backend() != "cpu":
-        assert all(isinstance(w, jax.Array) for w in layers.values())
-        return
     for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
         assert isinstance(layers[name], TransposedWeight), name
         assert layers[name].shape == params["layers"][name].shape

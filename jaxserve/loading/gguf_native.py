@@ -16,18 +16,22 @@ rows, `gguf_file.unpermute_rows`), then they are transposed to our [in, out] and
 `int4.pack` at group_size 32. Every weight value is then exactly GGUF's dequantized value.
 
     import_gguf_params(reader, config, dtype) -> params   linear weights and embed quantized, rest float
-    load_model_gguf_native(model, dtype)      -> LoadedModel (`load_model(..., quantization="gguf-native")`)
+    load_gguf_native(path, dtype)             -> LoadedModel (`load_model(..., quantization="gguf-native")`)
 
 Linear weights of any other type (F32, F16, K-quants) are dequantized to `dtype` floats. The token
 embedding token_embd (numpy [V, D], blocks along D) is already the lm_head view [D, V] the model
 takes a quantized embed in (`layers/embedding.py`): rows = outputs V, blocks along the input D. So
 a Q8_0/Q4_0/Q4_1 token_embd imports through the same `import_linear` (SmolLM2: Q8_0 -> Int8Weight
 g=32, which then also computes the tied logits), exactly GGUF's dequantized values.
+
+This is loading, not quantization: it reads a file into the layouts `jaxserve.quant` defines
+(loading imports quant; quant never imports loading).
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import gguf
 import jax.numpy as jnp
@@ -35,7 +39,9 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.loading import gguf_file
+from jaxserve.loading.loaded import LoadedModel
 from jaxserve.loading.params import flat_shapes, np_dtype, to_device
+from jaxserve.loading.tokenizer import load_tokenizer
 from jaxserve.quant import int4
 from jaxserve.quant.int8 import Int8Weight
 
@@ -178,22 +184,10 @@ def _native_embed(path: str, tensors: list, config: ModelConfig) -> bool:
     return tensors[0].tensor_type == Q.Q8_0 or config.vocab_size % int4.PACK == 0
 
 
-def load_model_gguf_native(model=None, dtype: str = "float32", load_format: str = "auto"):
-    """`load_model(model, dtype, quantization="gguf-native")`: a .gguf (None: the default SmolLM2)."""
-    from pathlib import Path
-
-    from jaxserve.loading import DEFAULT_MODEL_NAMES, LoadedModel, default_model
-    from jaxserve.loading.tokenizer import load_tokenizer
-
-    if load_format != "auto":
-        raise ValueError(
-            f"quantization={GGUF_NATIVE!r} reads a GGUF file; load_format must be 'auto'"
-        )
-    if model is None or str(model) in DEFAULT_MODEL_NAMES:
-        model = default_model.smollm2_gguf_path()
-    path = Path(model)
+def load_gguf_native(path: Path, dtype: str = "float32") -> LoadedModel:
+    """A .gguf file with its Q4_0/Q4_1/Q8_0 linears imported natively, the rest as `dtype` floats."""
     if path.suffix != ".gguf" or not path.is_file():
-        raise ValueError(f"quantization={GGUF_NATIVE!r} needs a .gguf file, got {str(model)!r}")
+        raise ValueError(f"quantization={GGUF_NATIVE!r} needs a .gguf file, got {str(path)!r}")
     reader = gguf_file.open_gguf(path)
     config = gguf_file.config_from_gguf(reader, name=path.stem)
     params = import_gguf_params(reader, config, dtype)

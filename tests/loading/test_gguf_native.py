@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
 
-from jaxserve.loading import gguf_file, load_model
-from jaxserve.quant import Int4Weight, Int8Weight, gguf_import
+from jaxserve.loading import gguf_file, gguf_native, load_model
+from jaxserve.quant import Int4Weight, Int8Weight
 
 Q = gguf.GGMLQuantizationType
 
@@ -25,7 +25,7 @@ def test_block_element_order_low_nibbles_first():
     d, m = np.float16(0.5), np.float16(-1.0)
     qs = np.arange(16, dtype=np.uint8) | (np.arange(15, -1, -1, dtype=np.uint8) << 4)
     raw = np.concatenate([np.frombuffer(d.tobytes() + m.tobytes(), np.uint8), qs])  # one Q4_1 block
-    codes, scales, mins = gguf_import.q4_to_codes(raw, Q.Q4_1, 1, 32)
+    codes, scales, mins = gguf_native.q4_to_codes(raw, Q.Q4_1, 1, 32)
     np.testing.assert_array_equal(codes[0], np.r_[np.arange(16), np.arange(15, -1, -1)])
     np.testing.assert_array_equal(codes * 0.5 - 1.0, dequantize(raw.reshape(1, 20), Q.Q4_1))
     assert scales[0, 0] == d and mins[0, 0] == m
@@ -37,7 +37,7 @@ def test_import_linear_is_exact(qtype, heads):
     rng = np.random.default_rng(0)
     xs = [rng.normal(size=(64, 96)).astype(np.float32) for _ in range(2)]  # 2 layers [out, in]
     tensors = [_fake_tensor(x, qtype) for x in xs]
-    w = gguf_import.import_linear(tensors, heads, stacked=True)
+    w = gguf_native.import_linear(tensors, heads, stacked=True)
     assert isinstance(w, Int8Weight if qtype == Q.Q8_0 else Int4Weight)
     assert w.shape == (2, 96, 64) and w.group_size == 32
     for i, t in enumerate(tensors):
@@ -50,10 +50,10 @@ def test_import_linear_is_exact(qtype, heads):
 def test_unsupported_type_and_bad_sizes_raise():
     x = np.random.default_rng(1).normal(size=(8, 64)).astype(np.float32)
     with pytest.raises(ValueError, match="type Q5_0, which cannot be imported natively"):
-        gguf_import.import_linear([_fake_tensor(x, Q.Q5_0)], None, stacked=False)
+        gguf_native.import_linear([_fake_tensor(x, Q.Q5_0)], None, stacked=False)
     t = _fake_tensor(x, Q.Q4_1)
     with pytest.raises(ValueError, match="expected 8x96 weights"):
-        gguf_import.q4_to_codes(t.data, Q.Q4_1, 8, 96)
+        gguf_native.q4_to_codes(t.data, Q.Q4_1, 8, 96)
     with pytest.raises(ValueError, match="needs a .gguf file"):
         load_model("/nonexistent/model.safetensors", quantization="gguf-native")
 
@@ -62,7 +62,7 @@ def test_unsupported_type_and_bad_sizes_raise():
 def smollm2_native(smollm2_gguf_path):
     reader = gguf_file.open_gguf(smollm2_gguf_path)
     config = gguf_file.config_from_gguf(reader)
-    return reader, config, gguf_import.import_gguf_params(reader, config, "float32")
+    return reader, config, gguf_native.import_gguf_params(reader, config, "float32")
 
 
 @pytest.mark.smollm2
@@ -86,7 +86,7 @@ def test_smollm2_every_q4_1_tensor_dequantizes_exactly(smollm2_native):
     # The Q8_0 token embedding (tied output) as an INT8 [D, V] linear: exact too.
     emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert emb.tensor_type == Q.Q8_0
-    w8 = gguf_import.import_linear([emb], None, stacked=False)
+    w8 = gguf_native.import_linear([emb], None, stacked=False)
     ref = dequantize(emb.data, Q.Q8_0).reshape(config.vocab_size, config.hidden_size)
     np.testing.assert_array_equal(np.asarray(w8.dequantize()), ref.T)
     # ... and the model's embed is that Int8Weight: lookups (take) and tied logits, no floats.

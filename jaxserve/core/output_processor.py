@@ -1,0 +1,145 @@
+"""Output processing on the host: one returned token at a time into text, log-probs, stop checks
+and `RequestOutput`s (vLLM's output processor). Host only.
+
+    RequestGroup               one user request: its n child `Request`s and their detokenizers
+    append_token(...)          a generated token -> text (incremental detokenizer), log-prob
+                               entries; returns the finish status if it hit a stop condition
+    add_prompt_logprobs(...)   one prefill chunk's prompt log-probs into the request
+    make_output(group)         -> RequestOutput (finished, or a streamed snapshot)
+
+Stop conditions, checked per token once `min_tokens` are out: EOS (unless ignore_eos),
+`stop_token_ids`, `stop` strings (the text is cut before the stop string unless
+include_stop_str_in_output; streamed snapshots hold back a tail that could start one), then
+`max_tokens` and `max_model_len` (finish_reason "length").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.core.detokenizer import IncrementalDetokenizer, find_stop, held_back
+from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.runner_api import StepResult
+from jaxserve.core.scheduler import PrefillChunk
+
+
+@dataclasses.dataclass
+class RequestGroup:
+    """One user request: its n children and how it is reported."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    arrival_time: float
+    stream: bool
+    detokenizers: list[IncrementalDetokenizer | None]
+
+
+def add_prompt_logprobs(req: Request, chunk: PrefillChunk, result: StepResult, row: int) -> None:
+    """Appends the log-prob entries of the prompt tokens chunk `row` of `result` scored."""
+    n_prompt = len(req.prompt_token_ids)
+    k = req.sampling_params.prompt_logprobs
+    for t in range(chunk.length):
+        p = chunk.start + t  # the entry scores prompt token p + 1
+        if p + 1 >= n_prompt:
+            break
+        target = req.prompt_token_ids[p + 1]
+        entry = {target: float(result.prompt_logprobs[row, t])}
+        for tid, lp in zip(
+            result.prompt_top_ids[row, t][:k], result.prompt_top_logprobs[row, t][:k]
+        ):
+            entry.setdefault(int(tid), float(lp))
+        req.prompt_logprobs.append(entry)
+
+
+def append_token(
+    req: Request,
+    token: int,
+    logprob: float,
+    top,
+    now: float,
+    detok: IncrementalDetokenizer | None,
+) -> RequestStatus | None:
+    """Adds one generated token (top: (ids, logprobs) of the top log-probs, or None); returns the
+    status to retire the request with if it hit a stop condition, else None."""
+    sp = req.sampling_params
+    req.output_token_ids.append(token)
+    req.output_logprobs.append(logprob)
+    req.cumulative_logprob += logprob
+    if sp.logprobs is not None:
+        entry = {token: logprob}
+        if top is not None:
+            for tid, lp in zip(top[0][: sp.logprobs], top[1][: sp.logprobs]):
+                entry.setdefault(int(tid), float(lp))
+        req.top_logprobs.append(entry)
+    if req.first_token_time is None:
+        req.first_token_time = now
+    new_text = detok.add(token) if detok is not None else ""
+    req.text += new_text
+
+    status = None
+    if len(req.output_token_ids) >= sp.min_tokens:
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif sp.stop_token_ids and token in sp.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif sp.stop and new_text:
+            hit = find_stop(req.text, len(new_text), sp.stop, sp.include_stop_str_in_output)
+            if hit is not None:
+                req.text = hit[0]
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit[1]
+    if status is None and req.num_tokens >= req.max_total_len:
+        status = RequestStatus.FINISHED_LENGTH
+    if status is not None:
+        req.finished_time = now
+    return status
+
+
+def make_output(group: RequestGroup) -> RequestOutput:
+    """The group's RequestOutput: final once every child finished, else a streamed snapshot."""
+    children = group.children
+    outs = [
+        CompletionOutput(
+            index=c.index,
+            # A snapshot of a running request holds back a possible stop-string start.
+            text=c.text
+            if c.status.finished or not c.sampling_params.stop
+            else c.text[: len(c.text) - held_back(c.text, c.sampling_params.stop)],
+            token_ids=list(c.output_token_ids),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            logprobs=list(c.top_logprobs) if c.sampling_params.logprobs is not None else None,
+            cumulative_logprob=c.cumulative_logprob,
+        )
+        for c in children
+    ]
+    firsts = [c.first_token_time for c in children if c.first_token_time is not None]
+    ends = [c.finished_time for c in children if c.finished_time is not None]
+    tpots = [
+        (c.finished_time - c.first_token_time) / (len(c.output_token_ids) - 1)
+        for c in children
+        if c.finished_time is not None and len(c.output_token_ids) > 1
+    ]
+    metrics = RequestMetrics(
+        arrival_time=group.arrival_time,
+        first_token_time=min(firsts) if firsts else None,
+        finished_time=max(ends) if len(ends) == len(children) else None,
+        ttft=(min(firsts) - group.arrival_time) if firsts else None,
+        tpot=sum(tpots) / len(tpots) if tpots else None,
+        num_preemptions=sum(c.num_preemptions for c in children),
+    )
+    first = children[0]
+    return RequestOutput(
+        request_id=group.request_id,
+        prompt=group.prompt,
+        prompt_token_ids=list(group.prompt_token_ids),
+        outputs=outs,
+        finished=all(c.status.finished for c in children),
+        metrics=metrics,
+        prompt_logprobs=list(first.prompt_logprobs)
+        if first.sampling_params.prompt_logprobs is not None
+        else None,
+        num_cached_tokens=sum(c.num_cached_tokens for c in children),
+    )

@@ -1,0 +1,171 @@
+"""Every backend-dependent choice, made once, on the host, when an engine is built.
+
+    resolve(engine_config, model_config, backend, num_pages) -> Resolved
+
+`backend` is `jax.default_backend()` read ONCE by whoever builds the engine (or "gpu" in a test
+that lowers a GPU engine's steps on this CPU). Nothing below it asks the backend again: layers and
+kernels get their implementation as static arguments (`ModelImpl`), and the runner and scheduler
+get their shape buckets from here. The choices:
+
+    attention      auto -> 'pallas' (Triton kernels) on GPU, 'ragged' elsewhere (XLA decode over
+                   the step's live pages, its cost following the live tokens; prefill chunks use
+                   the jnp reference)
+    int4 matmul    'pallas' (the fused dequantize-matmul kernel) on GPU, 'xla' elsewhere
+    weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
+                   1.17-1.42x faster on decode-sized batches; RESULTS.md section 21), else 'in_out'
+    min rows       4 on CPU: smaller matmuls are padded (a one-row bf16 dot converts the whole
+                   weight to f32 there; RESULTS.md section 17), else 1
+    slot buckets   decode row buckets: 8, 16, ..., num_slots on CPU (a step's matmuls cost in
+                   proportion to its rows), one bucket of all slots elsewhere
+    widths         page-table width buckets (powers of two of pages, capped at max_pages_per_seq)
+    prefill rows   prefill row buckets (powers of two of chunks up to the step's chunk budget)
+    flat buckets   'ragged' decode: live-page buckets per slot bucket (powers of two from 8)
+
+Host only: no jax import (tests/core/test_host_only.py imports core/, which imports this).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config import EngineConfig, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelImpl:
+    """What a traced model needs to know of the backend (hashable: a static jit argument)."""
+
+    attention: str = "reference"  # 'pallas' | 'pallas_interpret' | 'ragged' | 'reference'
+    min_matmul_rows: int = 1  # plain matmuls of fewer rows are padded up to this
+
+
+REFERENCE_IMPL = ModelImpl()  # the jnp reference attention, no padding: the default of the model
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    """The static shape of one decode program (`runner.steps.generate`)."""
+
+    rows: int  # slot row bucket: the step computes slots [0, rows)
+    width: int  # page-table width (pages visible per row)
+    num_flat: int  # 'ragged' attention's live-page bucket (0 for the other implementations)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillShape:
+    """The static shape of one prefill program (`runner.steps.prefill`)."""
+
+    rows: int  # chunk rows R of the [R, T] batch
+    width: int  # page-table width
+    prompt_logprobs: bool  # the variant that also scores every prompt token
+
+
+def pow2_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
+    """start, 2 * start, 4 * start, ... below `limit`, then `limit` itself."""
+    out, b = [], start
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return (*out, limit)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest of `buckets` (increasing) that is >= n (the largest if none is)."""
+    return next((b for b in buckets if b >= n), buckets[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """The engine's backend-dependent choices and shape buckets (see the module docstring)."""
+
+    backend: str
+    model: ModelImpl
+    int4_matmul: str  # 'pallas' | 'xla'
+    weight_layout: str  # 'in_out' | 'out_in'
+    slot_buckets: tuple[int, ...]  # decode row buckets, increasing, the last = num_slots
+    widths: tuple[int, ...]  # page-table width buckets, the last = max_pages_per_seq
+    prefill_rows: tuple[int, ...]  # prefill row buckets, the last = the step's chunk budget
+    max_flat: int  # most live pages a decode step can hold ('ragged'; 0 otherwise)
+    max_pages: int  # max_pages_per_seq
+    chunk: int  # prefill chunk length T
+
+    @property
+    def ragged(self) -> bool:
+        return self.model.attention == "ragged"
+
+    def width_for(self, num_pages: int) -> int:
+        """The smallest width bucket holding `num_pages` pages."""
+        if num_pages > self.max_pages:
+            raise ValueError(f"{num_pages} pages exceed max_pages_per_seq={self.max_pages}")
+        return bucket_for(num_pages, self.widths)
+
+    def flat_buckets(self, rows: int) -> tuple[int, ...]:
+        """The live-page buckets of a 'ragged' decode step over `rows` slots."""
+        return pow2_buckets(min(self.max_flat, rows * self.max_pages), start=8)
+
+    def decode_shape(self, max_slot: int, pages: list[int]) -> DecodeShape:
+        """The decode program for rows whose highest slot is `max_slot`, holding `pages` pages."""
+        rows = bucket_for(max_slot + 1, self.slot_buckets)
+        if self.ragged:
+            return DecodeShape(
+                rows, self.max_pages, bucket_for(sum(pages), self.flat_buckets(rows))
+            )
+        return DecodeShape(rows, self.width_for(max(pages)), 0)
+
+    def prefill_shape(self, num_chunks: int, num_pages: int, prompt_logprobs: bool) -> PrefillShape:
+        """The prefill program for `num_chunks` chunks whose longest sequence holds `num_pages`
+        pages (prompt log-probs are compiled for the full row count only)."""
+        rows = (
+            self.prefill_rows[-1] if prompt_logprobs else bucket_for(num_chunks, self.prefill_rows)
+        )
+        return PrefillShape(rows, self.width_for(num_pages), prompt_logprobs)
+
+    def decode_shapes(self) -> list[DecodeShape]:
+        """Every shape `decode_shape` can return."""
+        if self.ragged:
+            return [
+                DecodeShape(b, self.max_pages, f)
+                for b in self.slot_buckets
+                for f in self.flat_buckets(b)
+            ]
+        return [DecodeShape(b, w, 0) for b in self.slot_buckets for w in self.widths]
+
+    def prefill_shapes(self) -> list[PrefillShape]:
+        """Every shape `prefill_shape` can return."""
+        out = []
+        for w in self.widths:
+            out += [PrefillShape(r, w, False) for r in self.prefill_rows]
+            out.append(PrefillShape(self.prefill_rows[-1], w, True))
+        return out
+
+
+def resolve(
+    engine_config: EngineConfig, model_config: ModelConfig, backend: str, num_pages: int
+) -> Resolved:
+    """The engine's choices on `backend` ('cpu', 'gpu', ...), from its filled EngineConfig."""
+    del model_config  # every choice so far depends on the backend and the engine's sizes only
+    c = engine_config
+    if not c.is_filled:
+        raise ValueError("resolve needs a filled EngineConfig: call for_model(model_config) first")
+    cpu = backend == "cpu"
+    attention = c.attention_impl
+    if attention == "auto":
+        attention = "pallas" if backend == "gpu" else "ragged"
+    if c.slot_buckets == "auto":
+        slot_buckets = pow2_buckets(c.num_slots, start=8) if cpu else (c.num_slots,)
+    else:
+        slot_buckets = tuple(c.slot_buckets)
+    max_pages = c.max_pages_per_seq
+    max_rows = max(1, c.max_num_batched_tokens // c.prefill_chunk_size)
+    return Resolved(
+        backend=backend,
+        model=ModelImpl(attention=attention, min_matmul_rows=4 if cpu else 1),
+        int4_matmul="pallas" if backend == "gpu" else "xla",
+        weight_layout="out_in" if cpu else "in_out",
+        slot_buckets=slot_buckets,
+        widths=pow2_buckets(max_pages),
+        prefill_rows=pow2_buckets(max_rows),
+        max_flat=min(num_pages, c.num_slots * max_pages) if attention == "ragged" else 0,
+        max_pages=max_pages,
+        chunk=c.prefill_chunk_size,
+    )

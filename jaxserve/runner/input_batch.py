@@ -1,0 +1,78 @@
+"""Host-side packing of a scheduler plan into the fixed-shape numpy arrays a step takes.
+
+    pack_prefill(plan, shape, num_slots, chunk) -> PrefillBatch   the plan's chunks, [R, T]
+    padding_batch(rows, num_slots, chunk)       -> PrefillBatch   all padding (warm-up)
+    move_arrays(moves, num_slots)               -> (src, dst)     i32[S] each, S = padding
+
+Numpy only: the runner hands these to the jitted steps, one host->device transfer per call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import struct
+
+from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.resolve import PrefillShape
+
+
+@struct.dataclass
+class PrefillBatch:
+    tokens: np.ndarray  # i32[R, T]  chunk tokens, 0-padded
+    slots: np.ndarray  # i32[R]  slot of each row; S marks a padding row
+    start: np.ndarray  # i32[R]  position of the row's first token
+    length: np.ndarray  # i32[R]  valid tokens in the row; 0 = padding row
+    is_last: np.ndarray  # bool[R]  the chunk completes the prefill
+    forced: np.ndarray  # i32[R]  token to install instead of sampling (-1 = sample)
+    targets: np.ndarray  # i32[R, T]  next prompt token for prompt log-probs (-1 = none)
+
+
+def wants_prompt_logprobs(plan: SchedulerOutput) -> bool:
+    """Some chunk of the plan scores prompt tokens (it holds a prompt token with a successor)."""
+    return any(
+        c.request.sampling_params.prompt_logprobs is not None
+        and c.start + 1 < len(c.request.prompt_token_ids)
+        for c in plan.prefill
+    )
+
+
+def padding_batch(rows: int, num_slots: int, chunk: int) -> PrefillBatch:
+    """A prefill batch of `rows` padding rows (no slot, no valid token)."""
+    return PrefillBatch(
+        tokens=np.zeros((rows, chunk), np.int32),
+        slots=np.full((rows,), num_slots, np.int32),
+        start=np.zeros((rows,), np.int32),
+        length=np.zeros((rows,), np.int32),
+        is_last=np.zeros((rows,), bool),
+        forced=np.full((rows,), -1, np.int32),
+        targets=np.full((rows, chunk), -1, np.int32),
+    )
+
+
+def pack_prefill(
+    plan: SchedulerOutput, shape: PrefillShape, num_slots: int, chunk: int
+) -> PrefillBatch:
+    """The plan's chunks as rows of a [shape.rows, chunk] batch (the rest padding)."""
+    batch = padding_batch(shape.rows, num_slots, chunk)
+    for i, c in enumerate(plan.prefill):
+        req = c.request
+        ids = req.all_token_ids
+        batch.tokens[i, : c.length] = ids[c.start : c.start + c.length]
+        batch.slots[i], batch.start[i], batch.length[i] = req.slot, c.start, c.length
+        batch.is_last[i] = c.is_last
+        if plan.forced[i]:
+            batch.forced[i] = req.output_token_ids[-1]  # complete: no token of it is in flight
+        n_prompt = len(req.prompt_token_ids)
+        if req.sampling_params.prompt_logprobs is not None and c.start + 1 < n_prompt:
+            end = min(c.start + c.length, n_prompt - 1)
+            batch.targets[i, : end - c.start] = req.prompt_token_ids[c.start + 1 : end + 1]
+    return batch
+
+
+def move_arrays(moves: list[tuple[int, int]], num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slot moves (from, to) as the i32[S] src/dst arrays of `steps.move` (S = padding)."""
+    src = np.full((num_slots,), num_slots, np.int32)
+    dst = src.copy()
+    for i, (a, b) in enumerate(moves):
+        src[i], dst[i] = a, b
+    return src, dst

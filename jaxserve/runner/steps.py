@@ -1,0 +1,287 @@
+"""The engine's pure jitted step functions: JetStream's slot API over a paged KV cache.
+
+    insert(state, slot, row, ...)     one request's sampling row and counters into slot `slot`
+    sync(state, page_table, active)   the host's page table and decode mask
+    move(state, src, dst)             slot rows src[i] -> dst[i] (the scheduler packing requests)
+    generate(params, cache, state, want_top; shape: DecodeShape)
+                                      every active slot among the first shape.rows advances
+                                      `num_steps` tokens (lax.scan) -> DecodeOutput
+    prefill(params, cache, state, batch, want_top; shape: PrefillShape)
+                                      R fixed-size chunks [R, T] through the model, K/V into each
+                                      slot's pages; a chunk completing a prompt samples the first
+                                      token (or installs the last generated one after a
+                                      preemption) and activates its slot -> PrefillOutput
+
+Everything static is a hashable argument fixed when the engine is built (config, `ModelImpl`, the
+step's shape); everything per request is an array. Params are an argument, never closed over; the
+KV cache and the slot state are donated, so XLA updates them in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxserve.config import ModelConfig
+from jaxserve.core.sampling_params import MAX_LOGPROBS
+from jaxserve.layers import kv_cache
+from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.models import llama
+from jaxserve.resolve import DecodeShape, ModelImpl, PrefillShape
+from jaxserve.runner import sampling
+from jaxserve.runner.input_batch import PrefillBatch
+
+
+@struct.dataclass
+class SlotState:
+    last_token: jax.Array  # i32[S]  newest token, not yet in the cache (the next decode feeds it)
+    seq_len: jax.Array  # i32[S]  tokens whose K/V are cached = position of last_token
+    max_total_len: jax.Array  # i32[S]  decoding stops when prompt + output reach this
+    num_generated: jax.Array  # i32[S]  output tokens so far (the step of the sampling key)
+    active: jax.Array  # bool[S]  the slot decodes
+    page_table: jax.Array  # i32[S, max_pages_per_seq]
+    sampling: sampling.SamplingState  # [S, ...] per-slot sampling parameters, keys, counts
+
+
+@struct.dataclass
+class DecodeOutput:
+    """One `generate` call's results (k = num_steps, B = shape.rows, K = MAX_LOGPROBS)."""
+
+    tokens: jax.Array  # i32[k, B]
+    valid: jax.Array  # bool[k, B]  the row produced a token at that step
+    logprobs: jax.Array  # f32[k, B]
+    top_ids: jax.Array  # i32[k, B, K]  zeros unless want_top
+    top_logprobs: jax.Array  # f32[k, B, K]
+
+
+@struct.dataclass
+class PromptLogprobs:
+    """Every prompt token's log-prob (R chunk rows of T tokens)."""
+
+    logprobs: jax.Array  # f32[R, T]  of the next prompt token (0 where there is none)
+    top_ids: jax.Array  # i32[R, T, K]
+    top_logprobs: jax.Array  # f32[R, T, K]
+
+
+@struct.dataclass
+class PrefillOutput:
+    """One `prefill` call's results: the token each row completing a prompt sampled (R rows)."""
+
+    tokens: jax.Array  # i32[R]
+    logprobs: jax.Array  # f32[R]
+    top_ids: jax.Array  # i32[R, K]  zeros unless want_top
+    top_logprobs: jax.Array  # f32[R, K]
+    prompt: PromptLogprobs | None  # only in the shape.prompt_logprobs variant
+
+
+def init_slot_state(num_slots: int, max_pages: int, vocab_size: int) -> SlotState:
+    zeros = lambda: jnp.zeros((num_slots,), jnp.int32)  # distinct buffers: the state is donated
+    return SlotState(
+        last_token=zeros(),
+        seq_len=zeros(),
+        max_total_len=zeros(),
+        num_generated=zeros(),
+        active=jnp.zeros((num_slots,), bool),
+        page_table=jnp.zeros((num_slots, max_pages), jnp.int32),
+        sampling=sampling.init_state(num_slots, vocab_size),
+    )
+
+
+def init_cache(model_config: ModelConfig, num_pages: int, page_size: int, kv_dtype, dtype):
+    c = model_config
+    return kv_cache.init(
+        c.num_layers, c.num_kv_heads, num_pages, page_size, c.head_dim, kv_dtype, jnp.dtype(dtype)
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def insert(state: SlotState, slot, row, num_generated, max_total_len) -> SlotState:
+    """JetStream `insert`: one request's row into slot `slot` (i32[]); the slot stays inactive."""
+    return state.replace(
+        sampling=sampling.set_slot(state.sampling, slot, row),
+        num_generated=state.num_generated.at[slot].set(num_generated),
+        max_total_len=state.max_total_len.at[slot].set(max_total_len),
+        seq_len=state.seq_len.at[slot].set(0),
+        active=state.active.at[slot].set(False),
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def sync(state: SlotState, page_table, active) -> SlotState:
+    """Installs the host's page table i32[S, max_pages] and decode mask bool[S]."""
+    return state.replace(page_table=page_table, active=active)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def move(state: SlotState, src, dst) -> SlotState:
+    """Copies slot rows src[i] -> dst[i] (i32[S] each; dst = S marks padding, dropped)."""
+    s = state.last_token.shape[0]
+    return jax.tree.map(lambda a: a.at[dst].set(a[jnp.minimum(src, s - 1)], mode="drop"), state)
+
+
+def _decode_inputs(st: SlotState, pt, num_flat: int, ps: int):
+    """One decode step's inputs for slot rows `st` (B rows): (alive bool[B], tokens [B, 1], meta)."""
+    rows, width = pt.shape
+    alive = st.active & (st.seq_len + 2 <= st.max_total_len)  # (B,)
+    pos = st.seq_len  # (B,)
+    page = pt[jnp.arange(rows), jnp.minimum(pos // ps, width - 1)]
+    meta = AttentionMetadata(
+        positions=pos[:, None],
+        slot_mapping=jnp.where(alive, page * ps + pos % ps, -1)[:, None],
+        page_table=pt,
+        seq_lens=jnp.where(alive, pos + 1, 0),
+        num_flat_pages=num_flat,
+    )
+    return alive, st.last_token[:, None], meta
+
+
+def _rows(state: SlotState, rows: int) -> SlotState:
+    """Slots [0, rows) of the state (all of it when rows covers every slot)."""
+    if rows < state.last_token.shape[0]:
+        return jax.tree.map(lambda a: a[:rows], state)
+    return state
+
+
+def _set_rows(full: SlotState, part: SlotState) -> SlotState:
+    """`full` with slots [0, rows) replaced by `part`'s."""
+    rows = part.last_token.shape[0]
+    if rows < full.last_token.shape[0]:
+        return jax.tree.map(lambda f, b: f.at[:rows].set(b), full, part)
+    return part
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "impl", "shape", "num_steps"),
+    donate_argnames=("cache", "state"),
+)
+def generate(
+    params,
+    cache,
+    state: SlotState,
+    want_top,
+    *,
+    config: ModelConfig,
+    impl: ModelImpl,
+    shape: DecodeShape,
+    num_steps: int,
+):
+    """JetStream `generate`: every active slot among the first `shape.rows` advances `num_steps`.
+
+    Slots >= shape.rows are left as they are (the scheduler keeps every occupied slot below it),
+    so the matmuls compute [rows, D], not [S, D]. shape.num_flat is the 'ragged' attention's
+    live-page bucket; shape.width the page-table width the other implementations read.
+    want_top (bool[], traced: no second variant is compiled) turns the top-K log-prob search on
+    for steps where some request asked for log-probs; otherwise those outputs are zeros.
+
+    Returns (cache, state, DecodeOutput).
+    """
+    sub = _rows(state, shape.rows)
+    pt = sub.page_table[:, : shape.width]  # (B, W)
+
+    def step(carry, _):
+        cache, st = carry
+        alive, tokens, meta = _decode_inputs(st, pt, shape.num_flat, cache.page_size)
+        hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)
+        logits = llama.compute_logits(params, hidden[:, 0], config, impl)  # (B, V)
+        out = sampling.sample(logits, st.sampling, st.num_generated, MAX_LOGPROBS, want_top)
+        tok = jnp.where(alive, out.tokens, st.last_token)
+        inc = alive.astype(jnp.int32)
+        st = st.replace(
+            last_token=tok,
+            seq_len=st.seq_len + inc,
+            num_generated=st.num_generated + inc,
+            sampling=sampling.update_counts(st.sampling, tok, alive),
+        )
+        return (cache, st), DecodeOutput(tok, alive, out.logprobs, out.top_ids, out.top_logprobs)
+
+    (cache, sub), out = jax.lax.scan(step, (cache, sub), None, length=num_steps)
+    return cache, _set_rows(state, sub), out
+
+
+def _prefill_inputs(state: SlotState, batch: PrefillBatch, width: int, ps: int):
+    """A prefill batch's attention metadata over the slots' page tables (width W)."""
+    s = state.last_token.shape[0]
+    t = batch.tokens.shape[1]
+    slot = jnp.minimum(batch.slots, s - 1)  # gather index; padding rows read a real slot, unused
+    pt = state.page_table[slot, :width]  # (R, W)
+    pos = batch.start[:, None] + jnp.arange(t)[None, :]  # (R, T)
+    valid = jnp.arange(t)[None, :] < batch.length[:, None]  # (R, T)
+    page = jnp.take_along_axis(pt, jnp.minimum(pos // ps, width - 1), axis=1)
+    return AttentionMetadata(
+        positions=pos,
+        slot_mapping=jnp.where(valid, page * ps + pos % ps, -1),
+        page_table=pt,
+        seq_lens=jnp.where(batch.length > 0, batch.start + batch.length, 0),
+    )
+
+
+def _prefill_advance(state: SlotState, batch: PrefillBatch, logits, want_top):
+    """Samples (or installs) the token of each row completing a prefill; logits f32[R, V] of the
+    rows' last tokens. Sets seq_len, activates the finished slots. Returns (state, SampleOutput
+    with the installed tokens)."""
+    s = state.last_token.shape[0]
+    slot = jnp.minimum(batch.slots, s - 1)
+    row_valid = batch.length > 0  # (R,)
+    sub = jax.tree.map(lambda x: x[slot], state.sampling)  # the rows' sampling state (R, ...)
+    out = sampling.sample(logits, sub, state.num_generated[slot], MAX_LOGPROBS, want_top)
+    finishing = row_valid & batch.is_last
+    sampled = finishing & (batch.forced < 0)
+    tok = jnp.where(batch.forced >= 0, batch.forced, out.tokens)
+    fin_idx = jnp.where(finishing, batch.slots, s)  # index s is out of range: dropped
+    smp_idx = jnp.where(sampled, batch.slots, s)
+    tokens_s = jnp.zeros((s,), jnp.int32).at[smp_idx].set(tok, mode="drop")
+    sampled_s = jnp.zeros((s,), bool).at[smp_idx].set(True, mode="drop")
+    state = state.replace(
+        last_token=state.last_token.at[fin_idx].set(tok, mode="drop"),
+        seq_len=state.seq_len.at[jnp.where(row_valid, batch.slots, s)].set(
+            batch.start + batch.length, mode="drop"
+        ),
+        active=state.active.at[fin_idx].set(True, mode="drop"),
+        num_generated=state.num_generated + sampled_s.astype(jnp.int32),
+        sampling=sampling.update_counts(state.sampling, tokens_s, sampled_s),
+    )
+    return state, out.replace(tokens=tok)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "impl", "shape"),
+    donate_argnames=("cache", "state"),
+)
+def prefill(
+    params,
+    cache,
+    state: SlotState,
+    batch: PrefillBatch,
+    want_top,
+    *,
+    config: ModelConfig,
+    impl: ModelImpl,
+    shape: PrefillShape,
+):
+    """JetStream `prefill` over fixed [R, T] chunks (R = shape.rows), K/V written into each row's
+    slot pages. Returns (cache, state, PrefillOutput)."""
+    r, t = batch.tokens.shape
+    meta = _prefill_inputs(state, batch, shape.width, cache.page_size)
+    hidden, cache = llama.forward(params, batch.tokens, meta, cache, config, impl)  # (R, T, D)
+    last = hidden[jnp.arange(r), jnp.maximum(batch.length - 1, 0)]  # each row's last token (R, D)
+    logits = llama.compute_logits(params, last, config, impl)  # (R, V)
+    state, out = _prefill_advance(state, batch, logits, want_top)
+    prompt = None
+    if shape.prompt_logprobs:
+        all_logits = llama.compute_logits(params, hidden, config, impl)  # (R, T, V)
+        lp, top_ids, top_lp = sampling.token_logprobs(
+            all_logits.reshape(r * t, -1), batch.targets.reshape(r * t), MAX_LOGPROBS
+        )
+        prompt = PromptLogprobs(
+            lp.reshape(r, t), top_ids.reshape(r, t, -1), top_lp.reshape(r, t, -1)
+        )
+    return (
+        cache,
+        state,
+        PrefillOutput(out.tokens, out.logprobs, out.top_ids, out.top_logprobs, prompt),
+    )

@@ -1,0 +1,46 @@
+"""The benchmark core (`jaxserve/bench/core.py`): steady-state arithmetic on hand-made steps,
+percentiles, the workload's sampling params, and the compile counter."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.bench import core as bench
+from jaxserve.bench.workloads import make_workload
+
+
+def test_step_summary_steady_state():
+    # 4 slots: the last request starts at t=3; steps 0..3 are the saturated phase, 4 the drain.
+    occ = [0.25, 1.0, 0.75, 1.0, 0.5]
+    live = [0.5, 0.9, None, 1.0, 0.8]
+    steps = [
+        {"t_s": i, "occupancy": o, "kv_live_share": u} for i, (o, u) in enumerate(zip(occ, live))
+    ]
+    s = bench.step_summary(steps, num_slots=4, saturated_until_s=3.0)
+    assert s["mean_slot_occupancy"] == pytest.approx(0.7)
+    assert s["kv_page_utilization"] == pytest.approx((0.5 + 0.9 + 1.0 + 0.8) / 4)
+    assert s["kv_live_token_share_steady"] == pytest.approx(0.8)  # steps 0..3, None skipped
+    assert s["mean_running_steady"] == pytest.approx(4 * (0.25 + 1.0 + 0.75 + 1.0) / 4)
+    assert s["peak_running"] == 4 and s["steady_steps"] == 4
+
+
+def test_percentiles_and_sampling_params():
+    p = bench.percentiles([1.0, 2.0, 3.0, 4.0])
+    assert p["p50"] == pytest.approx(2.5) and p["mean"] == pytest.approx(2.5)
+    assert bench.percentiles([])["p99"] is None
+    w = make_workload("longtail", vocab_size=128, num_requests=3)
+    sps = bench.sampling_params_for(w)
+    assert [sp.max_tokens for sp in sps] == [r.max_tokens for r in w.requests]
+    assert all(sp.ignore_eos and sp.temperature == 0.0 for sp in sps)
+
+
+def test_compile_counter_counts_backend_compiles():
+    f = jax.jit(lambda x: x * 3 + 1)
+    x = jax.block_until_ready(jnp.ones(7))
+    with bench.CompileCounter() as first:
+        f(x)
+    with bench.CompileCounter() as again:
+        f(x)  # cached: no compile
+    assert first.count == 1 and first.seconds > 0 and again.count == 0

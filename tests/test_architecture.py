@@ -1,0 +1,180 @@
+"""The module import graph of jaxserve/ and pallas_kernels/ has no cycles; kernels never import jaxserve.
+
+The graph is read from the source (ast), not by importing it, and counts every import statement,
+at module top and inside functions alike (a lazy import hides a cycle, it does not remove one).
+Only intra-repo imports are edges. How an import statement becomes edges:
+
+    import a.b.c                 -> a.b.c (the longest prefix that is a module of ours)
+    from a.b import c            -> a.b.c when c is a submodule, else a.b (a name in a/b/__init__)
+    from . import c, from .x import y    resolved against the importing module's package
+
+A package is its `__init__` module (`jaxserve.quant` is jaxserve/quant/__init__.py). The implicit
+import of a submodule's parent packages is not an edge: every package whose `__init__` re-exports
+its submodules would otherwise be a cycle, and what such an `__init__` may import is already
+checked through its own edges.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxserve", "pallas_kernels")
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every .py under PACKAGES (a package is its __init__)."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _known(name: str, modules) -> str | None:
+    """The longest prefix of dotted `name` that is one of `modules` (None if none is)."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in modules:
+            return prefix
+    return None
+
+
+def imports_of(module: str, path: Path, modules) -> list[tuple[str, int]]:
+    """(imported module, line) for every intra-repo import in the file (see the module doc)."""
+    is_package = path.name == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = _known(alias.name, modules)
+                if target:
+                    out.append((target, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                target = sub if sub in modules else _known(base, modules)
+                if target:
+                    out.append((target, node.lineno))
+    return out
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {imported module: first line importing it} (self-imports dropped)."""
+    files = module_files()
+    graph = {}
+    for module, path in files.items():
+        edges: dict[str, int] = {}
+        for target, line in imports_of(module, path, files):
+            if target != module:
+                edges.setdefault(target, line)
+        graph[module] = edges
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's strongly connected components with more than one module (each one a cycle)."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def a_cycle(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
+    """One cycle through the component's first module: [m0, m1, ..., m0] (breadth-first)."""
+    members, start = set(component), component[0]
+    parent = {start: None}
+    queue = [start]
+    while queue:
+        v = queue.pop(0)
+        for w in sorted(graph[v]):
+            if w == start:
+                path = [v]
+                while parent[path[-1]] is not None:
+                    path.append(parent[path[-1]])
+                return [*reversed(path), start]
+            if w in members and w not in parent:
+                parent[w] = v
+                queue.append(w)
+    raise AssertionError(f"{component} is not strongly connected")
+
+
+def describe(graph, cycle: list[str]) -> str:
+    files = module_files()
+    hops = []
+    for a, b in zip(cycle, cycle[1:]):
+        where = files[a].relative_to(ROOT)
+        hops.append(f"  {a} -> {b}   ({where}:{graph[a][b]})")
+    return "\n".join(hops)
+
+
+def test_graph_sees_the_known_edges():
+    """The parser resolves submodule, package and lazy imports (a guard against a vacuous pass)."""
+    graph = import_graph()
+    assert "jaxserve.quant.int4" in graph["jaxserve.quant"]  # from jaxserve.quant import int4
+    assert "jaxserve.config" in graph["jaxserve.quant"]
+    assert "pallas_kernels.int4_layout" in graph["pallas_kernels.int4_matmul"]
+    assert "jaxserve.llm" in graph["jaxserve"]  # inside a function (the lazy `LLM`)
+    assert "jaxserve.loading" in graph["jaxserve.launch.convert"]  # a package: its __init__
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    cycles = strongly_connected(graph)
+    report = [
+        f"modules {comp} import each other, e.g.\n{describe(graph, a_cycle(graph, comp))}"
+        for comp in cycles
+    ]
+    assert not cycles, "import cycles:\n" + "\n".join(report)
+
+
+def test_kernels_import_jax_only():
+    """pallas_kernels/ never imports jaxserve (the engine depends on the kernels, not back)."""
+    bad = []
+    for module, path in module_files().items():
+        if not module.startswith("pallas_kernels"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            for name in names:
+                if name.split(".")[0] in ("jaxserve", "tests", "experiments"):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert not bad, "\n".join(bad)

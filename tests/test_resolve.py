@@ -1,0 +1,90 @@
+"""`jaxserve.resolve`: every backend-dependent choice and shape bucket, made once on the host."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.resolve import DecodeShape, PrefillShape, bucket_for, pow2_buckets, resolve
+
+TINY = ModelConfig.preset("tiny")
+
+
+def resolved(backend="cpu", num_pages=1024, **kw):
+    return resolve(EngineConfig(**kw).for_model(TINY), TINY, backend, num_pages)
+
+
+def test_backend_choices():
+    cpu, gpu = resolved("cpu"), resolved("gpu")
+    assert (cpu.model.attention, gpu.model.attention) == ("ragged", "pallas")
+    assert (cpu.int4_matmul, gpu.int4_matmul) == ("xla", "pallas")
+    assert (cpu.weight_layout, gpu.weight_layout) == ("out_in", "in_out")
+    assert (cpu.model.min_matmul_rows, gpu.model.min_matmul_rows) == (4, 1)
+    # an explicit attention implementation wins on any backend
+    assert resolved("gpu", attention_impl="reference").model.attention == "reference"
+    assert resolved("cpu", attention_impl="pallas_interpret").model.attention == "pallas_interpret"
+    assert resolved("gpu").max_flat == 0  # flat-page buckets are the 'ragged' path's only
+
+
+def test_slot_buckets():
+    assert resolved("cpu", num_slots=32).slot_buckets == (8, 16, 32)
+    assert resolved("cpu", num_slots=20).slot_buckets == (8, 16, 20)
+    assert resolved("cpu", num_slots=4).slot_buckets == (4,)
+    assert resolved("gpu", num_slots=32).slot_buckets == (32,)
+    assert resolved("gpu", num_slots=6, slot_buckets=[2, 6]).slot_buckets == (2, 6)
+
+
+def test_width_and_prefill_row_buckets():
+    # max_model_len 512 in pages of 16: 32 pages per sequence
+    r = resolved("gpu", max_model_len=512, page_size=16, prefill_chunk_size=64)
+    assert r.widths == (1, 2, 4, 8, 16, 32)
+    assert r.prefill_rows == (1, 2, 4, 8)  # 512-token budget / 64-token chunks
+    assert r.width_for(1) == 1 and r.width_for(5) == 8 and r.width_for(32) == 32
+    with pytest.raises(ValueError, match="max_pages_per_seq"):
+        r.width_for(33)
+    assert r.prefill_shape(3, 5, False) == PrefillShape(4, 8, False)
+    assert r.prefill_shape(1, 5, True) == PrefillShape(8, 8, True)  # prompt log-probs: all rows
+
+
+def test_flat_buckets_cover_every_decode_step():
+    assert pow2_buckets(100, start=8) == (8, 16, 32, 64, 100)
+    assert pow2_buckets(3, start=8) == (3,)
+    assert [bucket_for(n, (8, 16, 32, 64, 100)) for n in (0, 8, 9, 33, 99, 100)] == [
+        8,
+        8,
+        16,
+        64,
+        100,
+        100,
+    ]
+    for num_pages in (3, 8, 9, 4096):
+        r = resolved("cpu", num_slots=4, max_model_len=256, page_size=16, num_pages=num_pages)
+        shapes = set(r.decode_shapes())
+        for max_slot in range(4):
+            rows = bucket_for(max_slot + 1, r.slot_buckets)
+            for total in range(min(num_pages, rows * r.max_pages) + 1):
+                pages = [total] + [0] * max_slot
+                shape = r.decode_shape(max_slot, pages)
+                assert shape in shapes and shape.num_flat >= min(total, r.max_flat)
+
+
+def test_decode_shape_follows_the_rows_and_pages():
+    cpu = resolved("cpu", num_slots=32, max_model_len=512, page_size=16)
+    assert cpu.decode_shape(2, [3, 5, 1]) == DecodeShape(8, 32, 16)  # 9 live pages -> 16
+    assert cpu.decode_shape(20, [1] * 21) == DecodeShape(32, 32, 32)
+    gpu = resolved("gpu", num_slots=32, max_model_len=512, page_size=16)
+    assert gpu.decode_shape(2, [3, 5, 1]) == DecodeShape(32, 8, 0)  # width of the longest
+
+
+def test_step_shapes_counts():
+    """The warm-up list: a decode shape per (slot bucket, width or flat bucket), a prefill shape
+    per (width, row bucket) plus one prompt log-probs variant per width."""
+    r = resolved("gpu", num_slots=32, max_model_len=512, page_size=4, prefill_chunk_size=64)
+    assert len(r.decode_shapes()) == 1 * 8  # 128 pages: widths 1, 2, ..., 128
+    assert len(r.prefill_shapes()) == 8 * (4 + 1)
+    assert len(set(r.decode_shapes() + r.prefill_shapes())) == 48
+
+
+def test_resolve_needs_a_filled_config():
+    with pytest.raises(ValueError, match="for_model"):
+        resolve(EngineConfig(), TINY, "cpu", 64)
