@@ -203,9 +203,10 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------
     def _schedule_and_dispatch(self):
         plan = self.scheduler.schedule()
-        if not plan.has_work:
+        if not plan.has_work and not plan.changes_slots:
             return None
-        self._record_occupancy()
+        if plan.has_work:
+            self._record_occupancy()
         return plan, self.runner.dispatch(plan)
 
     def step(self) -> list[RequestOutput]:

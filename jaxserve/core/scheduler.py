@@ -92,6 +92,13 @@ class SchedulerOutput:
     def has_work(self) -> bool:
         return bool(self.decode or self.prefill)
 
+    @property
+    def changes_slots(self) -> bool:
+        """The plan changes the runner's slot state (a slot released, moved or filled, pages
+        given): it must reach the runner even with no step to run, or a released slot would stay
+        active on the device and decode into pages since given to another request."""
+        return bool(self.released or self.moves or self.inserted or self.page_updates)
+
 
 class Scheduler:
     def __init__(

@@ -141,6 +141,22 @@ def test_preemption_resumes_with_identical_tokens(async_sched):
     assert engine.scheduler.allocator.num_free_pages == 16  # every page came back
 
 
+def test_a_plan_that_only_releases_a_slot_still_reaches_the_runner():
+    """A plan can hold no step at all yet change the slots: here b (newest) preempts itself for a
+    page while a is at its length limit with its last step in flight, so the plan only releases
+    b's slot. The runner must still apply it, or b's old slot stays active on the device and
+    decodes into freed pages (the fake runner asserts every active slot is planned)."""
+    engine, runner = make_engine(num_slots=2, num_pages=3, page_size=4, chunk=8, rows=2)
+    engine.add_request("a", None, [3, 3], greedy(max_tokens=4, ignore_eos=True))
+    engine.add_request("b", None, [4], greedy(max_tokens=5, ignore_eos=True))
+    outs = run_all(engine)
+    assert outs["a"].outputs[0].token_ids == reference([3, 3], 4)
+    assert outs["b"].outputs[0].token_ids == reference([4], 5)
+    # the preemption happened in a plan with no step, which was dispatched all the same
+    assert any(p["released"] and not p["decode"] and not p["prefill"] for p in runner.log)
+    assert engine.stats()["num_preemptions"] > 0
+
+
 @pytest.mark.parametrize("async_sched", [True, False])
 def test_preemption_with_multistep_decode(async_sched):
     engine, _ = make_engine(
