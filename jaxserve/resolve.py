@@ -1,6 +1,6 @@
 """Every backend-dependent choice, made once, on the host, when an engine is built.
 
-    resolve(engine_config, model_config, backend, num_pages) -> Resolved
+    resolve(engine_config, model_config, backend) -> Resolved
 
 `backend` is `jax.default_backend()` read ONCE by whoever builds the engine (or "gpu" in a test
 that lowers a GPU engine's steps on this CPU). Nothing below it asks the backend again: layers and
@@ -85,7 +85,7 @@ class Resolved:
     slot_buckets: tuple[int, ...]  # decode row buckets, increasing, the last = num_slots
     widths: tuple[int, ...]  # page-table width buckets, the last = max_pages_per_seq
     prefill_rows: tuple[int, ...]  # prefill row buckets, the last = the step's chunk budget
-    max_flat: int  # most live pages a decode step can hold ('ragged'; 0 otherwise)
+    max_flat: int  # most page references a decode step can list ('ragged'; 0 otherwise)
     max_pages: int  # max_pages_per_seq
     chunk: int  # prefill chunk length T
 
@@ -107,9 +107,10 @@ class Resolved:
         """The decode program for rows whose highest slot is `max_slot`, holding `pages` pages."""
         rows = bucket_for(max_slot + 1, self.slot_buckets)
         if self.ragged:
-            return DecodeShape(
-                rows, self.max_pages, bucket_for(sum(pages), self.flat_buckets(rows))
-            )
+            flat = self.flat_buckets(rows)
+            if sum(pages) > flat[-1]:  # cannot happen: each row holds at most max_pages
+                raise ValueError(f"{sum(pages)} live pages exceed the step's {flat[-1]}")
+            return DecodeShape(rows, self.max_pages, bucket_for(sum(pages), flat))
         return DecodeShape(rows, self.width_for(max(pages)), 0)
 
     def prefill_shape(self, num_chunks: int, num_pages: int, prompt_logprobs: bool) -> PrefillShape:
@@ -139,9 +140,7 @@ class Resolved:
         return out
 
 
-def resolve(
-    engine_config: EngineConfig, model_config: ModelConfig, backend: str, num_pages: int
-) -> Resolved:
+def resolve(engine_config: EngineConfig, model_config: ModelConfig, backend: str) -> Resolved:
     """The engine's choices on `backend` ('cpu', 'gpu', ...), from its filled EngineConfig."""
     del model_config  # every choice so far depends on the backend and the engine's sizes only
     c = engine_config
@@ -165,7 +164,9 @@ def resolve(
         slot_buckets=slot_buckets,
         widths=pow2_buckets(max_pages),
         prefill_rows=pow2_buckets(max_rows),
-        max_flat=min(num_pages, c.num_slots * max_pages) if attention == "ragged" else 0,
+        # Not capped by the pool: a page shared through the prefix cache is listed once per
+        # request reading it, so a step can list more pages than the pool holds.
+        max_flat=c.num_slots * max_pages if attention == "ragged" else 0,
         max_pages=max_pages,
         chunk=c.prefill_chunk_size,
     )

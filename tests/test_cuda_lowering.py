@@ -39,7 +39,6 @@ GPU = resolve(
     EngineConfig(num_slots=NUM_SLOTS, max_model_len=256, page_size=PAGE_SIZE).for_model(_TINY),
     _TINY,
     "gpu",
-    NUM_PAGES,
 )
 
 

@@ -295,3 +295,21 @@ def test_prefix_caching_reuses_a_previous_answers_pages(llm):
     assert cached.reset_prefix_cache()
     again = cached.generate(ids([second]), sp[1], use_tqdm=False)[0]
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == want[1]
+
+
+@pytest.mark.parametrize("num_pages", [32, 24])
+def test_shared_pages_past_the_pool_size_give_the_same_tokens(num_pages):
+    """Issue 24: with prefix caching a shared page is listed once per request that reads it, so a
+    decode step can list more pages than the pool holds. The CPU's ragged attention once capped its
+    page list at num_pages and dropped the rest: n=8 greedy gave 4 different answers. Now every
+    child equals the reference attention without caching, at a pool where nothing is preempted
+    (32 pages) and where the shared pages are most of the pool (24)."""
+    kw = dict(max_model_len=64, page_size=4, num_slots=8, num_pages=num_pages)
+    prompt = ids([list(range(3, 43))])  # 40 tokens: 10 shared pages
+    sp = SamplingParams(n=8, temperature=0, max_tokens=8, ignore_eos=True)
+    cached = make_llm(enable_prefix_caching=True, **kw).generate(prompt, sp, use_tqdm=False)[0]
+    assert cached.num_cached_tokens > 0  # the children did share the prompt's pages
+    plain = make_llm(attention_impl="reference", **kw).generate(prompt, sp, use_tqdm=False)[0]
+    want = plain.outputs[0].token_ids
+    assert all(c.token_ids == want for c in plain.outputs)
+    assert [c.token_ids for c in cached.outputs] == [want] * 8

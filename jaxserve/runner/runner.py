@@ -85,7 +85,7 @@ class ModelRunner:
     ):
         engine_config = engine_config.for_model(model_config)  # a filled config comes back equal
         self.resolved: Resolved = resolve(
-            engine_config, model_config, backend or jax.default_backend(), num_pages
+            engine_config, model_config, backend or jax.default_backend()
         )
         r = self.resolved
         params = with_matmul_impl(params, r.int4_matmul)

@@ -8,7 +8,7 @@ from jaxserve.layers.linear import TransposedWeight, cpu_layout, linear, matmul
 from jaxserve.resolve import resolve
 
 _TINY = ModelConfig.preset("tiny")
-CPU_ROWS = resolve(EngineConfig().for_model(_TINY), _TINY, "cpu", 64).model.min_matmul_rows
+CPU_ROWS = resolve(EngineConfig().for_model(_TINY), _TINY, "cpu").model.min_matmul_rows
 
 
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 5)])
