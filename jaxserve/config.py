@@ -279,9 +279,16 @@ class EngineConfig:
                 f"EngineConfig.max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={max_pos}"
             )
+        longest = 1 << (max_model_len - 1).bit_length()  # smallest power of two >= max_model_len
+        if self.page_size > longest:
+            raise ValueError(
+                f"EngineConfig.page_size={self.page_size} is larger than a whole sequence "
+                f"(max_model_len={max_model_len}): every sequence would hold one page of which "
+                f"at most {max_model_len} tokens are used; use page_size <= {longest}"
+            )
         chunk = self.prefill_chunk_size
         if chunk is None:
-            chunk = min(DEFAULT_PREFILL_CHUNK_SIZE, 1 << (max_model_len - 1).bit_length())
+            chunk = min(DEFAULT_PREFILL_CHUNK_SIZE, longest)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = DEFAULT_PREFILL_CHUNKS_PER_STEP * chunk

@@ -140,13 +140,14 @@ class LLM:
         prompts = _as_list(prompts)
         params = self._per_prompt_params(sampling_params, len(prompts))
         index: dict[str, int] = {}
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            index[self._submit(prompt, sp, stream=False)] = i
         pbar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
         t0, out_tokens = time.perf_counter(), 0
-        try:
+        try:  # submission inside: if it raises, the requests already queued are aborted too
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                index[self._submit(prompt, sp, stream=False)] = i
             while index:
-                for rid in [r for r in index if self._outbox.get(r)]:
+                # The outbox holds only what the last step returned: O(finished), not O(queued).
+                for rid in [r for r in self._outbox if r in index]:
                     out = self._outbox.pop(rid)[-1]
                     out_tokens += sum(len(c.token_ids) for c in out.outputs)
                     pbar.update(1)
@@ -221,7 +222,10 @@ class LLM:
 
     def _submit(self, prompt, sp, stream: bool) -> str:
         rid = self.engine.next_request_id()
-        text, ids, error = self._parse_prompt(prompt)
+        try:
+            text, ids, error = self._parse_prompt(prompt)
+        except Exception as e:  # the last line of defence: one prompt fails alone
+            text, ids, error = None, None, f"cannot read the prompt: {type(e).__name__}: {e}"
         if error is None and isinstance(sp, dict):
             try:
                 sp = SamplingParams.from_dict(sp)
@@ -264,7 +268,10 @@ class LLM:
             return prompt, None, "text prompts need a tokenizer; pass prompt_token_ids"
         if prompt == "":
             return prompt, [], "prompt is empty"
-        return prompt, list(self.tokenizer(prompt)["input_ids"]), None
+        try:
+            return prompt, list(self.tokenizer(prompt)["input_ids"]), None
+        except (TypeError, ValueError, UnicodeError) as e:  # e.g. a lone UTF-16 surrogate
+            return None, None, f"cannot tokenize the prompt: {type(e).__name__}: {e}"
 
 
 class _BadPrompt:

@@ -99,3 +99,19 @@ def test_model_forms():
     c = EngineConfig(model=TINY, load_format="dummy")
     assert c.model is TINY and hash(c) == hash(EngineConfig(model=TINY, load_format="dummy"))
     assert EngineConfig(slot_buckets=[8, 32]).slot_buckets == (8, 32)
+
+
+def test_a_page_larger_than_a_sequence_is_refused():
+    """Issue 24: page_size 65536 with max_model_len 64 used to waste 1,024x the KV silently."""
+    with pytest.raises(ValueError, match=r"page_size=128.*max_model_len=64.*page_size <= 64"):
+        EngineConfig(page_size=128, max_model_len=64).for_model(TINY)
+    assert EngineConfig(page_size=64, max_model_len=50).for_model(TINY).max_pages_per_seq == 1
+
+
+def test_too_many_slots_fail_before_any_allocation():
+    """Issue 24: num_slots 10**6 failed as an opaque XLA RESOURCE_EXHAUSTED; now a ValueError
+    naming num_slots and num_pages and the bytes they need, before the pool is allocated."""
+    from jaxserve import LLM
+
+    with pytest.raises(ValueError, match=r"num_slots=1000000 and num_pages=.*GiB"):
+        LLM("tiny", load_format="dummy", dtype="float32", num_slots=10**6, max_model_len=64)

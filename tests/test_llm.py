@@ -313,3 +313,93 @@ def test_shared_pages_past_the_pool_size_give_the_same_tokens(num_pages):
     want = plain.outputs[0].token_ids
     assert all(c.token_ids == want for c in plain.outputs)
     assert [c.token_ids for c in cached.outputs] == [want] * 8
+
+
+def test_a_poison_prompt_or_parameter_fails_alone(llm):
+    """Issue 24: values too large for their field and an untokenizable prompt become that
+    prompt's error; the prompts beside them finish as usual."""
+    ok = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ps = ids([[5, 6, 7]] * 4)
+    params = [{"temperature": 10**400}, {"top_k": 2**40}, {"n": 10**6}, ok]
+    outs = llm.generate(ps, params, use_tqdm=False)
+    assert [o.error is not None for o in outs] == [True, True, True, False]
+    assert "temperature" in outs[0].error and "top_k" in outs[1].error and "n" in outs[2].error
+    assert len(outs[3].outputs[0].token_ids) == 3
+
+
+class _SurrogateRejectingTokenizer:
+    """Raises as Hugging Face's fast tokenizer does on a lone UTF-16 surrogate."""
+
+    eos_token_id = 2
+
+    def __call__(self, text, **kw):
+        text.encode("utf-8")  # UnicodeEncodeError on a lone surrogate
+        return {"input_ids": [5 + len(text) % 7]}
+
+
+def test_an_untokenizable_prompt_fails_alone():
+    llm = make_llm(num_slots=4)
+    llm.tokenizer = _SurrogateRejectingTokenizer()
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate(["fine", "bad \ud800 surrogate", "also fine"], sp, use_tqdm=False)
+    assert outs[1].error is not None and "tokenize" in outs[1].error
+    assert outs[0].error is None and outs[2].error is None
+
+
+class _InterruptingTokenizer:
+    """Tokenizes two prompts, then the user presses Ctrl-C (KeyboardInterrupt mid-submission)."""
+
+    eos_token_id = 2
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, text, **kw):
+        self.calls += 1
+        if self.calls == 3:
+            raise KeyboardInterrupt
+        return {"input_ids": [5, 6, 7]}
+
+
+def test_an_interrupted_generate_leaves_no_request_behind():
+    """Issue 24: generate() interrupted while submitting (Ctrl-C while tokenizing a long list)
+    leaves no orphaned request inside the engine: the requests already queued are aborted."""
+    llm = make_llm(num_slots=4)
+    llm.tokenizer = _InterruptingTokenizer()
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a", "b", "c", "d"], sp, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    llm.tokenizer = _SurrogateRejectingTokenizer()
+    assert llm.generate(["after"], sp, use_tqdm=False)[0].error is None  # the engine still works
+
+
+class _CountingDict(dict):
+    """A dict that counts the lookups and iterated keys the host loop spends on it."""
+
+    ops = 0
+
+    def get(self, key, default=None):
+        _CountingDict.ops += 1
+        return super().get(key, default)
+
+    def __iter__(self):
+        for k in super().__iter__():
+            _CountingDict.ops += 1
+            yield k
+
+
+def test_iter_generate_costs_constant_bookkeeping_per_output():
+    """Issue 24: iter_generate once checked every outstanding request after every step (O(requests
+    x steps)); its outbox bookkeeping is now proportional to the outputs. Counted, not timed
+    (experiments/host_loop_scaling.py has the timing)."""
+    llm = make_llm(num_slots=4)
+    llm._outbox = _CountingDict()
+    _CountingDict.ops = 0
+    n = 64
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate(ids([[5 + i % 50] for i in range(n)]), sp, use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    steps = llm.stats()["num_steps"]
+    assert steps >= n // 4  # 4 slots: many steps with most requests still waiting
+    assert _CountingDict.ops <= 4 * n  # the old scan: about n * steps / 2 (> 1,000 here)

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 
 MAX_LOGPROBS = 20  # most top-n logprobs per token (generated or prompt)
+MAX_N = 128  # most samples per request (OpenAI's limit for `n`)
+MAX_INT32 = 2**31 - 1  # token counts and ids live in int32 arrays on the device
 MAX_STOP_IDS = 16  # stop/eos ids per slot suppressed while fewer than min_tokens were generated
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 _U32 = 0xFFFFFFFF
@@ -80,8 +82,11 @@ class SamplingParams:
         set_("stop", _stop_strings(self.stop))
         set_("stop_token_ids", _stop_ids(self.stop_token_ids))
 
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        if not (1 <= self.n <= MAX_N):
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            if getattr(self, name) > MAX_INT32:
+                raise ValueError(f"{name} must be at most 2**31 - 1, got {getattr(self, name)}")
         if not (0.0 <= self.temperature < math.inf):
             raise ValueError(f"temperature must be finite and non-negative, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -144,7 +149,10 @@ SamplingParams.__init__ = _init
 def _real(name: str, value: Any) -> float:
     if not _is_real(value):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float range, e.g. 10**400
+        raise ValueError(f"{name} is too large to be a float: {str(value)[:20]}...") from None
 
 
 def _int(name: str, value: Any) -> int:
@@ -167,8 +175,12 @@ def _stop_strings(stop: Any) -> tuple[str, ...] | None:
 def _stop_ids(ids: Any) -> tuple[int, ...] | None:
     if ids is None:
         return None
-    if not isinstance(ids, list | tuple) or not all(_is_int(t) and t >= 0 for t in ids):
-        raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {ids!r}")
+    if not isinstance(ids, list | tuple) or not all(
+        _is_int(t) and 0 <= t <= MAX_INT32 for t in ids
+    ):
+        raise ValueError(
+            f"stop_token_ids must be a list of ints in [0, 2**31 - 1], got {str(ids)[:200]}"
+        )
     return tuple(int(t) for t in ids)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import jax
@@ -28,7 +29,7 @@ from jaxserve.core.request import Request
 from jaxserve.core.runner_api import StepResult
 from jaxserve.core.sampling_params import SamplingParams, make_slot_row
 from jaxserve.core.scheduler import SchedulerOutput
-from jaxserve.layers import linear
+from jaxserve.layers import kv_cache, linear
 from jaxserve.quant import with_matmul_impl
 from jaxserve.resolve import DecodeShape, PrefillShape, Resolved, resolve
 from jaxserve.runner import input_batch, steps
@@ -68,6 +69,39 @@ class StepHandle:
 logger = logging.getLogger(__name__)
 
 
+def state_bytes(model_config: ModelConfig, engine_config: EngineConfig, num_pages: int) -> dict:
+    """Device bytes of the KV pool and of the slot state (S slots, V vocab): the sampling state
+    holds i32 token counts and two bool masks per slot and vocabulary entry."""
+    c, e = model_config, engine_config
+    per_token = kv_cache.bytes_per_token(
+        c.num_layers, c.num_kv_heads, c.head_dim, e.kv_cache_dtype, e.dtype
+    )
+    slots = e.num_slots * (6 * c.vocab_size + 4 * e.max_pages_per_seq + 64)
+    return {"kv_pool": num_pages * e.page_size * per_token, "slot_state": slots}
+
+
+def device_memory_bytes() -> int:
+    """Memory of the first device: the allocator's limit on a GPU, physical RAM on the CPU."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(model_config: ModelConfig, engine_config: EngineConfig, num_pages: int) -> None:
+    """ValueError naming num_slots / num_pages when the pool and slot state cannot fit, instead of
+    an opaque allocation failure inside XLA."""
+    need = state_bytes(model_config, engine_config, num_pages)
+    have = device_memory_bytes()
+    if sum(need.values()) > have:
+        gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+        raise ValueError(
+            f"num_slots={engine_config.num_slots} and num_pages={num_pages} need "
+            f"{gib(need['kv_pool'])} of KV pages and {gib(need['slot_state'])} of slot state, "
+            f"more than the device's {gib(have)}: lower num_slots, num_pages or kv_cache_memory"
+        )
+
+
 class ModelRunner:
     """Implements `jaxserve.core.runner_api.Runner` on the device.
 
@@ -96,6 +130,7 @@ class ModelRunner:
         self.config = engine_config
         self.num_slots = engine_config.num_slots
         self.slot_buckets = r.slot_buckets
+        check_memory(model_config, engine_config, num_pages)  # before anything is allocated
         self.cache = steps.init_cache(
             model_config,
             num_pages,

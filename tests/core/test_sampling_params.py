@@ -50,6 +50,15 @@ INVALID = [
     ("ignore_eos", 1),
     ("skip_special_tokens", "yes"),
     ("include_stop_str_in_output", None),
+    # issue 24: numbers too large for their field (OverflowError / int32 overflow before)
+    ("temperature", 10**400),
+    ("top_p", 10**400),
+    ("repetition_penalty", -(10**400)),
+    ("top_k", 2**40),
+    ("max_tokens", 2**40),
+    ("stop_token_ids", [2**40]),
+    ("n", 10**6),
+    ("n", 129),
 ]
 
 
