@@ -76,8 +76,6 @@ def append_token(
         req.top_logprobs.append(entry)
     if req.first_token_time is None:
         req.first_token_time = now
-    new_text = detok.add(token) if detok is not None else ""
-    req.text += new_text
 
     status = None
     if len(req.output_token_ids) >= sp.min_tokens:
@@ -85,7 +83,12 @@ def append_token(
             status = RequestStatus.FINISHED_STOPPED
         elif sp.stop_token_ids and token in sp.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif sp.stop and new_text:
+    # As vLLM: the text of a stop token (EOS or a stop_token_ids entry) that ends the request is
+    # left out unless include_stop_str_in_output (with skip_special_tokens a special EOS has none).
+    if status is None or sp.include_stop_str_in_output:
+        new_text = detok.add(token) if detok is not None else ""
+        req.text += new_text
+        if status is None and sp.stop and new_text and len(req.output_token_ids) >= sp.min_tokens:
             hit = find_stop(req.text, len(new_text), sp.stop, sp.include_stop_str_in_output)
             if hit is not None:
                 req.text = hit[0]

@@ -268,6 +268,30 @@ def test_stop_strings_truncate_text(async_sched):
     assert keep.text == "efgh"
 
 
+def test_a_stop_tokens_text_is_left_out_unless_asked_for():
+    """As vLLM: when a stop token ends the request (a stop_token_ids entry, or EOS decoded with
+    skip_special_tokens=False), its text is not in the output unless include_stop_str_in_output."""
+    rule = lambda seq, seed: (seq[-1] + 1) % 26 + 26  # letters: 'e', 'f', 'g', ...
+    engine, _ = make_engine(rule=rule, tokenizer=LetterTokenizer())
+    stop = dict(max_tokens=20, stop_token_ids=[33])  # token 33 decodes to 'h'
+    engine.add_request("cut", None, [26 + 3], greedy(**stop))
+    engine.add_request("keep", None, [26 + 3], greedy(**stop, include_stop_str_in_output=True))
+    outs = run_all(engine)
+    cut, keep = outs["cut"].outputs[0], outs["keep"].outputs[0]
+    assert cut.token_ids == keep.token_ids == [30, 31, 32, 33]
+    assert (cut.text, cut.stop_reason) == ("efg", 33)
+    assert keep.text == "efgh"
+    eos_rule = lambda seq, seed: EOS if len(seq) >= 3 else 30 + len(seq)
+    engine, _ = make_engine(rule=eos_rule, tokenizer=LetterTokenizer())
+    shown = dict(max_tokens=9, skip_special_tokens=False)
+    engine.add_request("eos", None, [30], greedy(**shown))
+    engine.add_request("eos_kept", None, [30], greedy(**shown, include_stop_str_in_output=True))
+    outs = run_all(engine)
+    assert outs["eos"].outputs[0].token_ids == [31, 32, EOS]
+    assert outs["eos"].outputs[0].text == "fg"  # EOS decodes to 'c' when shown: left out
+    assert outs["eos_kept"].outputs[0].text == "fgc"
+
+
 def test_n_children_have_distinct_seeds_and_tokens():
     rule = lambda seq, seed: (sum(seq) + seed) % VOCAB
     engine, _ = make_engine(rule=rule)
