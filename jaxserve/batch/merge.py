@@ -2,24 +2,26 @@
 
 Dataflow:
 
-    shard outputs a.jsonl, b.jsonl, ...  -> rows keyed like the input (json id, or line:N)
-      -> first occurrence of each key kept; later ones counted as duplicates
+    shard outputs a.jsonl, b.jsonl, ...  -> rows keyed like the input (each row's `key`)
+      -> within one file the LAST row of a key wins (a rerun that redid a row appended it; a
+         finished run compacts them away); across files the first file's row is kept and the
+         key is reported as duplicated
       -> with the job's input: ordered by input line; keys absent from every shard -> missing,
          keys that the input does not have -> unexpected
       -> merged JSONL written atomically (temp file + rename) + MergeReport
 
 A torn last line in a shard (the shard was killed and not rerun) is left out and reported; its row
-then shows up as missing.
+then shows up as missing. A line that is not an output row (`[1, 2]`, `"x"`, corrupt bytes before
+the last line) raises ValueError naming the file and line.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from jaxserve.batch.reader import read_input
-from jaxserve.batch.writer import output_key, scan_output
+from jaxserve.batch.writer import iter_output_rows, output_key
 
 
 @dataclasses.dataclass
@@ -46,22 +48,24 @@ def merge_outputs(
     if os.path.abspath(output) in {os.path.abspath(p) for p in inputs}:
         raise ValueError(f"--output {output!r} is also one of the inputs")
     rows: dict[str, bytes] = {}
+    failed: dict[str, bool] = {}
     counts: dict[str, int] = {}
-    num_failed = 0
     torn = []
     for path in inputs:
-        if scan_output(path, repair=False).repaired_bytes:
-            torn.append(path)
-        with open(path, "rb") as f:
-            for raw in f:
-                if not raw.endswith(b"\n"):
-                    continue  # the torn last line found by scan_output
-                row = json.loads(raw)
-                key = output_key(row)
-                counts[key] = counts.get(key, 0) + 1
-                if key not in rows:
-                    rows[key] = raw
-                    num_failed += row.get("error") is not None
+        last: dict[str, tuple[bytes, bool]] = {}  # this file's last row of each key
+        for _, _, raw, row in iter_output_rows(path):
+            if row is None:
+                torn.append(path)  # the torn last line: left out
+                continue
+            key = output_key(row)
+            last.pop(key, None)
+            last[key] = (raw, row.get("error") is not None)
+        for key, (raw, is_error) in last.items():
+            counts[key] = counts.get(key, 0) + 1
+            if key not in rows:
+                rows[key] = raw
+                failed[key] = is_error
+    num_failed = sum(failed.values())
 
     order = list(rows)
     missing: list[str] = []

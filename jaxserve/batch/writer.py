@@ -2,143 +2,417 @@
 
 Dataflow:
 
+    check_output_path(output, input)   before the model loads: a regular file (or none yet), not the
+                                       input (same st_dev/st_ino: also via a symlink or hard link)
     OutputWriter(path).open()
-      -> scan the existing file: torn last line (no trailing newline, or not JSON) -> truncated away
-      -> Resume(done_keys, failed_keys)              rows already written by an earlier run
+      -> lock <realpath>.lock (fcntl.flock, exclusive, non-blocking; it holds the owner's pid):
+         a second writer of the same output fails at once (OutputLocked, naming that pid)
+      -> scan the existing file: not a jaxserve output -> refused (unless overwrite: emptied);
+         torn last line (no trailing newline, or not JSON) -> truncated away
+      -> Resume(rows: key -> (fingerprint, failed))   the last row of each key an earlier run wrote
     writer.write(row)  -> one os.write of `json + "\\n"` on an O_APPEND fd, then fsync
-    writer.close()
+    writer.compact()   -> the file rewritten with the last row of each key, each row's `line`
+                          that of its input row now (temp file + rename)
+    writer.close()     -> the lock released
 
-A crash (SIGKILL, preemption, power loss) can leave at most the last line partly written, because
-each row is one append followed by fsync; `open()` detects that line and cuts it off, so a rerun
-with the same output skips exactly the rows that finished and redoes the rest. A corrupt line that
-is not the last one is not a crash artefact, and `open()` refuses to guess (ValueError).
+A crash (SIGKILL, preemption, power loss, disk full) can leave at most the last line partly
+written (with no newline: each row is one append of `json + "\n"` followed by fsync); `open()`
+detects that line and cuts it off, so a rerun with the same output skips exactly the rows that finished and redoes the rest. A
+corrupt line that is not the last one, or a complete line that is not an output row, is not a crash
+artefact, and `open()` refuses to guess (NotAnOutput).
+
+One row per key: a rerun appends a new row for a row it redoes (its request changed, or it was an
+error), so until the job compacts the file, readers (`scan_output`, `merge`) take the LAST row of
+each key in a file. A run that finishes compacts, so a finished file holds one row per key.
+
+OS errors on the output (disk full, file too large, permission) raise OutputError with an exit
+code (see `jaxserve.launch.generate`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import json
 import logging
 import os
+import stat
+from collections.abc import Iterator
 from typing import Any
 
 from jaxserve.batch.reader import row_key
 
 log = logging.getLogger(__name__)
 
+# Exit codes of `generate` for output problems (also documented there and in BUILD.md).
+EXIT_BAD_OUTPUT = 2  # refused: the input itself, not a jaxserve output, not a regular file
+EXIT_LOCKED = 3  # another running job holds the output's lock
+EXIT_DISK_FULL = 4  # ENOSPC / EDQUOT
+EXIT_FILE_TOO_LARGE = 5  # EFBIG (a file size limit, ulimit -f)
+EXIT_PERMISSION = 6  # EACCES / EPERM / EROFS
+EXIT_IO = 7  # any other OS error on the output
+
+_ERRNO_EXIT = {
+    errno.ENOSPC: (EXIT_DISK_FULL, "disk full"),
+    errno.EDQUOT: (EXIT_DISK_FULL, "disk quota exceeded"),
+    errno.EFBIG: (EXIT_FILE_TOO_LARGE, "file too large (a file size limit, e.g. ulimit -f)"),
+    errno.EACCES: (EXIT_PERMISSION, "permission denied"),
+    errno.EPERM: (EXIT_PERMISSION, "operation not permitted"),
+    errno.EROFS: (EXIT_PERMISSION, "read-only file system"),
+}
+
+
+class OutputError(ValueError):
+    """The output cannot be used or written; `exit_code` tells the command line what to return."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_BAD_OUTPUT):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class OutputLocked(OutputError):
+    def __init__(self, message: str):
+        super().__init__(message, EXIT_LOCKED)
+
+
+class NotAnOutput(OutputError):
+    """The file holds something that is not a jaxserve output (or is corrupt before its end)."""
+
+
+def os_error(path: str, e: OSError, doing: str = "writing") -> OutputError:
+    """An OSError on the output as an OutputError with a message and an exit code."""
+    code, what = _ERRNO_EXIT.get(e.errno, (EXIT_IO, e.strerror or str(e)))
+    return OutputError(
+        f"{doing} output {path!r} failed: {what} ([Errno {e.errno}] {e.strerror}); every row "
+        "written before is saved: free space / fix the cause and rerun the same command to resume",
+        code,
+    )
+
 
 @dataclasses.dataclass
 class Resume:
-    """What an earlier run left in the output file."""
+    """What earlier runs left in the output file: the last row of each key."""
 
-    done_keys: set[str]  # every row in the file
-    failed_keys: set[str]  # the rows among them that carry an `error`
+    rows: dict[str, tuple[str | None, bool]]  # key -> (fingerprint, is an error row)
     repaired_bytes: int  # size of the torn last line that was cut off (0: none)
+    num_lines: int = 0  # complete rows in the file (> len(rows): superseded rows)
+
+    @property
+    def done_keys(self) -> set[str]:
+        """Keys whose last row is not an error."""
+        return {k for k, (_, failed) in self.rows.items() if not failed}
+
+    @property
+    def failed_keys(self) -> set[str]:
+        return {k for k, (_, failed) in self.rows.items() if failed}
+
+    def plan(self, rows: list[Any]) -> ResumePlan:
+        """Which input rows are done: their last output row has their fingerprint and is not an
+        error, or is the same input error (the same line fails the same way). Changed rows, and
+        rows that failed in rendering or in the engine, are redone."""
+        plan = ResumePlan(set(), [], [])
+        for r in rows:
+            got = self.rows.get(r.key)
+            if got is None:
+                continue
+            fingerprint, failed = got
+            if failed and r.error is not None and fingerprint == r.fingerprint:
+                plan.skip.add(r.key)
+            elif failed:
+                plan.retried.append(r.key)
+            elif r.fingerprint is None or fingerprint != r.fingerprint:
+                plan.changed.append(r.key)
+            else:
+                plan.skip.add(r.key)
+        return plan
+
+
+@dataclasses.dataclass
+class ResumePlan:
+    skip: set[str]  # keys done with the same request: not run again
+    changed: list[str]  # keys whose request changed since their row was written: redone
+    retried: list[str]  # keys whose last row is an error: retried
 
 
 def output_key(row: dict[str, Any]) -> str:
     """The key of an output row (same as its input row's `InputRow.key`)."""
-    return row_key(row.get("id"), row.get("line"))
+    key = row.get("key")
+    return key if isinstance(key, str) else row_key(row.get("id"), row.get("line"))
 
 
-def check_output_path(path: str) -> None:
-    """Raises ValueError unless `path` can be appended to (creating its directory if needed).
+def is_output_row(row: Any) -> bool:
+    return isinstance(row, dict) and "line" in row
+
+
+def same_file(a: str, b: str) -> bool:
+    """True when both paths exist and name one file (also through symlinks and hard links)."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def check_output_path(path: str, input_path: str | None = None) -> None:
+    """Raises OutputError unless `path` can be appended to (creating its directory if needed).
 
     Called before the model loads, so a bad --output fails in a second, not after minutes.
     """
     if os.path.isdir(path):
-        raise ValueError(f"output {path!r} is a directory; give a .jsonl file path")
+        raise OutputError(f"output {path!r} is a directory; give a .jsonl file path")
+    if os.path.exists(path):
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise OutputError(f"output {path!r} is not a regular file ({_kind(mode)}); refused")
+        if input_path is not None and same_file(path, input_path):
+            raise OutputError(f"output {path!r} is the input file {input_path!r}; refused")
     parent = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"cannot create output directory {parent!r}: {e.strerror}") from None
+        code = _ERRNO_EXIT.get(e.errno, (EXIT_BAD_OUTPUT, ""))[0]
+        raise OutputError(
+            f"cannot create output directory {parent!r}: {e.strerror}", code
+        ) from None
     try:
-        with open(path, "ab"):
-            pass
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+        os.close(fd)
     except OSError as e:
-        raise ValueError(
-            f"output directory {parent!r} is not writable ({path!r}: {e.strerror})"
+        code = _ERRNO_EXIT.get(e.errno, (EXIT_IO, ""))[0]
+        raise OutputError(
+            f"output directory {parent!r} is not writable ({path!r}: {e.strerror})", code
         ) from None
 
 
-def scan_output(path: str, repair: bool) -> Resume:
-    """Reads the rows in `path` (streaming); with `repair`, truncates a torn last line."""
-    done: set[str] = set()
-    failed: set[str] = set()
-    if not os.path.exists(path):
-        return Resume(done, failed, 0)
-    offset = 0  # byte offset of the current line's start
-    bad = None  # (line number, offset, problem) of an unparsable line; fatal unless it is the last
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def iter_output_rows(path: str) -> Iterator[tuple[int, int, bytes, dict[str, Any] | None]]:
+    """Yields (line number, byte offset, raw line, row) for every line of an output file; a torn
+    last line (no newline, or not JSON) comes last with row None. Raises NotAnOutput, naming the
+    file and line, for anything else that is not an output row."""
     with open(path, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise NotAnOutput(f"output {path!r} is not a regular file")
+        offset = 0
+        bad = None  # (line number, offset, raw, problem) of an unparsable line: fatal unless last
         for number, raw in enumerate(f, start=1):
             if bad is not None:
-                raise ValueError(
-                    f"output {path!r} line {bad[0]} is corrupt ({bad[2]}) and is not the last "
-                    "line; that is not a torn write from a crash, so it is not repaired"
+                raise NotAnOutput(
+                    f"{path!r} line {bad[0]} is corrupt ({bad[3]}) and is not the last line; "
+                    "that is not a torn write from a crash, so it is not repaired"
                 )
             try:
                 row = json.loads(raw.decode("utf-8"))
-                if not isinstance(row, dict) or "line" not in row:
-                    raise ValueError("not an output row")
-                if not raw.endswith(b"\n"):  # parsed, but the write stopped before its newline
-                    raise ValueError("no trailing newline")
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                bad = (number, offset, e)
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+                if raw.endswith(b"\n"):  # a whole line: no torn write of ours ends with one
+                    raise NotAnOutput(
+                        f"{path!r} line {number} is not a jaxserve output row (not JSON: "
+                        f"{type(e).__name__})"
+                    ) from None
+                bad = (number, offset, raw, f"not JSON: {type(e).__name__}")
             else:
-                done.add(output_key(row))
-                if row.get("error") is not None:
-                    failed.add(output_key(row))
+                if not raw.endswith(b"\n"):  # parsed, but the write stopped before its newline
+                    bad = (number, offset, raw, "no trailing newline")
+                elif not is_output_row(row):
+                    what = type(row).__name__ if not isinstance(row, dict) else "object"
+                    raise NotAnOutput(
+                        f"{path!r} line {number} is not a jaxserve output row (a JSON {what} "
+                        "without 'line')"
+                    )
+                else:
+                    yield number, offset, raw, row
             offset += len(raw)
+        if bad is not None:
+            yield bad[0], bad[1], bad[2], None
+
+
+def scan_output(path: str, repair: bool) -> Resume:
+    """Reads the rows in `path` (streaming, last row per key); with `repair`, truncates a torn
+    last line. Raises NotAnOutput when the file is not a jaxserve output."""
+    rows: dict[str, tuple[str | None, bool]] = {}
+    if not os.path.exists(path):
+        return Resume(rows, 0)
+    num_lines, torn_at, size = 0, None, 0
+    for _, offset, raw, row in iter_output_rows(path):
+        size = offset + len(raw)
+        if row is None:
+            torn_at = offset
+            continue
+        num_lines += 1
+        rows.pop(output_key(row), None)  # re-insert: dict order = order of the last rows
+        fp = row.get("fingerprint")
+        rows[output_key(row)] = (fp if isinstance(fp, str) else None, row.get("error") is not None)
     repaired = 0
-    if bad is not None:
-        repaired = offset - bad[1]
+    if torn_at is not None:
+        repaired = size - torn_at
         if repair:
             with open(path, "r+b") as f:
-                f.truncate(bad[1])
+                f.truncate(torn_at)
                 f.flush()
                 os.fsync(f.fileno())
             log.warning("%s: cut off a torn last line (%d bytes) left by a crash", path, repaired)
-    return Resume(done, failed, repaired)
+    return Resume(rows, repaired, num_lines)
+
+
+def encode_row(row: dict[str, Any]) -> bytes:
+    """One output line, always valid UTF-8: a string the model or input holds that UTF-8 cannot
+    encode (a lone surrogate) is written as a JSON \\u escape instead. Raises TypeError /
+    ValueError for a value JSON cannot hold."""
+    text = json.dumps(row, ensure_ascii=False)
+    try:
+        return (text + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(row, ensure_ascii=True) + "\n").encode("ascii")
 
 
 class OutputWriter:
-    """Appends output rows to `path`; each `write` is on disk (fsync) when it returns."""
+    """Appends output rows to `path` under an exclusive lock; each `write` is on disk (fsync)
+    when it returns."""
 
-    def __init__(self, path: str, fsync: bool = True):
+    def __init__(self, path: str, fsync: bool = True, overwrite: bool = False):
         self.path = path
         self.fsync = fsync
+        self.overwrite = overwrite
+        self.lock_path = os.path.realpath(path) + ".lock"
         self._fd: int | None = None
+        self._lock_fd: int | None = None
 
     def open(self) -> Resume:
-        """Repairs a torn last line, opens for append, and returns the rows already done."""
-        resume = scan_output(self.path, repair=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if self.fsync:  # make the file's directory entry durable too
-            dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        """Locks, repairs a torn last line, opens for append, and returns the rows already done."""
+        self._lock()
+        try:
+            if self.overwrite and os.path.exists(self.path):
+                os.truncate(self.path, 0)
+            resume = scan_output(self.path, repair=True)
+            self._open_append()
+        except OSError as e:
+            self.close()
+            raise os_error(self.path, e, "opening") from None
+        except BaseException:
+            self.close()
+            raise
         return resume
 
+    def _lock(self) -> None:
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            raise os_error(self.lock_path, e, "creating the lock file of") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OutputError(f"lock file {self.lock_path!r} is not a regular file")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                raise OutputLocked(
+                    f"output {self.path!r} is being written by another running job (pid "
+                    f"{holder}, lock {self.lock_path!r}); two writers would duplicate rows. "
+                    "Wait for it to finish or stop it, then rerun."
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def _open_append(self) -> None:
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if self.fsync:  # make the file's directory entry durable too
+            _fsync_dir(self.path)
+
     def write(self, row: dict[str, Any]) -> None:
+        """Appends one row. Raises TypeError/ValueError (nothing written) for a row JSON cannot
+        hold, OutputError for an OS error (disk full, file too large, permission)."""
         if self._fd is None:
             raise ValueError("OutputWriter.write before open()")
-        data = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+        data = encode_row(row)
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
-        if self.fsync:
-            os.fsync(self._fd)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError as e:
+            raise os_error(self.path, e) from None
+
+    def compact(
+        self, drop_errors_of: set[str] | None = None, lines: dict[str, int] | None = None
+    ) -> int:
+        """Rewrites the file with the last row of each key (the order of those rows kept),
+        atomically (temp file + rename); with `drop_errors_of`, also drops the error rows of
+        those keys (rows no longer in the input); with `lines` (key -> input line), a row done
+        before lines moved gets its current `line`. Returns the number of rows removed."""
+        if self._fd is None:
+            raise ValueError("OutputWriter.compact before open()")
+        last: dict[str, tuple[int, bytes, bool]] = {}
+        total, moved = 0, False
+        for number, _, raw, row in iter_output_rows(self.path):
+            if row is None:
+                continue
+            total += 1
+            key = output_key(row)
+            if lines is not None and key in lines and row.get("line") != lines[key]:
+                row["line"] = lines[key]
+                raw, moved = encode_row(row), True
+            last[key] = (number, raw, row.get("error") is not None)
+        keep = sorted(
+            (v for k, v in last.items() if not (v[2] and drop_errors_of and k in drop_errors_of)),
+            key=lambda v: v[0],
+        )
+        removed = total - len(keep)
+        if removed == 0 and not moved:
+            return 0
+        target = os.path.realpath(self.path)  # a symlinked output stays a symlink
+        tmp = f"{target}.compact.{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                for _, raw, _ in keep:
+                    f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.close(self._fd)
+            self._fd = None
+            os.replace(tmp, target)
+            self._open_append()
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            if self._fd is None:
+                self._open_append()
+            raise os_error(self.path, e, "compacting") from None
+        return removed
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock; the file stays (removing it races)
+            self._lock_fd = None
 
     def __enter__(self) -> OutputWriter:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _fsync_dir(path: str) -> None:
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -5,18 +5,36 @@
 
 Dataflow:
 
-    check --input exists and --output is writable        (fails in a second, before the model)
+    check --input exists and --output is a regular file (or new) and not the input
+                                                         (fails in a second, before the model)
     read + validate every row (jaxserve.batch.reader)    bad rows carry "line N: <problem>"
-    keep this shard's rows (stable hash of each row's id)
-    scan --output: cut a torn last line, skip ids already done
+    keep this shard's rows (stable hash of each row's key)
+    lock --output (<output>.lock), scan it: cut a torn last line; skip rows done with the same
+      request fingerprint; redo rows whose prompt or parameters changed (warning) and error rows
     load the model -> run_job: iter_generate, each finished row appended + fsync'd
-    write <output>.summary.json; exit 0, or 130/143 after SIGINT/SIGTERM (rerun to resume)
+    finished: compact --output to one row per key (superseded rows dropped)
+    write <output>.summary.json
 
 Input rows (JSONL): {"id": ..., "prompt" | "messages" | "prompt_token_ids": ..., optional
 SamplingParams fields such as "max_tokens", "temperature", "seed", "stop"}; or a plain text file,
-one prompt per line, id = line number. The sampling flags below are the defaults for every row.
-A row without a "seed" samples with one derived from --seed (0 when unset) and its id, so sampled
+one prompt per line, id = a hash of the line's content (plus "#k" for its k-th repeat), so
+inserting a line moves no answer. The sampling flags below are the defaults for every row.
+A row without a "seed" samples with one derived from --seed (0 when unset) and its key, so sampled
 outputs do not depend on sharding, order or restarts.
+
+Exit codes:
+    0    done (every row has an output row; bad rows carry their error)
+    1    an unexpected internal error (a traceback)
+    2    bad arguments, or an --output refused: it is the --input file (also through a symlink or
+         hard link; always refused), not a regular file (/dev/full, a FIFO), or an existing file
+         that is not a jaxserve output (refused unless --overwrite)
+    3    --output is locked by another running job (its pid is named); nothing was written
+    4    disk full (ENOSPC, EDQUOT) while writing --output
+    5    file too large (EFBIG, e.g. `ulimit -f`) while writing --output
+    6    permission denied / read-only file system on --output
+    7    another OS error on --output
+    130  interrupted by SIGINT; 143 by SIGTERM
+For 3-7 and 130/143 every row written before is saved: rerun the same command to resume.
 """
 
 from __future__ import annotations
@@ -32,7 +50,7 @@ from jaxserve.batch.job import StopFlag, run_job
 from jaxserve.batch.reader import INPUT_FORMATS, check_input_path, read_input
 from jaxserve.batch.sharding import check_shards, shard_of
 from jaxserve.batch.summary import JobStats, summary, summary_path, write_summary
-from jaxserve.batch.writer import OutputWriter, check_output_path
+from jaxserve.batch.writer import OutputError, OutputWriter, check_output_path
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.launch import flags as engine_flags
@@ -88,6 +106,12 @@ flags.DEFINE_bool(
 flags.DEFINE_bool("progress", True, "Show a tqdm progress bar (finished rows, tokens/s).")
 flags.DEFINE_bool("print_outputs", False, "Print each finished row's id and text as it finishes.")
 flags.DEFINE_bool("fsync", True, "fsync the output after every row (off: faster, not crash-safe).")
+flags.DEFINE_bool(
+    "overwrite",
+    False,
+    "Empty an existing --output first (also one that is not a jaxserve output) instead of "
+    "resuming it. Never allowed when --output is the --input file.",
+)
 
 SAMPLING_FLAGS = (
     "max_tokens",
@@ -114,9 +138,9 @@ def make_llm(**kwargs):
     return LLM(**kwargs)
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = 2) -> int:
     print(f"generate: error: {message}", file=sys.stderr)
-    return 2
+    return code
 
 
 def main(argv: list[str]) -> int:
@@ -127,11 +151,13 @@ def main(argv: list[str]) -> int:
     try:
         check_shards(FLAGS.num_shards, FLAGS.shard_index)
         check_input_path(FLAGS.input)
-        check_output_path(FLAGS.output)
+        check_output_path(FLAGS.output, FLAGS.input)
         defaults = sampling_defaults()
         SamplingParams.from_dict(defaults)  # a bad flag fails here, not once per row
         llm_kwargs = engine_flags.llm_kwargs()
-    except ValueError as e:
+    except OutputError as e:
+        return _fail(str(e), e.exit_code)
+    except (ValueError, OverflowError) as e:
         return _fail(str(e))
     stop = StopFlag()
     with stop.installed():
@@ -145,15 +171,17 @@ def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -
         input_format=FLAGS.input_format,
         sampling_defaults=defaults,
         base_seed=base_seed,
+        use_chat_template=FLAGS.use_chat_template,
     )
     rows = [r for r in rows if shard_of(r.key, FLAGS.num_shards) == FLAGS.shard_index]
-    writer = OutputWriter(FLAGS.output, fsync=FLAGS.fsync)
+    writer = OutputWriter(FLAGS.output, fsync=FLAGS.fsync, overwrite=FLAGS.overwrite)
     try:
         resume = writer.open()
-    except ValueError as e:
-        return _fail(str(e))
-    done_before = sum(r.key in resume.done_keys for r in rows)
-    failed_before = sum(r.key in resume.failed_keys for r in rows)
+    except OutputError as e:
+        return _fail(str(e), e.exit_code)
+    plan = resume.plan(rows)
+    done_before = len(plan.skip)
+    failed_before = sum(r.key in plan.skip for r in rows if r.error is not None)
     repaired = resume.repaired_bytes
     log.info(
         "%s: %d rows in shard %d/%d, %d already done%s",
@@ -164,19 +192,31 @@ def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -
         done_before,
         f" (cut off a torn last line of {repaired} bytes)" if repaired else "",
     )
+    if plan.changed:
+        log.warning(
+            "%d rows changed (prompt or parameters) since their output was written; redoing "
+            "them (the old rows are superseded): %s",
+            len(plan.changed),
+            _listing(plan.changed),
+        )
+    if plan.retried:
+        log.warning(
+            "retrying %d rows that failed before: %s", len(plan.retried), _listing(plan.retried)
+        )
 
-    stats, llm, load_s = JobStats(), None, None
+    stats, llm, load_s, code = JobStats(), None, None, 0
     try:
         if done_before < len(rows) and not stop.requested:
-            t0 = time.monotonic()
-            llm = make_llm(**llm_kwargs)
-            load_s = time.monotonic() - t0
+            if any(r.error is None and r.key not in plan.skip for r in rows):
+                t0 = time.monotonic()
+                llm = make_llm(**llm_kwargs)  # only bad rows left to write: no model needed
+                load_s = time.monotonic() - t0
             run_job(
                 llm,
                 rows,
                 writer,
-                done_keys=resume.done_keys,
-                tokenizer=llm.get_tokenizer(),
+                done_keys=plan.skip,
+                tokenizer=llm.get_tokenizer() if llm is not None else None,
                 use_chat_template=FLAGS.use_chat_template,
                 output_token_ids=FLAGS.output_token_ids,
                 stop=stop,
@@ -184,8 +224,18 @@ def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -
                 print_outputs=FLAGS.print_outputs,
                 stats=stats,
             )
+        if not stop.requested:  # finished: one row per key in the file
+            keys = {r.key for r in rows}
+            stale_errors = {k for k in resume.failed_keys if k not in keys}
+            removed = writer.compact(
+                drop_errors_of=stale_errors, lines={r.key: r.line for r in rows}
+            )
+            if removed:
+                log.info("%s: compacted, %d superseded rows removed", FLAGS.output, removed)
     except KeyboardInterrupt:  # a second signal: stop now; every row written so far is on disk
         pass
+    except OutputError as e:
+        code = _fail(str(e), e.exit_code)
     finally:
         writer.close()
 
@@ -205,9 +255,21 @@ def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -
             "model": llm.source if llm is not None else llm_kwargs.get("model"),
             "model_load_s": load_s,
             "sampling_defaults": defaults,
+            "redone_changed": len(plan.changed),
+            "retried_errors": len(plan.retried),
+            "output_error": code or None,
         },
     )
-    write_summary(summary_path(FLAGS.output), result)
+    if code == 0:
+        result["complete"] = result["complete"] and not stop.requested
+    else:
+        result["complete"] = False
+    try:
+        write_summary(summary_path(FLAGS.output), result)
+    except OSError as e:
+        print(f"generate: warning: could not write the summary: {e}", file=sys.stderr)
+    if code:
+        return code
     rows_summary, run = result["rows"], result["this_run"]
     if stop.requested:
         print(
@@ -224,6 +286,11 @@ def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -
         file=sys.stderr,
     )
     return 0
+
+
+def _listing(keys: list[str], show: int = 10) -> str:
+    more = f" ... and {len(keys) - show} more" if len(keys) > show else ""
+    return ", ".join(keys[:show]) + more
 
 
 if __name__ == "__main__":

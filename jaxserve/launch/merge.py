@@ -4,8 +4,10 @@
         --output out/all.jsonl [--expected_input prompts.jsonl]
 
 With --expected_input the merged rows follow the input's order and every input row must appear
-exactly once. Exit status: 0 when nothing is missing, duplicated or unexpected; 1 otherwise (the
-merged file is still written, keeping each id's first row); 2 for bad arguments.
+exactly once. Within one shard file the last row of an id wins (a rerun that redid a row appended
+it). Exit status: 0 when nothing is missing, duplicated or unexpected; 1 otherwise (the merged file
+is still written, keeping each id's row from the first file that has it); 2 for bad arguments or a
+shard holding a line that is not an output row (named by file and line).
 """
 
 from __future__ import annotations

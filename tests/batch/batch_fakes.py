@@ -31,16 +31,18 @@ class FakeTokenizer:
         assert not tokenize and add_generation_prompt
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
-    def __call__(self, text, add_special_tokens):
-        assert not add_special_tokens
-        return {"input_ids": list(text.encode("utf-8"))}
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": list(text.encode("utf-8"))}  # no special tokens to add
 
 
 class FakeLLM:
     source = "fake"
 
-    def __init__(self, max_model_len: int = 64, on_output=None, per_step: int = 1):
+    def __init__(self, max_model_len: int = 64, on_output=None, per_step: int = 1, tokenizer=None):
         self.max_model_len = max_model_len
+        # With a tokenizer, str prompts are tokenized at submission, like `LLM._submit` (an
+        # exception there escapes iter_generate, as in the real LLM).
+        self.tokenizer = tokenizer
         self.per_step = per_step  # outputs finishing in one engine "step"
         self.on_output = on_output  # called with the number of outputs yielded so far
         self.submitted: list = []  # every prompt passed to iter_generate
@@ -57,6 +59,11 @@ class FakeLLM:
         """As `LLM.iter_generate`: outputs finish `per_step` per step; `stop` is checked before
         every step, and the outputs of the step already run are all yielded first."""
         self.submitted.extend(prompts)
+        if self.tokenizer is not None:
+            prompts = [
+                {"prompt_token_ids": self.tokenizer(p)["input_ids"]} if isinstance(p, str) else p
+                for p in prompts
+            ]
         order = sorted(range(len(prompts)), key=lambda i: (sampling_params[i].max_tokens, -i))
         steps = [order[s : s + self.per_step] for s in range(0, len(order), self.per_step)]
         try:

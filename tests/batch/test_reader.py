@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.batch.reader import detect_format, read_input, row_key
+from jaxserve.batch.reader import content_hash, detect_format, read_input, row_key
 from jaxserve.batch.sharding import derived_seed
 
 GOOD = b'{"id": "g", "prompt": "hello"}'
@@ -63,8 +63,9 @@ def test_duplicate_id_second_occurrence_errors(tmp_path):
     assert rows[0].error is None and rows[0].key == '"g"'
     dup = rows[2]
     assert "line 3" in dup.error and "duplicate id 'g'" in dup.error and "line 1" in dup.error
-    # The repeat cannot share the first row's key (that id is done once it ran): it is keyed by line.
-    assert dup.id is None and dup.key == "line:3"
+    # The repeat cannot share the first row's key (that id is done once it ran): it is keyed by
+    # its content, so inserting lines above it does not change its key.
+    assert dup.id is None and dup.key == "raw:" + content_hash(b'{"id": "g", "prompt": "again"}')
 
 
 def test_ids_keys_and_prompt_kinds(tmp_path):
@@ -78,11 +79,11 @@ def test_ids_keys_and_prompt_kinds(tmp_path):
     ]
     rows = read_input(write(tmp_path, lines))
     assert [r.line for r in rows] == [1, 2, 4, 5, 6]  # the blank line 3 is not a row
-    assert [r.key for r in rows] == ["7", '"7"', '"chat"', '"tok"', "line:6"]
+    assert [r.key for r in rows] == ["7", '"7"', '"chat"', '"tok"', "raw:" + content_hash(lines[5])]
     assert rows[2].messages == [{"role": "user", "content": "hi"}]
     assert rows[3].prompt_token_ids == [5, 6, 7]
     assert rows[3].sampling.max_tokens == 3 and rows[3].sampling.stop == ("x",)
-    assert row_key(None, 6) == rows[4].key
+    assert row_key(None, 6) == "line:6"  # the key of an older jaxserve's output row
 
 
 def test_defaults_overrides_and_derived_seeds(tmp_path):
@@ -112,13 +113,14 @@ def test_plain_text_input(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_bytes(b"first prompt\r\n\nthird \xff line\nfourth\n")
     rows = read_input(str(path))
+    h = content_hash
     assert [(r.line, r.id, r.prompt) for r in rows] == [
-        (1, 1, "first prompt"),
-        (3, 3, None),
-        (4, 4, "fourth"),
+        (1, h(b"first prompt"), "first prompt"),
+        (3, h(b"third \xff line"), None),
+        (4, h(b"fourth"), "fourth"),
     ]
     assert "line 3" in rows[1].error and "UTF-8" in rows[1].error
-    assert rows[0].key == "1"
+    assert rows[0].key == f'"{h(b"first prompt")}"'
 
 
 def test_format_detection_and_missing_file(tmp_path):

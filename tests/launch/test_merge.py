@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxserve.batch.merge import merge_outputs
+from jaxserve.batch.reader import read_input
 
 
 def out_row(i, line=None, error=None):
@@ -27,7 +28,8 @@ def job(tmp_path):
     lines = [json.dumps({"id": f"q{i}", "prompt": f"p{i}"}) for i in range(5)] + ["{bad"]
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(lines) + "\n")
-    bad = {"id": None, "line": 6, "text": None, "error": "line 6: malformed JSON"}
+    key = read_input(str(inp))[5].key  # a bad row is keyed by its content
+    bad = {"id": None, "key": key, "line": 6, "text": None, "error": "line 6: malformed JSON"}
     a = write_jsonl(tmp_path / "a.jsonl", [out_row(3), out_row(0), bad])
     b = write_jsonl(tmp_path / "b.jsonl", [out_row(4), out_row(1), out_row(2)])
     return str(inp), a, b
@@ -81,3 +83,24 @@ def test_merge_command_line_exit_codes(tmp_path, job):
     assert "DUPLICATED 3 ids" in bad.stdout and '"q3" (x2)' in bad.stdout
     usage = merge_cli(f"--output={tmp_path}/x.jsonl")
     assert usage.returncode == 2 and "--inputs" in usage.stderr
+
+
+def test_merge_command_line_names_a_non_object_row(tmp_path, job):
+    inp, a, b = job
+    with open(b, "ab") as f:
+        f.write(b"[1, 2]\n")
+    bad = merge_cli(
+        f"--inputs={a},{b}", f"--output={tmp_path}/all.jsonl", f"--expected_input={inp}"
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "b.jsonl' line 4 is not a jaxserve output row (a JSON list" in bad.stderr
+
+
+def test_merge_takes_the_last_row_of_an_id_within_a_shard(tmp_path, job):
+    inp, a, b = job
+    with open(b, "ab") as f:  # a rerun redid q4 (its request changed) and appended its row
+        f.write(json.dumps(out_row(4) | {"text": "redone"}).encode() + b"\n")
+    report = merge_outputs([a, b], str(tmp_path / "all.jsonl"), inp)
+    assert report.ok and report.rows_written == 6 and report.duplicated == {}
+    rows = {r["id"]: r for r in map(json.loads, open(tmp_path / "all.jsonl"))}
+    assert rows["q4"]["text"] == "redone"
