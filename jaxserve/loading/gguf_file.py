@@ -2,6 +2,7 @@
 
     open_gguf(path)                      -> GGUFReader (memory-mapped; ~4 s to parse SmolLM2's vocab)
     config_from_gguf(reader)             -> ModelConfig from the `{arch}.*` metadata keys
+    read_config(path, reader)            -> the same, its errors as ModelLoadError naming the file
     gguf_tensor_map(reader, config)      -> {param path: [ReaderTensor per layer] or [one tensor]}
     load_gguf_params(reader, config, dtype) -> params pytree (dequantized, un-permuted, transposed)
 
@@ -26,11 +27,17 @@ llama.cpp's converter permutes the rows of llama's q/k projections so that each 
 pairs are interleaved (GPT-J layout); our RoPE uses Hugging Face's rotate-half layout, so
 `unpermute_rows` undoes it. The permutation only moves whole rows (output features), so it applies
 equally to dequantized weights and to raw quantized block rows (the INT4 import path uses that).
+
+Untrusted files: a header the reader cannot parse (absurd key lengths or counts, truncation) and
+every metadata value that is missing, of the wrong type, non-positive or absurdly large raise
+ModelLoadError naming the file; `block_count` is checked against the blocks the tensor infos
+hold, and every tensor's name and shape against the config, before anything is dequantized.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import gguf
@@ -38,7 +45,9 @@ import numpy as np
 from gguf.quants import dequantize
 
 from jaxserve.config import ModelConfig
+from jaxserve.loading.loaded import ModelLoadError
 from jaxserve.loading.params import flat_shapes, np_dtype, to_device
+from jaxserve.model_config import MAX_SIZES, check_positive_number, check_size
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +90,17 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
         raise ValueError(f"GGUF file {path} does not exist")
     try:
         return gguf.GGUFReader(path)
+    # gguf's parser indexes past the end of the file on absurd lengths and counts (IndexError).
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
+        raise ModelLoadError(path, f"not a readable GGUF file: {type(e).__name__}: {e}") from e
+
+
+def read_config(path: str | Path, reader: gguf.GGUFReader) -> ModelConfig:
+    """`config_from_gguf` with its errors as ModelLoadError naming the file."""
+    try:
+        return config_from_gguf(reader, name=Path(path).stem)
     except ValueError as e:
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+        raise ModelLoadError(path, str(e)) from e
 
 
 def field(reader: gguf.GGUFReader, key: str, default=None):
@@ -110,32 +128,62 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
             raise ValueError(f"GGUF metadata key {arch}.{key} is missing")
         return v
 
-    heads = int(req("attention.head_count"))
-    hidden = int(req("embedding_length"))
+    def size(key, field_name, default=None):
+        v = req(key) if default is None else field(reader, f"{arch}.{key}", default)
+        return check_size(f"GGUF metadata key {arch}.{key}", v, MAX_SIZES[field_name])
+
+    def number(key, default=None):
+        v = req(key) if default is None else field(reader, f"{arch}.{key}", default)
+        return check_positive_number(f"GGUF metadata key {arch}.{key}", v)
+
+    def token_id(key):
+        v = field(reader, f"tokenizer.ggml.{key}")
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(
+                f"GGUF metadata key tokenizer.ggml.{key} must be a token id, got {v!r}"
+            )
+        return int(v)
+
+    num_layers = size("block_count", "num_layers")
+    held = {int(m.group(1)) for n in names if (m := re.match(r"blk\.(\d+)\.", n))}
+    if len(held) != num_layers:
+        raise ValueError(
+            f"GGUF metadata key {arch}.block_count={num_layers} but the file holds "
+            f"{len(held)} blocks"
+        )
+    heads = size("attention.head_count", "num_heads")
+    hidden = size("embedding_length", "hidden_size")
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = field(reader, f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = (
-            int(embd.shape[1]) if embd is not None else len(field(reader, "tokenizer.ggml.tokens"))
-        )
-    eos = field(reader, "tokenizer.ggml.eos_token_id")
-    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    if vocab is None and embd is not None and len(embd.shape) == 2:
+        vocab = int(embd.shape[1])
+    elif vocab is None:
+        tokens = field(reader, "tokenizer.ggml.tokens")
+        if not isinstance(tokens, list):
+            raise ValueError(
+                f"GGUF has no {arch}.vocab_size, no 2-D token_embd.weight and no tokenizer.ggml.tokens"
+            )
+        vocab = len(tokens)
+    vocab = check_size("GGUF vocab size", vocab, MAX_SIZES["vocab_size"])
+    eos, bos = token_id("eos_token_id"), token_id("bos_token_id")
     return ModelConfig(
         architecture=arch,
-        vocab_size=int(vocab),
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(req("feed_forward_length")),
-        num_layers=int(req("block_count")),
+        intermediate_size=size("feed_forward_length", "intermediate_size"),
+        num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        num_kv_heads=size("attention.head_count_kv", "num_kv_heads", heads),
+        head_dim=size("attention.key_length", "head_dim", max(hidden // heads, 1)),
+        rope_theta=number("rope.freq_base", 10000.0),
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon"),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        max_position_embeddings=int(field(reader, f"{arch}.context_length", 4096)),
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
+        max_position_embeddings=size("context_length", "max_position_embeddings", 4096),
+        bos_token_id=bos,
+        eos_token_ids=() if eos is None else (eos,),
         name=name or str(field(reader, "general.name", "")),
     )
 
@@ -232,7 +280,12 @@ def load_gguf_params(reader: gguf.GGUFReader, config: ModelConfig, dtype: str = 
 def load_gguf(path: str | Path, dtype: str = "float32", reader=None) -> tuple[ModelConfig, dict]:
     """Reads a GGUF file into (config, params). Pass an open `reader` to avoid parsing twice."""
     reader = reader if reader is not None else open_gguf(path)
-    config = config_from_gguf(reader, name=Path(path).stem)
-    params = load_gguf_params(reader, config, dtype)
+    config = read_config(path, reader)
+    try:
+        params = load_gguf_params(reader, config, dtype)
+    except ModelLoadError:
+        raise
+    except ValueError as e:  # a tensor's name, shape or type: name the file too
+        raise ModelLoadError(path, str(e)) from e
     log.info("loaded %d GGUF tensors from %s (%s)", len(reader.tensors), path, dtype)
     return config, params

@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.loading import gguf_file
-from jaxserve.loading.loaded import LoadedModel
+from jaxserve.loading.loaded import LoadedModel, ModelLoadError
 from jaxserve.loading.params import flat_shapes, np_dtype, to_device
 from jaxserve.loading.tokenizer import load_tokenizer
 from jaxserve.quant import int4
@@ -189,6 +189,11 @@ def load_gguf_native(path: Path, dtype: str = "float32") -> LoadedModel:
     if path.suffix != ".gguf" or not path.is_file():
         raise ValueError(f"quantization={GGUF_NATIVE!r} needs a .gguf file, got {str(path)!r}")
     reader = gguf_file.open_gguf(path)
-    config = gguf_file.config_from_gguf(reader, name=path.stem)
-    params = import_gguf_params(reader, config, dtype)
+    config = gguf_file.read_config(path, reader)
+    try:
+        params = import_gguf_params(reader, config, dtype)
+    except ModelLoadError:
+        raise
+    except ValueError as e:  # a tensor's name, shape or type: name the file too
+        raise ModelLoadError(path, str(e)) from e
     return LoadedModel(config, params, load_tokenizer(path, reader=reader), str(path))

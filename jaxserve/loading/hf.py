@@ -25,19 +25,27 @@ per-layer tensors are stacked on a leading [L] axis):
 A missing tensor, an unexpected tensor, or a shape mismatch raises ValueError naming the tensor.
 The only names ignored are `*.rotary_emb.inv_freq` buffers (recomputed from the config), and
 `lm_head.weight` of a tied model when it equals the embedding.
+
+Untrusted directories: a malformed config.json, shard index or safetensors header raises
+ModelLoadError naming the file. Every config size is checked against the safetensors headers
+(layer count, then every tensor's name and shape) before any tensor is read or allocated. Only
+files inside the model directory are opened (`inside`: resolved, so symlinks too); a Hugging
+Face cache snapshot (`models--*/snapshots/<rev>/`, whose files link to `../../blobs/`) may also
+read its own repository's blobs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jaxserve.config import ModelConfig
+from jaxserve.loading.loaded import ModelLoadError, read_json
 from jaxserve.loading.params import flat_shapes, np_dtype, to_device
 
 log = logging.getLogger(__name__)
@@ -68,6 +76,33 @@ def is_hf_dir(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
+def allowed_root(model_dir: Path) -> Path:
+    """The directory a model's files must resolve into: the model directory itself, or for a
+    Hugging Face cache snapshot (models--org--name/snapshots/<rev>) the cached repository."""
+    d = Path(model_dir).resolve()
+    if d.parent.name == "snapshots" and d.parent.parent.name.startswith("models--"):
+        return d.parent.parent
+    return d
+
+
+def inside(model_dir: Path, path: Path) -> Path:
+    """`path` resolved (symlinks followed); ModelLoadError if that leaves the model directory."""
+    resolved = Path(path).resolve()
+    if not resolved.is_relative_to(allowed_root(model_dir)):
+        raise ModelLoadError(
+            path, f"resolves to {resolved}, outside the model directory {Path(model_dir)}"
+        )
+    return resolved
+
+
+def open_safetensors(path: Path):
+    """safe_open(path) with a malformed file (truncated, oversized header) as ModelLoadError."""
+    try:
+        return safe_open(path, framework="numpy")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ModelLoadError(path, f"not a readable safetensors file: {e}") from e
+
+
 def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[list[str], bool]]:
     """{param path: ([HF tensor name per layer, or one name], transposed?)} for this config."""
     out = {}
@@ -83,24 +118,73 @@ def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[list[str], bool]]:
 
 
 def tensor_files(model_dir: Path) -> dict[str, Path]:
-    """{tensor name: safetensors file holding it}, from the shard index or the single file."""
+    """{tensor name: safetensors file holding it}, from the shard index or the single file.
+
+    Every file is checked to lie inside the model directory (`inside`) and to exist.
+    """
+    model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / fname for name, fname in weight_map.items()}
+        return _index_files(model_dir, index)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     out = {}
     for f in files:
-        with safe_open(f, framework="numpy") as st:
+        inside(model_dir, f)
+        with open_safetensors(f) as st:
             out.update({name: f for name in st.keys()})
     return out
 
 
+def _index_files(model_dir: Path, index: Path) -> dict[str, Path]:
+    meta = read_json(inside(model_dir, index), "the shard index")
+    weight_map = meta.get("weight_map") if isinstance(meta, dict) else None
+    if weight_map is None:
+        raise ModelLoadError(index, "the shard index's 'weight_map' is missing")
+    if not isinstance(weight_map, dict):
+        raise ModelLoadError(
+            index, f"'weight_map' must be an object, got {type(weight_map).__name__}"
+        )
+    out, checked = {}, set()
+    for name, fname in weight_map.items():
+        if not isinstance(fname, str) or not fname:
+            raise ModelLoadError(index, f"tensor {name!r} maps to {fname!r}, not a file name")
+        f = model_dir / fname
+        if fname not in checked:
+            if Path(fname).is_absolute() or ".." in Path(fname).parts:
+                raise ModelLoadError(
+                    index, f"tensor {name!r} maps to {fname!r}, outside the model directory"
+                )
+            inside(model_dir, f)
+            if not f.is_file():
+                raise ModelLoadError(index, f"tensor {name!r} maps to {fname!r}, not a file")
+            checked.add(fname)
+        out[name] = f
+    return out
+
+
 def load_hf_config(model_dir: Path) -> ModelConfig:
-    hf = json.loads((Path(model_dir) / "config.json").read_text())
-    return ModelConfig.from_hf(hf, name=Path(model_dir).name)
+    path = Path(model_dir) / "config.json"
+    hf = read_json(inside(model_dir, path), "config.json")
+    try:
+        return ModelConfig.from_hf(hf, name=Path(model_dir).name)
+    except ValueError as e:
+        raise ModelLoadError(path, str(e)) from e
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_layer_count(model_dir: Path, config: ModelConfig, names) -> None:
+    """The config's layer count against the layers the files hold, before any name list is built."""
+    held = {int(m.group(1)) for n in names if (m := _LAYER.match(n))}
+    if len(held) != config.num_layers:
+        raise ModelLoadError(
+            model_dir / "config.json",
+            f"num_hidden_layers={config.num_layers} but the safetensors files hold "
+            f"{len(held)} layers",
+        )
 
 
 def load_hf_dir(model_dir: str | Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
@@ -110,53 +194,69 @@ def load_hf_dir(model_dir: str | Path, dtype: str = "float32") -> tuple[ModelCon
     np_dtype(dtype)  # validate before reading
     files = tensor_files(model_dir)
     present = {n for n in files if not n.endswith("rotary_emb.inv_freq")}
+    _check_layer_count(model_dir, config, present)
     name_map = hf_tensor_map(config)
     wanted = {n for names, _ in name_map.values() for n in names}
     missing = sorted(wanted - present)
     if missing:
-        raise ValueError(f"{model_dir}: missing tensor(s) {missing[:8]} (of {len(missing)})")
+        raise ModelLoadError(model_dir, f"missing tensor(s) {missing[:8]} (of {len(missing)})")
     extra = sorted(present - wanted)
     tied_head = config.tie_word_embeddings and extra == ["lm_head.weight"]
     if extra and not tied_head:
-        raise ValueError(f"{model_dir}: unexpected tensor(s) {extra[:8]} (of {len(extra)})")
+        raise ModelLoadError(model_dir, f"unexpected tensor(s) {extra[:8]} (of {len(extra)})")
     shapes = flat_shapes(config)
     flat: dict[str, np.ndarray] = {}
     with contextlib.ExitStack() as stack:
-        handles = {
-            f: stack.enter_context(safe_open(f, framework="numpy")) for f in set(files.values())
-        }
+        handles = {f: stack.enter_context(open_safetensors(f)) for f in set(files.values())}
 
-        def read(name: str, want: tuple[int, ...]) -> np.ndarray:
-            sl = handles[files[name]].get_slice(name)
-            got = tuple(sl.get_shape())
+        def file_shape(name: str) -> tuple[int, ...]:
+            try:
+                return tuple(handles[files[name]].get_slice(name).get_shape())
+            except SafetensorError as e:
+                raise ModelLoadError(files[name], f"cannot read tensor {name}: {e}") from e
+
+        def check(name: str, want: tuple[int, ...]) -> None:
+            got = file_shape(name)
             if got != want:
-                raise ValueError(
-                    f"{model_dir}: tensor {name} has shape {got}, expected {want} "
-                    f"(from config.json)"
+                raise ModelLoadError(
+                    files[name],
+                    f"tensor {name} has shape {got}, expected {want} (from config.json)",
                 )
-            return handles[files[name]].get_tensor(name)
 
+        def read(name: str) -> np.ndarray:
+            try:
+                return handles[files[name]].get_tensor(name)
+            except SafetensorError as e:
+                raise ModelLoadError(files[name], f"cannot read tensor {name}: {e}") from e
+
+        # Every header shape against the config before anything is read or allocated, so the
+        # arrays below are exactly as large as the files' own tensors.
+        for path, (names, transposed) in name_map.items():
+            one = shapes[path][1:] if path.startswith("layers/") else shapes[path]
+            for name in names:
+                check(name, one[::-1] if transposed else one)
+        if tied_head:
+            check("lm_head.weight", shapes["embed"])
         for path, (names, transposed) in name_map.items():
             shape = shapes[path]
-            one = shape[1:] if path.startswith("layers/") else shape
-            hf_shape = one[::-1] if transposed else one
             if path.startswith("layers/"):
                 arr = None
                 for i, name in enumerate(names):
-                    x = read(name, hf_shape)
+                    x = read(name)
                     if arr is None:  # keep the file's dtype on the host (bf16 stays 2 bytes)
                         arr = np.empty(shape, x.dtype)
                     arr[i] = x.T if transposed else x
             else:
-                x = read(names[0], hf_shape)
+                x = read(names[0])
                 arr = np.ascontiguousarray(x.T if transposed else x)
             flat[path] = arr
         if tied_head:
-            head = read("lm_head.weight", shapes["embed"])
+            head = read("lm_head.weight")
             if not np.array_equal(head, flat["embed"].astype(head.dtype)):
-                raise ValueError(
-                    f"{model_dir}: unexpected tensor lm_head.weight: config.json ties word "
-                    "embeddings but lm_head.weight differs from model.embed_tokens.weight"
+                raise ModelLoadError(
+                    files["lm_head.weight"],
+                    "unexpected tensor lm_head.weight: config.json ties word embeddings but "
+                    "lm_head.weight differs from model.embed_tokens.weight",
                 )
     log.info("loaded %d tensors from %s (%s)", len(wanted), model_dir, dtype)
     return config, to_device(flat, config, dtype)
