@@ -14,6 +14,7 @@ from jaxserve.core.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "SamplingParams",
     "EngineConfig",
     "ModelConfig",
@@ -28,4 +29,8 @@ def __getattr__(name: str):
         from jaxserve.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from jaxserve.entrypoints.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -1,0 +1,230 @@
+"""OpenAI's request and response objects (pydantic), plus vLLM's sampling extras.
+
+Requests are parsed strictly (no "5" -> 5 coercion), so a wrong type is a 400 naming the field;
+unknown fields are ignored, as OpenAI's API and vLLM do. Ranges that only the engine knows (the
+prompt against max_model_len, n against the slots) are checked in the serving code;
+`SamplingParams` checks the rest and names the field it rejects.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxserve.core.sampling_params import MAX_LOGPROBS
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# -- errors -----------------------------------------------------------------------------------------
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+# -- requests -------------------------------------------------------------------------------------
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams fields this request sets (max_tokens and log-probs excepted)."""
+        kw: dict[str, Any] = {
+            "n": self.n,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        if self.stop:
+            kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if self.stop_token_ids:
+            kw["stop_token_ids"] = list(self.stop_token_ids)
+        return kw
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+
+class ChatMessage(_Request):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses ------------------------------------------------------------------------------------
+class Usage(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # jaxserve extra (vLLM's return_token_ids)
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessageOut(_Response):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(_Response):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxserve"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

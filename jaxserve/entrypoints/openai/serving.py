@@ -1,0 +1,206 @@
+"""What completions and chat completions share: the server's state, request checks, running the
+engine requests of one HTTP request, log-prob formatting and the SSE wire format.
+
+    state = ServingState(async_llm, model_name, ...)
+    sp = make_sampling_params(state, req, max_tokens=..., logprobs=..., prompt_logprobs=...)
+    async with aclosing(generate_all(state, prompts, sps, stream)) as outs:
+        async for i, out in outs: ...        (prompt index, RequestOutput), as they arrive
+
+Every check raises `APIError` (a status code and OpenAI's error object naming the field).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.entrypoints.metrics import ServerMetrics
+from jaxserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_id
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type
+        self.code, self.headers = code, headers
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+
+@dataclasses.dataclass
+class ServingState:
+    async_llm: object  # AsyncLLM
+    model_name: str
+    metrics: ServerMetrics
+    request_timeout_s: float | None = None
+    chat_template: str | None = None
+    max_n: int = 32
+
+    @property
+    def tokenizer(self):
+        return self.async_llm.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.async_llm.engine_config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.async_llm.model_config.vocab_size
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"The model `{model}` does not exist.", "model", code="model_not_found"
+            )
+
+
+def check_prompt(state: ServingState, ids: list[int], max_tokens: int | None, default: int) -> int:
+    """Checks one tokenized prompt; returns its max_tokens (the request's, else `default`,
+    capped at the room left)."""
+    if not ids:
+        raise APIError(400, "prompt is empty", "prompt")
+    if not all(0 <= t < state.vocab_size for t in ids):
+        raise APIError(400, f"prompt token ids must be in [0, {state.vocab_size})", "prompt")
+    room = state.max_model_len - len(ids)
+    if room < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {state.max_model_len} tokens; the prompt has "
+            f"{len(ids)} tokens, leaving no room to generate.",
+            "prompt",
+        )
+    if max_tokens is None:
+        return min(default, room)
+    if max_tokens > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {state.max_model_len} tokens. However, you "
+            f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
+            "in the completion).",
+            "max_tokens",
+        )
+    return max_tokens
+
+
+def make_sampling_params(state: ServingState, req, **fields) -> SamplingParams:
+    """SamplingParams of a request (its sampling fields plus `fields`); 400 naming a bad one."""
+    if req.n > state.max_n:
+        raise APIError(400, f"n must be at most {state.max_n}, got {req.n}", "n")
+    kw = {**req.sampling_kwargs(), **fields}
+    if kw.get("stop") and state.tokenizer is None:
+        raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", "stop")
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        word = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), word if word in _SAMPLING_FIELDS else None) from None
+
+
+def tokenize_text(state: ServingState, text: str, add_special_tokens: bool = True) -> list[int]:
+    if state.tokenizer is None:
+        raise APIError(400, "text prompts need a tokenizer; send token ids", "prompt")
+    return list(state.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def token_str(state: ServingState, token_id: int) -> str:
+    """A token's text in log-prob tables (vLLM's "token_id:N" without a tokenizer)."""
+    if state.tokenizer is None:
+        return f"token_id:{token_id}"
+    return state.tokenizer.decode([token_id])
+
+
+async def generate_all(
+    state: ServingState, prompts: list[tuple[str | None, list[int]]], sps: list, stream: bool
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Runs one engine request per prompt (`sps`: its SamplingParams); yields (prompt index, output) as they arrive. Closing
+    it aborts whatever is unfinished. An engine error output raises APIError (400)."""
+    allm = state.async_llm
+    base = random_id("cmpl")
+    gens = [
+        allm.generate({"prompt": t, "prompt_token_ids": ids}, sp, f"{base}-{i}", stream=stream)
+        for i, ((t, ids), sp) in enumerate(zip(prompts, sps))
+    ]
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i, gen):
+        try:
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    queue.put_nowait((i, out))
+        except Exception as e:  # cancellation propagates: the generator aborts its request
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, end))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise APIError(500, f"engine error: {item}", type="internal_error")
+            elif item.error is not None:
+                raise APIError(400, item.error, "prompt" if "prompt" in item.error else None)
+            else:
+                if item.finished:
+                    state.metrics.observe(item)
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def deadline(state: ServingState):
+    """The request's time limit (--request_timeout_s): 408 with the error object past it."""
+    if state.request_timeout_s is None:
+        yield
+        return
+    try:
+        async with asyncio.timeout(state.request_timeout_s):
+            yield
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"request timed out after {state.request_timeout_s} s",
+            type="timeout",
+            code="request_timeout",
+        ) from None
+
+
+def sse(payload) -> str:
+    """One server-sent event in OpenAI's wire format."""
+    text = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {text}\n\n"
+
+
+async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The SSE body: every event, `data: [DONE]`; an error mid-stream becomes an error event."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+    except APIError as e:
+        yield sse(ErrorResponse.model_validate(e.body()).model_dump_json())
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,159 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, then one engine
+request with n samples (`LLM.chat`'s tokenization: the template's text, no special tokens added).
+
+max_tokens: `max_completion_tokens`, else `max_tokens`, else the room left in max_model_len (as
+vLLM). `logprobs=true` returns each token's log-prob and `top_logprobs` alternatives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from jaxserve.core.outputs import CompletionOutput
+from jaxserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    Usage,
+    random_id,
+)
+from jaxserve.entrypoints.openai.serving import (
+    APIError,
+    ServingState,
+    check_prompt,
+    deadline,
+    generate_all,
+    make_sampling_params,
+    sse,
+    sse_stream,
+    token_str,
+)
+
+
+def _content(message) -> str | None:
+    c = message.content
+    if c is None or isinstance(c, str):
+        return c
+    return "".join(part.get("text", "") for part in c if part.get("type") == "text")
+
+
+def apply_template(
+    state: ServingState, messages, add_generation_prompt: bool = True, kwargs=None
+) -> tuple[str, list[int]]:
+    """(text, token ids) of a conversation; 400 when the model has no tokenizer or template."""
+    tok = state.tokenizer
+    if tok is None:
+        raise APIError(400, "chat needs a tokenizer; this model has none", "messages")
+    conv = [{**m.model_dump(exclude_none=True), "content": _content(m) or ""} for m in messages]
+    try:
+        text = tok.apply_chat_template(
+            conv,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=state.chat_template,
+            **(kwargs or {}),
+        )
+    except Exception as e:  # a template error is the caller's conversation
+        raise APIError(400, f"chat template failed: {e}", "messages") from None
+    return text, list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _logprobs(state, c: CompletionOutput, start: int, k: int) -> ChatLogprobs:
+    content = []
+    for tid, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        s = token_str(state, tid)
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        content.append(
+            ChatTokenLogprob(
+                token=s,
+                logprob=entry.get(tid, float("-inf")),
+                bytes=list(s.encode()),
+                top_logprobs=[
+                    TopLogprob(
+                        token=token_str(state, t),
+                        logprob=v,
+                        bytes=list(token_str(state, t).encode()),
+                    )
+                    for t, v in top
+                ],
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(state: ServingState, req: ChatCompletionRequest):
+    """The response object, or (stream=True) an async iterator of SSE strings."""
+    state.check_model(req.model)
+    text, ids = apply_template(
+        state, req.messages, req.add_generation_prompt, req.chat_template_kwargs
+    )
+    requested = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    max_tokens = check_prompt(state, ids, requested, state.max_model_len)
+    k = req.top_logprobs or 0
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    sp = make_sampling_params(
+        state, req, max_tokens=max(max_tokens, 1), logprobs=k if req.logprobs else None
+    )
+    rid = random_id("chatcmpl")
+    if req.stream:
+        return sse_stream(_stream(state, req, text, ids, sp, rid, k))
+    final = None
+    async with deadline(state):
+        async with contextlib.aclosing(generate_all(state, [(text, ids)], [sp], False)) as outs:
+            async for _, out in outs:
+                final = out
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=ChatMessageOut(content=c.text),
+            logprobs=_logprobs(state, c, 0, k) if req.logprobs else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            token_ids=c.token_ids,
+        )
+        for c in final.outputs
+    ]
+    n_out = sum(len(c.token_ids) for c in final.outputs)
+    usage = Usage(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)
+    return ChatCompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage)
+
+
+async def _stream(state, req, text, ids, sp, rid, k) -> AsyncIterator[str]:
+    sent: dict[int, list] = {}  # choice index -> [tokens sent, chars sent, finished]
+    usage = Usage(prompt_tokens=len(ids))
+
+    def chunk(index, delta, lps=None, finish=None):
+        c = ChatChunkChoice(index=index, delta=delta, logprobs=lps, finish_reason=finish)
+        return sse(ChatCompletionChunk(id=rid, model=state.model_name, choices=[c]))
+
+    async with deadline(state):
+        async with contextlib.aclosing(generate_all(state, [(text, ids)], [sp], True)) as outs:
+            async for _, out in outs:
+                for c in out.outputs:
+                    if c.index not in sent:
+                        sent[c.index] = [0, 0, False]
+                        yield chunk(c.index, DeltaMessage(role="assistant", content=""))
+                    s = sent[c.index]
+                    if s[2]:
+                        continue
+                    delta = c.text[s[1] :]
+                    lps = _logprobs(state, c, s[0], k) if req.logprobs else None
+                    if delta or len(c.token_ids) > s[0] or c.finish_reason:
+                        yield chunk(c.index, DeltaMessage(content=delta), lps, c.finish_reason)
+                    s[0], s[1], s[2] = len(c.token_ids), len(c.text), c.finish_reason is not None
+                    if s[2]:
+                        usage.completion_tokens += len(c.token_ids)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        yield sse(ChatCompletionChunk(id=rid, model=state.model_name, choices=[], usage=usage))

@@ -1,0 +1,138 @@
+"""The OpenAI-compatible server: `python -m jaxserve.launch.serve [engine flags] [server flags]`.
+
+    python -m jaxserve.launch.serve --port 8000                      # SmolLM2-135M-Instruct
+    python -m jaxserve.launch.serve --model=tiny --load_format=dummy --dtype=float32 --port 8000
+
+Dataflow: the engine flags (one per EngineConfig field, shared with every launcher) -> LLM(...)
+with warm-up (every step shape compiled) -> AsyncLLM (its engine thread) -> build_app ->
+uvicorn on --host:--port, which opens the port only now. SIGTERM / SIGINT: uvicorn stops
+accepting, waits for the requests in flight (streams included) to finish, then the engine thread
+stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from absl import app, flags
+
+from jaxserve.launch import flags as engine_flags
+
+FLAGS = flags.FLAGS
+log = logging.getLogger("jaxserve.serve")
+
+flags.adopt_module_key_flags(engine_flags)
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 exposes the server).")
+flags.DEFINE_integer("port", 8000, "TCP port to listen on.", lower_bound=0)
+flags.DEFINE_string(
+    "served_model_name",
+    None,
+    "Model name clients send in 'model' (and /v1/models lists). Default: --model, else "
+    "'HuggingFaceTB/SmolLM2-135M-Instruct'.",
+)
+flags.DEFINE_string(
+    "api_key",
+    None,
+    "Require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics. Default: "
+    "$JAXSERVE_API_KEY, else none.",
+)
+flags.DEFINE_integer(
+    "max_queued_requests",
+    1024,
+    "Requests allowed to wait for a slot; beyond that a request gets 503 with Retry-After.",
+    lower_bound=0,
+)
+flags.DEFINE_float(
+    "request_timeout_s",
+    None,
+    "Seconds a request may take before it is aborted with 408 (a stream ends with an error "
+    "event). Default: no limit.",
+)
+flags.DEFINE_string(
+    "chat_template",
+    None,
+    "A Jinja chat template, or a file holding one, instead of the tokenizer's.",
+)
+flags.DEFINE_bool("warmup_model", True, "Compile every step shape before the port opens.")
+flags.DEFINE_float(
+    "graceful_shutdown_s", 60.0, "On SIGTERM, how long to wait for requests in flight."
+)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises a captured SIGTERM once it has shut down, which would kill the
+        process before the engine thread stops; main() installs its own handlers instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return Server
+
+
+DEFAULT_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def read_chat_template(value: str | None) -> str | None:
+    if value is not None and os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        print(f"serve: error: unexpected arguments {argv[1:]}", file=sys.stderr)
+        return 2
+    try:
+        kwargs = engine_flags.llm_kwargs()
+    except ValueError as e:
+        print(f"serve: error: {e}", file=sys.stderr)
+        return 2
+    if FLAGS.warmup_model:
+        kwargs["warmup"] = True
+    import uvicorn
+
+    from jaxserve.entrypoints.async_llm import AsyncLLM
+    from jaxserve.entrypoints.openai.server import build_app
+    from jaxserve.llm import LLM
+
+    llm = LLM(**kwargs)
+    if llm.warmup_seconds is not None:
+        log.info("warm-up took %.1f s", llm.warmup_seconds)
+    async_llm = AsyncLLM.from_llm(llm)
+    name = FLAGS.served_model_name or kwargs.get("model") or DEFAULT_NAME
+    application = build_app(
+        async_llm,
+        name,
+        api_key=FLAGS.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
+        max_queued_requests=FLAGS.max_queued_requests,
+        request_timeout_s=FLAGS.request_timeout_s,
+        chat_template=read_chat_template(FLAGS.chat_template),
+    )
+    config = uvicorn.Config(
+        application,
+        host=FLAGS.host,
+        port=FLAGS.port,
+        log_level="info",
+        timeout_graceful_shutdown=FLAGS.graceful_shutdown_s,
+    )
+    server = _server_class()(config)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    print(f"serve: {name} on http://{FLAGS.host}:{FLAGS.port}/v1", file=sys.stderr, flush=True)
+    server.run()  # returns after SIGTERM/SIGINT once the requests in flight have finished
+    async_llm.shutdown()
+    log.info("served %s; engine stats %s", name, async_llm.stats())
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,212 @@
+"""The server on the real SmolLM2-135M-Instruct: text completions and chat equal LLM.generate /
+LLM.chat token for token (sync and async clients, streaming and not), streamed deltas join into
+the full text, stop strings, chat log-probs, /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from serving_testing import ServerThread
+
+from jaxserve import SamplingParams
+
+pytestmark = pytest.mark.smollm2
+
+KW = dict(dtype="float32", num_slots=4, max_model_len=256)
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+N = 12
+MC = [  # lm-eval multiple choice rows: context, choices (the " " delimiter goes before each)
+    {"question": "The capital of France is", "choices": ["Paris", "London", "Rome"], "answer": 0},
+    {"question": "Two plus two equals", "choices": ["four", "seven"], "answer": 0},
+]
+
+
+def _loglikelihoods(llm):
+    """LLM's prompt log-probs of each choice's tokens, tokenized as lm-eval does (context and
+    context + " " + choice without special tokens; the choice is what follows the context)."""
+    tok, out = llm.tokenizer, []
+    for row in MC:
+        n_ctx = len(tok(row["question"], add_special_tokens=False)["input_ids"])
+        for choice in row["choices"]:
+            ids = tok(row["question"] + " " + choice, add_special_tokens=False)["input_ids"]
+            sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+            lps = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].prompt_logprobs
+            lps = [None] * (len(ids) - len(lps)) + lps  # entry p scores token p
+            out.append(sum(lps[p][ids[p]] for p in range(n_ctx, len(ids))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """(server, the offline outputs computed before the engine thread owns the engine, llm)."""
+    from jaxserve import LLM
+    from jaxserve.entrypoints.async_llm import AsyncLLM
+    from jaxserve.entrypoints.openai.server import build_app
+
+    llm = LLM(**KW)
+    sp = SamplingParams(temperature=0, max_tokens=N)
+    offline = {
+        "text": llm.generate([PROMPT], sp, use_tqdm=False)[0],
+        "chat": llm.chat(CHAT, sp, use_tqdm=False)[0],
+        "chat_lp": llm.chat(
+            CHAT, SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False
+        )[0],
+    }
+    offline["mc"] = _loglikelihoods(llm)
+    allm = AsyncLLM.from_llm(llm)
+    server = ServerThread(build_app(allm, "smollm2"))
+    yield server, offline, llm
+    server.stop()
+    allm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(smol):
+    return openai.OpenAI(base_url=smol[0].url, api_key="none", max_retries=0)
+
+
+def test_text_completion_equals_llm(smol, client):
+    ref = smol[1]["text"].outputs[0]
+    r = client.completions.create(model="smollm2", prompt=PROMPT, temperature=0, max_tokens=N)
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].token_ids == ref.token_ids
+    stream = client.completions.create(
+        model="smollm2", prompt=PROMPT, temperature=0, max_tokens=N, stream=True
+    )
+    assert "".join(ch.text for c in stream for ch in c.choices) == ref.text
+    r = client.completions.create(
+        model="smollm2", prompt=PROMPT, temperature=0, max_tokens=N, echo=True
+    )
+    assert r.choices[0].text == PROMPT + ref.text
+
+
+def test_chat_equals_llm_chat(smol, client):
+    ref = smol[1]["chat"].outputs[0]
+    r = client.chat.completions.create(model="smollm2", messages=CHAT, temperature=0, max_tokens=N)
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(ref.token_ids)
+
+    async def stream():
+        async with openai.AsyncOpenAI(base_url=smol[0].url, api_key="none") as ac:
+            s = await ac.chat.completions.create(
+                model="smollm2", messages=CHAT, temperature=0, max_completion_tokens=N,
+                stream=True,
+            )  # fmt: skip
+            chunks = [c async for c in s]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    assert asyncio.run(stream()) == ref.text
+
+
+def test_chat_logprobs(smol, client):
+    ref = smol[1]["chat_lp"].outputs[0]
+    r = client.chat.completions.create(
+        model="smollm2", messages=CHAT, temperature=0, max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    assert [c.logprob for c in content] == pytest.approx(
+        [e[t] for t, e in zip(ref.token_ids, ref.logprobs)], abs=1e-5
+    )
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+
+
+def test_stop_string(smol, client):
+    ref = smol[1]["text"].outputs[0].text
+    stop = ref.strip().split()[1]
+    r = client.completions.create(
+        model="smollm2", prompt=PROMPT, temperature=0, max_tokens=N, stop=[stop]
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == ref[: ref.index(stop)]
+
+
+def test_tokenize_detokenize(smol):
+    base, llm = smol[0].base, smol[2]
+    r = httpx.post(f"{base}/tokenize", json={"prompt": PROMPT}).json()
+    assert r["tokens"] == llm.tokenizer(PROMPT)["input_ids"] and r["count"] == len(r["tokens"])
+    back = httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back["prompt"] == llm.tokenizer.decode(r["tokens"])
+    chat = httpx.post(f"{base}/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"] == smol[1]["chat"].prompt_token_ids
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions(smol, tmp_path, monkeypatch):
+    """lm-evaluation-harness's `local-completions` client scores a local multiple-choice task
+    (YAML over a JSONL written here) end to end; its loglikelihoods equal LLM's prompt log-probs."""
+    import json
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    server, offline, llm = smol
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in MC))
+    (tmp_path / "tiny_mc.yaml").write_text(
+        "task: tiny_mc\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n"
+    )
+    tok_dir = tmp_path / "tokenizer"
+    llm.tokenizer.save_pretrained(tok_dir)
+    model_args = (
+        f"model=smollm2,base_url={server.url}/completions,tokenizer_backend=huggingface,"
+        f"tokenizer={tok_dir},tokenized_requests=True,max_length=256,num_concurrent=2,max_retries=1"
+    )
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=model_args,
+        tasks=["tiny_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True,
+    )
+    samples = sorted(results["samples"]["tiny_mc"], key=lambda s: s["doc_id"])
+    got = [float(r[0][0]) for s in samples for r in s["resps"]]
+    assert got == pytest.approx(offline["mc"], abs=1e-4)
+    assert 0.0 <= results["results"]["tiny_mc"]["acc,none"] <= 1.0
+
+
+@pytest.mark.slow
+def test_lm_eval_local_chat_completions(smol, tmp_path, monkeypatch):
+    """lm-eval's `local-chat-completions` client runs a generate_until task end to end; its
+    answers equal LLM.chat's greedy text (cut at the task's stop string)."""
+    import json
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    server, offline, _ = smol
+    data = tmp_path / "gen.jsonl"
+    data.write_text(json.dumps({"question": CHAT[0]["content"], "answer": "red"}) + "\n")
+    (tmp_path / "tiny_gen.yaml").write_text(
+        "task: tiny_gen\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\noutput_type: generate_until\n"
+        'doc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
+        f"generation_kwargs:\n  until: []\n  max_gen_toks: {N}\n  temperature: 0\n"
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    results = lm_eval.simple_evaluate(
+        model="local-chat-completions",
+        model_args=f"model=smollm2,base_url={server.url}/chat/completions,tokenizer_backend=none",
+        tasks=["tiny_gen"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        apply_chat_template=True,
+        log_samples=True,
+    )
+    sample = results["samples"]["tiny_gen"][0]
+    assert sample["resps"][0][0] == offline["chat"].outputs[0].text

@@ -1,0 +1,180 @@
+"""Errors, limits and cancellation, as status codes and OpenAI's error object: bad input (invalid
+JSON, unknown model, wrong types, out-of-range values, prompt too long, n too large, a body over
+the limit) while another request streams on unaffected; auth; queue full (503 + Retry-After);
+the request timeout; a non-streaming client that disconnects. The limits use an engine over the
+fake runner, slowed down, so a request lasts as long as the test needs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from serving_testing import MAX_TOKENS, PROMPTS, ServerThread, fake_engine, wait_idle
+
+from jaxserve.entrypoints.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.server import build_app
+from jaxserve.testing.fake_runner import FakeRunner
+
+
+class _Slow(FakeRunner):
+    def fetch(self, handle):
+        time.sleep(0.02)
+        return super().fetch(handle)
+
+
+@pytest.fixture(scope="module")
+def slow():
+    allm = AsyncLLM.from_engine(fake_engine(num_slots=1, runner_cls=_Slow))
+    yield allm
+    allm.shutdown()
+
+
+def _serve(allm, **kw):
+    return ServerThread(build_app(allm, "tiny", **kw))
+
+
+def _post(url, body, **kw):
+    return httpx.post(url, json=body, timeout=30, **kw) if not isinstance(body, bytes) else (
+        httpx.post(url, content=body, timeout=30, headers={"content-type": "application/json"})
+    )  # fmt: skip
+
+
+def _error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    return err
+
+
+BASE = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        ({**BASE, "model": "gpt-4"}, 404, "model"),
+        ({**BASE, "max_tokens": "4"}, 400, "max_tokens"),
+        ({**BASE, "temperature": "hot"}, 400, "temperature"),
+        ({**BASE, "prompt": 5}, 400, "prompt"),
+        ({**BASE, "prompt": []}, 400, "prompt"),
+        ({**BASE, "prompt": [10**6]}, 400, "prompt"),
+        ({**BASE, "top_p": 2.0}, 400, "top_p"),
+        ({**BASE, "temperature": -1}, 400, "temperature"),
+        ({**BASE, "logprobs": 50}, 400, "logprobs"),
+        ({**BASE, "presence_penalty": 3}, 400, "presence_penalty"),
+        ({**BASE, "n": 0}, 400, "n"),
+        ({**BASE, "n": 33}, 400, "n"),  # more than the slots
+        ({**BASE, "prompt": [5] * 64}, 400, "prompt"),  # max_model_len is 64
+        ({**BASE, "prompt": [5] * 60, "max_tokens": 10}, 400, "max_tokens"),
+        ({**BASE, "stop": "x"}, 400, "stop"),  # stop strings need a tokenizer
+        ({"model": "tiny"}, 400, "prompt"),  # missing
+    ],
+)
+def test_bad_input(tiny_server, body, status, param):
+    _error(_post(f"{tiny_server.url}/completions", body), status, param)
+
+
+def test_bad_input_does_not_affect_a_request_in_flight(tiny_server, offline):
+    client = openai.OpenAI(base_url=tiny_server.url, api_key="none", max_retries=0)
+    got = {}
+
+    def stream():
+        s = client.completions.create(
+            model="tiny", prompt=PROMPTS[0], stream=True, temperature=0, max_tokens=MAX_TOKENS,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        got["ids"] = [t for c in s for ch in c.choices for t in ch.token_ids]
+
+    t = threading.Thread(target=stream)
+    t.start()
+    for _ in range(5):
+        _error(_post(f"{tiny_server.url}/completions", {**BASE, "top_p": 5.0}), 400, "top_p")
+    t.join(60)
+    assert got["ids"] == offline["greedy"][0].outputs[0].token_ids
+
+
+def test_body_over_the_limit(tiny_async):
+    server = _serve(tiny_async, max_body_bytes=1000)
+    try:
+        r = _post(f"{server.url}/completions", {**BASE, "prompt": [5] * 500})
+        err = _error(r, 413)
+        assert "1000" in err["message"]
+    finally:
+        server.stop()
+
+
+def test_auth(tiny_async):
+    server = _serve(tiny_async, api_key="sekrit")
+    try:
+        bad = openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        r = httpx.post(f"{server.url}/completions", json=BASE)
+        assert _error(r, 401)["type"] == "authentication_error"
+        assert httpx.get(f"{server.base}/health").status_code == 200  # open
+        good = openai.OpenAI(base_url=server.url, api_key="sekrit", max_retries=0)
+        assert good.completions.create(model="tiny", prompt=[5, 6], max_tokens=2).choices
+    finally:
+        server.stop()
+
+
+def _wait(cond, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_queue_full_is_503_with_retry_after(slow):
+    server = _serve(slow, max_queued_requests=1)
+    body = {"prompt": [3, 4], "max_tokens": 30, "ignore_eos": True}
+    threads = []
+    try:
+        for _ in range(2):  # one takes the only slot, one waits
+            threads.append(threading.Thread(target=_post, args=(f"{server.url}/completions", body)))
+            threads[-1].start()
+            _wait(lambda: slow.num_unfinished == len(threads))
+            _wait(lambda: slow.stats()["num_running"] == 1)
+        r = _post(f"{server.url}/completions", body)
+        assert _error(r, 503)["type"] == "service_unavailable"
+        assert r.headers["retry-after"] == "1"
+    finally:
+        for t in threads:
+            t.join(30)
+        server.stop()
+    wait_idle(slow.engine)
+
+
+def test_request_timeout(slow):
+    server = _serve(slow, request_timeout_s=0.2)
+    body = {"prompt": [3, 4], "max_tokens": 60, "ignore_eos": True}
+    try:
+        err = _error(_post(f"{server.url}/completions", body), 408)
+        assert err["type"] == "timeout"
+        wait_idle(slow.engine)
+        with httpx.stream(
+            "POST", f"{server.url}/completions", json={**body, "stream": True}, timeout=30
+        ) as r:
+            events = r.read().decode().split("\n\n")
+        assert '"type":"timeout"' in events[-3] and events[-2] == "data: [DONE]"
+    finally:
+        server.stop()
+    wait_idle(slow.engine)
+
+
+def test_non_streaming_disconnect_aborts(slow):
+    server = _serve(slow)
+    body = {"prompt": [3, 4], "max_tokens": 60, "ignore_eos": True}
+    steps = slow.engine.num_steps
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+        wait_idle(slow.engine)
+        assert slow.engine.num_steps - steps < 50  # it stopped well before its 60 tokens
+    finally:
+        server.stop()
