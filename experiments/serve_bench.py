@@ -8,6 +8,7 @@ built-in workload, TTFT / TPOT / ITL p50 and p99, output tok/s, goodput under an
 
 Each request: prompt_token_ids as the prompt, max_tokens = the drawn length, temperature 0,
 ignore_eos (vLLM's extra; a server that ignores it may stop early, which the output counts show).
+Output tokens are the final chunk's `usage.completion_tokens` (`stream_options.include_usage`).
 Timings per request: TTFT = first token chunk - send; ITL = gaps between token chunks; TPOT =
 (last - first) / (tokens - 1). Goodput = requests/s meeting both --slo_ttft_s and --slo_tpot_s.
 """
@@ -35,10 +36,13 @@ async def one_request(http, url, model, req, api_key) -> dict:
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        # the final chunk's usage is the token count: servers that send no token ids (vLLM) can
+        # merge tokens into one chunk or send a token with no text (incomplete UTF-8)
+        "stream_options": {"include_usage": True},
     }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     t0 = time.perf_counter()
-    stamps, tokens, error = [], 0, None
+    stamps, tokens, usage, error = [], 0, None, None
     try:
         async with http.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
@@ -47,7 +51,10 @@ async def one_request(http, url, model, req, api_key) -> dict:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: {"):
                         continue
-                    choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        usage = event["usage"].get("completion_tokens")
+                    choice = (event.get("choices") or [{}])[0]
                     n = len(choice.get("token_ids") or []) or int(bool(choice.get("text")))
                     if n:
                         stamps.append(time.perf_counter())
@@ -55,6 +62,8 @@ async def one_request(http, url, model, req, api_key) -> dict:
     except httpx.HTTPError as e:
         error = repr(e)
     end = time.perf_counter()
+    if usage is not None:
+        tokens = usage
     ttft = stamps[0] - t0 if stamps else None
     tpot = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else None
     return {
