@@ -4,7 +4,9 @@ Host code only (no jax). The pieces, in dataflow order:
 
     reader.read_input      input file -> InputRow list (each row validated on its own)
     sharding.shard_of      row key -> shard, by a stable hash (same on every host)
-    writer.OutputWriter    torn-tail repair + resume set; append + fsync per finished row
+    resume.scan_output     what earlier runs finished (last row per key, torn-tail repair)
+    writer.OutputWriter    lock, resume set, append + fsync per finished row, compaction
+    errors                 output errors and the exit codes generate gives them
     job.run_job            rows -> llm.iter_generate -> output rows, in completion order
     summary                throughput, TTFT/TPOT percentiles, engine counters -> summary JSON
     merge.merge_outputs    shard outputs -> one file; missing / duplicated ids reported
@@ -15,8 +17,9 @@ Host code only (no jax). The pieces, in dataflow order:
 from jaxserve.batch.job import StopFlag, run_job
 from jaxserve.batch.merge import MergeReport, merge_outputs
 from jaxserve.batch.reader import InputRow, read_input, row_key
+from jaxserve.batch.resume import scan_output
 from jaxserve.batch.sharding import shard_of
-from jaxserve.batch.writer import OutputWriter, scan_output
+from jaxserve.batch.writer import OutputWriter
 
 __all__ = [
     "InputRow",

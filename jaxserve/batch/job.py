@@ -38,9 +38,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from jaxserve.batch.errors import OutputError
 from jaxserve.batch.reader import InputRow
 from jaxserve.batch.summary import JobStats
-from jaxserve.batch.writer import OutputError
 
 log = logging.getLogger(__name__)
 

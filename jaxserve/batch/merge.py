@@ -21,7 +21,7 @@ import dataclasses
 import os
 
 from jaxserve.batch.reader import read_input
-from jaxserve.batch.writer import iter_output_rows, output_key
+from jaxserve.batch.resume import iter_output_rows, output_key
 
 
 @dataclasses.dataclass

@@ -10,6 +10,7 @@ Dataflow:
       -> scan the existing file: not a jaxserve output -> refused (unless overwrite: emptied);
          torn last line (no trailing newline, or not JSON) -> truncated away
       -> Resume(rows: key -> (fingerprint, failed))   the last row of each key an earlier run wrote
+         (`resume.py` reads the file; `errors.py` holds the errors and exit codes)
     writer.write(row)  -> one os.write of `json + "\\n"` on an O_APPEND fd, then fsync
     writer.compact()   -> the file rewritten with the last row of each key, each row's `line`
                           that of its input row now (temp file + rename)
@@ -31,118 +32,24 @@ code (see `jaxserve.launch.generate`).
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import fcntl
 import json
 import logging
 import os
 import stat
-from collections.abc import Iterator
 from typing import Any
 
-from jaxserve.batch.reader import row_key
+from jaxserve.batch.errors import (
+    ERRNO_EXIT,
+    EXIT_BAD_OUTPUT,
+    EXIT_IO,
+    OutputError,
+    OutputLocked,
+    os_error,
+)
+from jaxserve.batch.resume import Resume, iter_output_rows, output_key, scan_output
 
 log = logging.getLogger(__name__)
-
-# Exit codes of `generate` for output problems (also documented there and in BUILD.md).
-EXIT_BAD_OUTPUT = 2  # refused: the input itself, not a jaxserve output, not a regular file
-EXIT_LOCKED = 3  # another running job holds the output's lock
-EXIT_DISK_FULL = 4  # ENOSPC / EDQUOT
-EXIT_FILE_TOO_LARGE = 5  # EFBIG (a file size limit, ulimit -f)
-EXIT_PERMISSION = 6  # EACCES / EPERM / EROFS
-EXIT_IO = 7  # any other OS error on the output
-
-_ERRNO_EXIT = {
-    errno.ENOSPC: (EXIT_DISK_FULL, "disk full"),
-    errno.EDQUOT: (EXIT_DISK_FULL, "disk quota exceeded"),
-    errno.EFBIG: (EXIT_FILE_TOO_LARGE, "file too large (a file size limit, e.g. ulimit -f)"),
-    errno.EACCES: (EXIT_PERMISSION, "permission denied"),
-    errno.EPERM: (EXIT_PERMISSION, "operation not permitted"),
-    errno.EROFS: (EXIT_PERMISSION, "read-only file system"),
-}
-
-
-class OutputError(ValueError):
-    """The output cannot be used or written; `exit_code` tells the command line what to return."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_BAD_OUTPUT):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-class OutputLocked(OutputError):
-    def __init__(self, message: str):
-        super().__init__(message, EXIT_LOCKED)
-
-
-class NotAnOutput(OutputError):
-    """The file holds something that is not a jaxserve output (or is corrupt before its end)."""
-
-
-def os_error(path: str, e: OSError, doing: str = "writing") -> OutputError:
-    """An OSError on the output as an OutputError with a message and an exit code."""
-    code, what = _ERRNO_EXIT.get(e.errno, (EXIT_IO, e.strerror or str(e)))
-    return OutputError(
-        f"{doing} output {path!r} failed: {what} ([Errno {e.errno}] {e.strerror}); every row "
-        "written before is saved: free space / fix the cause and rerun the same command to resume",
-        code,
-    )
-
-
-@dataclasses.dataclass
-class Resume:
-    """What earlier runs left in the output file: the last row of each key."""
-
-    rows: dict[str, tuple[str | None, bool]]  # key -> (fingerprint, is an error row)
-    repaired_bytes: int  # size of the torn last line that was cut off (0: none)
-    num_lines: int = 0  # complete rows in the file (> len(rows): superseded rows)
-
-    @property
-    def done_keys(self) -> set[str]:
-        """Keys whose last row is not an error."""
-        return {k for k, (_, failed) in self.rows.items() if not failed}
-
-    @property
-    def failed_keys(self) -> set[str]:
-        return {k for k, (_, failed) in self.rows.items() if failed}
-
-    def plan(self, rows: list[Any]) -> ResumePlan:
-        """Which input rows are done: their last output row has their fingerprint and is not an
-        error, or is the same input error (the same line fails the same way). Changed rows, and
-        rows that failed in rendering or in the engine, are redone."""
-        plan = ResumePlan(set(), [], [])
-        for r in rows:
-            got = self.rows.get(r.key)
-            if got is None:
-                continue
-            fingerprint, failed = got
-            if failed and r.error is not None and fingerprint == r.fingerprint:
-                plan.skip.add(r.key)
-            elif failed:
-                plan.retried.append(r.key)
-            elif r.fingerprint is None or fingerprint != r.fingerprint:
-                plan.changed.append(r.key)
-            else:
-                plan.skip.add(r.key)
-        return plan
-
-
-@dataclasses.dataclass
-class ResumePlan:
-    skip: set[str]  # keys done with the same request: not run again
-    changed: list[str]  # keys whose request changed since their row was written: redone
-    retried: list[str]  # keys whose last row is an error: retried
-
-
-def output_key(row: dict[str, Any]) -> str:
-    """The key of an output row (same as its input row's `InputRow.key`)."""
-    key = row.get("key")
-    return key if isinstance(key, str) else row_key(row.get("id"), row.get("line"))
-
-
-def is_output_row(row: Any) -> bool:
-    return isinstance(row, dict) and "line" in row
 
 
 def same_file(a: str, b: str) -> bool:
@@ -171,7 +78,7 @@ def check_output_path(path: str, input_path: str | None = None) -> None:
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
-        code = _ERRNO_EXIT.get(e.errno, (EXIT_BAD_OUTPUT, ""))[0]
+        code = ERRNO_EXIT.get(e.errno, (EXIT_BAD_OUTPUT, ""))[0]
         raise OutputError(
             f"cannot create output directory {parent!r}: {e.strerror}", code
         ) from None
@@ -179,7 +86,7 @@ def check_output_path(path: str, input_path: str | None = None) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
         os.close(fd)
     except OSError as e:
-        code = _ERRNO_EXIT.get(e.errno, (EXIT_IO, ""))[0]
+        code = ERRNO_EXIT.get(e.errno, (EXIT_IO, ""))[0]
         raise OutputError(
             f"output directory {parent!r} is not writable ({path!r}: {e.strerror})", code
         ) from None
@@ -195,74 +102,6 @@ def _kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a plain file"
-
-
-def iter_output_rows(path: str) -> Iterator[tuple[int, int, bytes, dict[str, Any] | None]]:
-    """Yields (line number, byte offset, raw line, row) for every line of an output file; a torn
-    last line (no newline, or not JSON) comes last with row None. Raises NotAnOutput, naming the
-    file and line, for anything else that is not an output row."""
-    with open(path, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise NotAnOutput(f"output {path!r} is not a regular file")
-        offset = 0
-        bad = None  # (line number, offset, raw, problem) of an unparsable line: fatal unless last
-        for number, raw in enumerate(f, start=1):
-            if bad is not None:
-                raise NotAnOutput(
-                    f"{path!r} line {bad[0]} is corrupt ({bad[3]}) and is not the last line; "
-                    "that is not a torn write from a crash, so it is not repaired"
-                )
-            try:
-                row = json.loads(raw.decode("utf-8"))
-            except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
-                if raw.endswith(b"\n"):  # a whole line: no torn write of ours ends with one
-                    raise NotAnOutput(
-                        f"{path!r} line {number} is not a jaxserve output row (not JSON: "
-                        f"{type(e).__name__})"
-                    ) from None
-                bad = (number, offset, raw, f"not JSON: {type(e).__name__}")
-            else:
-                if not raw.endswith(b"\n"):  # parsed, but the write stopped before its newline
-                    bad = (number, offset, raw, "no trailing newline")
-                elif not is_output_row(row):
-                    what = type(row).__name__ if not isinstance(row, dict) else "object"
-                    raise NotAnOutput(
-                        f"{path!r} line {number} is not a jaxserve output row (a JSON {what} "
-                        "without 'line')"
-                    )
-                else:
-                    yield number, offset, raw, row
-            offset += len(raw)
-        if bad is not None:
-            yield bad[0], bad[1], bad[2], None
-
-
-def scan_output(path: str, repair: bool) -> Resume:
-    """Reads the rows in `path` (streaming, last row per key); with `repair`, truncates a torn
-    last line. Raises NotAnOutput when the file is not a jaxserve output."""
-    rows: dict[str, tuple[str | None, bool]] = {}
-    if not os.path.exists(path):
-        return Resume(rows, 0)
-    num_lines, torn_at, size = 0, None, 0
-    for _, offset, raw, row in iter_output_rows(path):
-        size = offset + len(raw)
-        if row is None:
-            torn_at = offset
-            continue
-        num_lines += 1
-        rows.pop(output_key(row), None)  # re-insert: dict order = order of the last rows
-        fp = row.get("fingerprint")
-        rows[output_key(row)] = (fp if isinstance(fp, str) else None, row.get("error") is not None)
-    repaired = 0
-    if torn_at is not None:
-        repaired = size - torn_at
-        if repair:
-            with open(path, "r+b") as f:
-                f.truncate(torn_at)
-                f.flush()
-                os.fsync(f.fileno())
-            log.warning("%s: cut off a torn last line (%d bytes) left by a crash", path, repaired)
-    return Resume(rows, repaired, num_lines)
 
 
 def encode_row(row: dict[str, Any]) -> bytes:

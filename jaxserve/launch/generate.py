@@ -46,11 +46,12 @@ from typing import Any
 
 from absl import app, flags
 
+from jaxserve.batch.errors import OutputError
 from jaxserve.batch.job import StopFlag, run_job
 from jaxserve.batch.reader import INPUT_FORMATS, check_input_path, read_input
 from jaxserve.batch.sharding import check_shards, shard_of
 from jaxserve.batch.summary import JobStats, summary, summary_path, write_summary
-from jaxserve.batch.writer import OutputError, OutputWriter, check_output_path
+from jaxserve.batch.writer import OutputWriter, check_output_path
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.launch import flags as engine_flags

@@ -15,19 +15,12 @@ import time
 import pytest
 from batch_fakes import FakeLLM, FakeTokenizer, expected_text
 
+from jaxserve.batch.errors import NotAnOutput, OutputError, OutputLocked
 from jaxserve.batch.job import render_prompt, run_job
 from jaxserve.batch.merge import merge_outputs
 from jaxserve.batch.reader import InputRow, read_input
-from jaxserve.batch.writer import (
-    NotAnOutput,
-    OutputError,
-    OutputLocked,
-    OutputWriter,
-    check_output_path,
-    encode_row,
-    output_key,
-    scan_output,
-)
+from jaxserve.batch.resume import output_key, scan_output
+from jaxserve.batch.writer import OutputWriter, check_output_path, encode_row
 
 DEEP = b'{"id": "deep", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
 # (raw line, substrings of its error). Every case runs in one file between good rows.

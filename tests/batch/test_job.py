@@ -10,8 +10,9 @@ from test_reader import BAD_ROWS
 
 from jaxserve.batch.job import StopFlag, output_row, run_job
 from jaxserve.batch.reader import InputRow, read_input
+from jaxserve.batch.resume import output_key, scan_output
 from jaxserve.batch.summary import percentiles, summary, summary_path
-from jaxserve.batch.writer import OutputWriter, output_key, scan_output
+from jaxserve.batch.writer import OutputWriter
 from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 

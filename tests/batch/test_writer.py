@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from jaxserve.batch.writer import OutputWriter, check_output_path, output_key, scan_output
+from jaxserve.batch.resume import output_key, scan_output
+from jaxserve.batch.writer import OutputWriter, check_output_path
 
 
 def rows(n, start=0):

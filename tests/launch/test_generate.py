@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "batch"))
 from batch_fakes import FakeLLM, expected_text  # noqa: E402
 
 from jaxserve.batch.merge import merge_outputs  # noqa: E402
-from jaxserve.batch.writer import OutputWriter, output_key  # noqa: E402
+from jaxserve.batch.resume import output_key  # noqa: E402
+from jaxserve.batch.writer import OutputWriter  # noqa: E402
 from jaxserve.launch import generate  # noqa: E402
 
 FLAGS = flags.FLAGS
