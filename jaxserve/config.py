@@ -18,7 +18,8 @@ import dataclasses
 import os
 from typing import Any
 
-from jaxserve.model_config import PRESETS, SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from jaxserve.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from jaxserve.model_presets import PRESETS
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -197,6 +198,20 @@ class EngineConfig:
         "(a shape compiles when first used).",
     )
 
+    tensor_parallel_size: int = _setting(
+        1,
+        "Devices each model replica's weights and KV heads are split over (the mesh's 'model' "
+        "axis; jaxserve/parallel/): column-parallel q/k/v/gate/up, row-parallel o/down, "
+        "vocab-parallel embedding and lm_head. Must divide the query heads and the MLP width; KV "
+        "heads are replicated when it exceeds them. Default: 1.",
+    )
+    data_parallel_size: int = _setting(
+        1,
+        "Model replicas (the mesh's 'data' axis): each owns num_slots / data_parallel_size slots "
+        "and its share of the KV pages, and the scheduler assigns each request to one. Needs "
+        "tensor_parallel_size x data_parallel_size devices. Default: 1.",
+    )
+
     def __post_init__(self):
         def check_int(field, minimum=1, optional=False):
             v = getattr(self, field)
@@ -233,6 +248,13 @@ class EngineConfig:
             )
         for f in ("num_slots", "page_size", "decode_steps"):
             check_int(f)
+        for f in ("tensor_parallel_size", "data_parallel_size"):
+            check_int(f)
+        if self.num_slots % self.data_parallel_size:
+            raise ValueError(
+                f"EngineConfig.num_slots ({self.num_slots}) must be a multiple of "
+                f"data_parallel_size ({self.data_parallel_size}): each replica owns an equal share"
+            )
         check_int("max_model_len", minimum=2, optional=True)
         for f in ("num_pages", "kv_cache_memory", "max_num_batched_tokens", "prefill_chunk_size"):
             check_int(f, optional=True)

@@ -10,6 +10,13 @@ The constructor's keyword arguments are exactly `EngineConfig`'s fields, whose d
 text live there once (`help(EngineConfig)`; the launch flags show the same text): it builds
 `EngineConfig(model=model, **settings)`, loads the model, then fills the model-dependent defaults
 with `config.for_model(model_config)` (max_model_len, the prefill chunk, the step's token budget).
+vLLM's spellings are accepted too (`vllm_settings`): max_num_seqs (= num_slots), block_size
+(= page_size), dtype "auto" / "float16" / "half" / "float" (jaxserve computes in bfloat16 or
+float32: "auto" and the float16 names give bfloat16, as vLLM's auto rule on a platform without
+float16), gpu_memory_utilization (the KV cache gets that fraction of device memory less the
+params and slot state; ignored on the CPU, as vLLM-CPU does), tokenizer (a path) and
+generation_config ("auto": the model directory's generation_config.json sampling defaults apply
+when sampling_params is None, and its eos ids stop generation; "vllm": ignored).
 `LLM(..., enable_prefix_caching=True)` reuses the K/V pages of token prefixes already computed (a
 shared system prompt, the n samples of one prompt, a chat's earlier turns and their answers)
 instead of recomputing them (core/prefix_cache.py).
@@ -34,7 +41,13 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.engine import LLMEngine
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.layers import kv_cache
+from jaxserve.engine_args import (
+    apply_memory_utilization,
+    generation_defaults,
+    mesh_settings,
+    resolve_num_pages,
+    vllm_settings,
+)
 from jaxserve.runner.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -49,28 +62,56 @@ class LLM:
     (the `LLMEngine`) and `warmup_seconds` (None unless built with warmup=True).
     """
 
-    def __init__(self, model: str | ModelConfig | None = None, **settings):
+    def __init__(self, model: str | ModelConfig | None = None, *, mesh=None, **settings):
+        """mesh: a `jax.sharding.Mesh` with axes ('data', 'model') to run on, for users who
+        already hold one; it sets data_parallel_size and tensor_parallel_size (jaxserve.parallel)."""
         from jaxserve.loading import load_model  # lazy: loading pulls in transformers
 
+        settings, vllm = vllm_settings(settings)  # vLLM's names -> EngineConfig's
         for name in settings:
             if name not in _SETTINGS:
                 raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        if mesh is not None:
+            settings = mesh_settings(mesh, settings)
         requested = EngineConfig(model=model, **settings)  # fails here, before the model loads
+        t, d = requested.tensor_parallel_size, requested.data_parallel_size
+        if mesh is None and t * d > 1:
+            from jaxserve.parallel.mesh import make_mesh
+
+            mesh = make_mesh(t, d)  # before loading: tensors go straight onto their shards
         loaded = load_model(
             requested.model,
             dtype=requested.dtype,
             load_format=requested.load_format,
             quantization=requested.quantization,
+            tensor_parallel_size=requested.tensor_parallel_size,
+            mesh=mesh,
         )
         config = loaded.config
+        gen = generation_defaults(requested.model, vllm.generation_config)
+        if gen.get("eos_token_ids"):  # vLLM adds generation_config's eos ids as stop ids
+            eos = tuple(sorted(set(config.eos_token_ids) | set(gen.pop("eos_token_ids"))))
+            config = dataclasses.replace(config, eos_token_ids=eos)
+        gen.pop("eos_token_ids", None)
+        self.default_sampling_params = SamplingParams(**gen) if gen else None
+        if vllm.gpu_memory_utilization is not None:
+            requested = apply_memory_utilization(
+                requested, config, loaded.params, vllm.gpu_memory_utilization
+            )
         engine_config = requested.for_model(config)
         self.model_config = config
         self.engine_config = engine_config
         self.tokenizer = loaded.tokenizer
+        if vllm.tokenizer is not None:
+            from jaxserve.loading.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(vllm.tokenizer)
+            if self.tokenizer is None:
+                raise ValueError(f"tokenizer: no tokenizer files in {vllm.tokenizer}")
         self.source = loaded.source
         self.num_pages = resolve_num_pages(engine_config, config)
         seed = engine_config.seed
-        runner = ModelRunner(loaded.params, config, engine_config, self.num_pages)
+        runner = ModelRunner(loaded.params, config, engine_config, self.num_pages, mesh=mesh)
         self.engine = LLMEngine(
             runner, config, engine_config, self.num_pages, tokenizer=self.tokenizer, seed=seed
         )
@@ -87,6 +128,11 @@ class LLM:
     # -- public API -------------------------------------------------------------------------------
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `sampling_params=None` means: the model's generation_config.json sampling
+        defaults with generation_config="auto" (vLLM's default), else SamplingParams()."""
+        return self.default_sampling_params or SamplingParams()
 
     def warmup(self) -> float:
         """Compiles every step variant now (otherwise the first steps compile); returns seconds."""
@@ -188,8 +234,10 @@ class LLM:
             self.engine.drain()
 
     def stats(self) -> dict:
-        """Engine counters: steps, tokens, preemptions, occupancy, KV utilization, transfers."""
-        return self.engine.stats()
+        """Engine counters: steps, tokens, preemptions, occupancy, KV utilization, transfers;
+        and under "memory" the per-device plan (params, KV pool, slot state, workspace, pages
+        per data shard: `jaxserve.runner.memory`)."""
+        return {**self.engine.stats(), "memory": self.engine.runner.memory_plan()}
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (with `enable_prefix_caching`), so the next requests
@@ -206,7 +254,7 @@ class LLM:
 
     def _per_prompt_params(self, sampling_params, n: int) -> list:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams | dict):
             return [sampling_params] * n
         if isinstance(sampling_params, list | tuple):
@@ -277,29 +325,6 @@ class LLM:
 class _BadPrompt:
     def __init__(self, error: str):
         self.error = error
-
-
-def resolve_num_pages(engine_config: EngineConfig, model_config) -> int:
-    """num_pages, else kv_cache_memory // page bytes, else enough for every slot at max_model_len."""
-    if engine_config.num_pages is not None:
-        return engine_config.num_pages
-    if engine_config.kv_cache_memory is not None:
-        c = model_config
-        per_token = kv_cache.bytes_per_token(
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            engine_config.kv_cache_dtype,
-            engine_config.dtype,
-        )
-        pages = engine_config.kv_cache_memory // (per_token * engine_config.page_size)
-        if pages < 1:
-            raise ValueError(
-                f"kv_cache_memory={engine_config.kv_cache_memory} bytes holds no page "
-                f"({per_token * engine_config.page_size} bytes per page)"
-            )
-        return int(pages)
-    return engine_config.num_slots * engine_config.max_pages_per_seq
 
 
 def _as_list(prompts) -> list:

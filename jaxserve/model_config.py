@@ -1,4 +1,5 @@
-"""`ModelConfig`: a Llama-family network's architecture (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2).
+"""`ModelConfig`: a decoder-only network's architecture (Llama 2/3/3.1, Mistral, Qwen2/3, SmolLM2,
+Gemma 2/3, Phi-3, and the mixture-of-experts families), as ONE layer plus a few switches.
 
 It is hashable, so jitted functions take it as a static argument; everything that varies per
 request lives in arrays. `ModelConfig.from_hf(config.json)` reads a Hugging Face config; named
@@ -16,31 +17,25 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from jaxserve.hf_config import config_from_hf
+from jaxserve.model_fields import (  # noqa: F401  (re-exported: jaxserve.config imports them here)
+    DENSE_FAMILY_TYPES,
+    LAYER_TYPES,
+    MAX_EXPERTS,
+    MAX_SIZES,
+    MLP_ACTIVATIONS,
+    MOE_ARCHITECTURES,
+    ROPE_TYPES,
+    SUPPORTED_ARCHITECTURES,
+    RopeScaling,
+    _base_inv_freq,
+    _is_int,
+    check_positive_number,
+    check_size,
+)
 
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3.1 style frequency-dependent RoPE scaling (HF `rope_type: llama3`)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    def __post_init__(self):
-        for field in ("factor", "low_freq_factor", "high_freq_factor"):
-            check_positive_number(f"rope_scaling.{field}", getattr(self, field))
-        if self.high_freq_factor <= self.low_freq_factor:  # the smoothing divides by their gap
-            raise ValueError(
-                f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
-                f"low_freq_factor ({self.low_freq_factor})"
-            )
-        check_size(
-            "rope_scaling.original_max_position_embeddings",
-            self.original_max_position_embeddings,
-            MAX_SIZES["max_position_embeddings"],
-        )
+# name -> config, filled by `model_presets.py` (imported with `jaxserve.config`)
+PRESETS: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +57,33 @@ class ModelConfig:
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     name: str = ""
+    # --- mixture-of-experts (Mixtral, Qwen3-MoE; `jaxserve/layers/moe.py`) ---
+    # num_experts 0: every layer has the dense MLP. Otherwise layer l is sparse (router + experts
+    # of width moe_intermediate_size) unless l is in mlp_only_layers or (l + 1) %
+    # decoder_sparse_step != 0 (HF Qwen3-MoE's rule); dense layers use intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # k: top-k experts per token
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k probabilities (Mixtral: always)
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    # --- end mixture-of-experts ---
+    # --- dense-family switches (Qwen3, Gemma 2/3, Phi-3, sliding windows; issue 26) ---
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k, before RoPE
+    norm_offset: float = 0.0  # Gemma: every RMSNorm scales by (norm_offset + weight)
+    sandwich_norms: bool = False  # Gemma 2/3: post_attn_norm / post_mlp_norm on each block's output
+    mlp_activation: str = "silu"  # of the gate: 'silu' (SwiGLU) | 'gelu_tanh' (Gemma's GeGLU)
+    scale_embeddings: bool = False  # Gemma: embeddings * sqrt(hidden_size), in the activation dtype
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its ** -0.5, not Dh's
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    # Sliding-window attention: on a sliding layer a query at t sees keys p with t - p < window.
+    sliding_window: int | None = None
+    # Per layer 'sliding_attention' | 'full_attention' (HF's names); None: every layer slides
+    # when sliding_window is set (Mistral, Phi-3).
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers, unscaled
+    # --- end dense-family switches ---
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -83,18 +105,142 @@ class ModelConfig:
         for t in bos + tuple(self.eos_token_ids):
             if not _is_int(t) or t < 0:
                 raise ValueError(f"ModelConfig token ids must be non-negative integers, got {t!r}")
+        self._check_moe()
+        self._check_dense_families()
+
+    # --- dense-family switches ---
+    def _check_dense_families(self) -> None:
+        if isinstance(self.layer_types, list):  # from JSON (a saved checkpoint's config)
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types is not None and (
+            len(self.layer_types) != self.num_layers
+            or not all(t in LAYER_TYPES for t in self.layer_types)
+        ):
+            raise ValueError(
+                f"ModelConfig.layer_types must list one of {LAYER_TYPES} per layer "
+                f"({self.num_layers}), got {self.layer_types!r}"
+            )
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(
+                f"ModelConfig.mlp_activation must be one of {MLP_ACTIVATIONS}, got "
+                f"{self.mlp_activation!r}"
+            )
+        if self.sliding_window is not None:
+            check_size("ModelConfig.sliding_window", self.sliding_window, 2**31 - 1)
+        for field in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcap",
+            "final_logit_softcap",
+            "rope_local_theta",
+        ):
+            if getattr(self, field) is not None:
+                check_positive_number(f"ModelConfig.{field}", getattr(self, field))
+        if not (np.isfinite(self.norm_offset) and self.norm_offset >= 0):
+            raise ValueError(f"ModelConfig.norm_offset must be >= 0, got {self.norm_offset!r}")
+        if self.rope_scaling is not None:
+            self.rope_scaling.divisors(self.head_dim // 2)  # checks the factors' count
+
+    def layer_windows(self) -> np.ndarray:
+        """i32[L]: each layer's sliding window, 0 = global attention."""
+        if self.sliding_window is None:
+            return np.zeros(self.num_layers, np.int32)
+        types = self.layer_types or ("sliding_attention",) * self.num_layers
+        return np.asarray(
+            [self.sliding_window if t == "sliding_attention" else 0 for t in types], np.int32
+        )
+
+    @property
+    def uses_sliding_window(self) -> bool:
+        """Whether any layer attends within a window (else attention gets no window at all)."""
+        return bool(self.layer_windows().any())
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The attention scores' scale when it is not 1 / sqrt(head_dim) (Gemma), else None."""
+        q = self.query_pre_attn_scalar
+        return None if q is None else float(q) ** -0.5
+
+    def layer_inv_freq(self) -> np.ndarray:
+        """f32[L, Dh / 2]: each layer's RoPE inverse frequencies (Gemma 3's sliding layers use
+        rope_local_theta, unscaled; every other layer `inv_freq()`). Scanned with the layers."""
+        table = np.broadcast_to(self.inv_freq(), (self.num_layers, self.head_dim // 2)).copy()
+        if self.rope_local_theta is not None:
+            local = _base_inv_freq(self.rope_local_theta, self.head_dim).astype(np.float32)
+            table[self.layer_windows() > 0] = local
+        return table
+
+    @property
+    def rope_long_from(self) -> int | None:
+        """LongRoPE: the first position roped with the long factors (`inv_freq(long=True)`)."""
+        rs = self.rope_scaling
+        return rs.original_max_position_embeddings if rs and rs.rope_type == "longrope" else None
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """LongRoPE's cos/sin scale (1.0 otherwise)."""
+        rs = self.rope_scaling
+        return rs.attention_factor if rs and rs.rope_type == "longrope" else 1.0
+
+    # --- end dense-family switches ---
+
+    # --- mixture-of-experts ---
+    def _check_moe(self) -> None:
+        if self.num_experts == 0:
+            if self.architecture in MOE_ARCHITECTURES:
+                raise ValueError(f"architecture {self.architecture!r} needs num_experts > 0")
+            return
+        check_size("ModelConfig.num_experts", self.num_experts, MAX_EXPERTS)
+        check_size("ModelConfig.num_experts_per_tok", self.num_experts_per_tok, self.num_experts)
+        check_size(
+            "ModelConfig.moe_intermediate_size",
+            self.moe_intermediate_size,
+            MAX_SIZES["intermediate_size"],
+        )
+        check_size("ModelConfig.decoder_sparse_step", self.decoder_sparse_step, self.num_layers)
+        if not isinstance(self.mlp_only_layers, tuple) or not all(
+            _is_int(i) and 0 <= i < self.num_layers for i in self.mlp_only_layers
+        ):
+            raise ValueError(
+                f"ModelConfig.mlp_only_layers must be a tuple of layer indices in "
+                f"[0, {self.num_layers}), got {self.mlp_only_layers!r}"
+            )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The sparse (mixture-of-experts) layers, ascending; () for a dense model."""
+        if self.num_experts == 0:
+            return ()
+        return tuple(
+            i
+            for i in range(self.num_layers)
+            if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """The layers with the dense MLP (w_gate/w_up/w_down), ascending."""
+        sparse = set(self.moe_layers)
+        return tuple(i for i in range(self.num_layers) if i not in sparse)
+
+    # --- end mixture-of-experts ---
 
     @property
     def q_per_kv(self) -> int:
         """Query heads sharing one KV head (the GQA group size)."""
         return self.num_heads // self.num_kv_heads
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies, f32[head_dim // 2], with llama3 scaling applied if configured."""
+    def inv_freq(self, long: bool = False) -> np.ndarray:
+        """RoPE inverse frequencies, f32[head_dim // 2], with rope_scaling applied if configured
+        (`long`: LongRoPE's table for positions from `rope_long_from` on)."""
         d = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        inv = _base_inv_freq(self.rope_theta, d)
         rs = self.rope_scaling
-        if rs is not None:
+        divisors = rs.divisors(d // 2, long) if rs is not None else None
+        if divisors is not None:
+            inv = inv / divisors
+        elif rs is not None and rs.rope_type == "linear":
+            inv = inv / rs.factor
+        elif rs is not None:
             low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
             high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
             wavelen = 2 * np.pi / inv
@@ -108,245 +254,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
-        """Builds a config from a Hugging Face `config.json` dict.
+        """Builds a config from a Hugging Face `config.json` dict (`hf_config.py`).
 
         A missing, non-numeric, non-positive or absurdly large field raises ValueError naming
         the config.json field (`hf.load_hf_config` adds the file's path).
         """
-        if not isinstance(hf, dict):
-            raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
-        model_type = hf.get("model_type", "")
-        arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(model_type)
-        if arch is None:
-            raise ValueError(
-                f"unknown architecture: config.json model_type {model_type!r} "
-                f"(architectures={hf.get('architectures')}); supported: {SUPPORTED_ARCHITECTURES}"
-            )
-        heads = _hf_size(hf, "num_attention_heads", "num_heads")
-        hidden = _hf_size(hf, "hidden_size", "hidden_size")
-        max_pos = _hf_size(hf, "max_position_embeddings", "max_position_embeddings", 4096)
-        sliding = hf.get("sliding_window")
-        if arch == "mistral" and sliding is not None:
-            sliding = _hf_size(hf, "sliding_window", "max_position_embeddings")
-            # Sliding-window attention is not implemented; serving past the window would be wrong.
-            max_pos = min(max_pos, sliding)
-        rs = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
-        if not isinstance(rs, dict):
-            raise ValueError(f"config.json field 'rope_scaling' must be an object, got {rs!r}")
-        rope_scaling = None
-        rope_type = rs.get("rope_type", rs.get("type")) if rs else None
-        if rope_type == "llama3":
-            rope_scaling = RopeScaling(
-                factor=_hf_number(rs, "factor", prefix="rope_scaling."),
-                low_freq_factor=_hf_number(rs, "low_freq_factor", prefix="rope_scaling."),
-                high_freq_factor=_hf_number(rs, "high_freq_factor", prefix="rope_scaling."),
-                original_max_position_embeddings=_hf_size(
-                    rs,
-                    "original_max_position_embeddings",
-                    "max_position_embeddings",
-                    prefix="rope_scaling.",
-                ),
-            )
-        elif rope_type not in (None, "default"):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported (only 'llama3')")
-        if "rope_theta" in hf:
-            rope_theta = _hf_number(hf, "rope_theta")
-        else:
-            params = hf.get("rope_parameters") or {}
-            rope_theta = _hf_number(params, "rope_theta", 10000.0, prefix="rope_parameters.")
-        eos = hf.get("eos_token_id", 2)
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        bos = hf.get("bos_token_id")
-        for key, ids in (
-            ("eos_token_id", eos_ids),
-            ("bos_token_id", (bos,) if bos is not None else ()),
-        ):
-            if not all(_is_int(t) and t >= 0 for t in ids):
-                raise ValueError(
-                    f"config.json field {key!r} must be a non-negative integer (or a list of "
-                    f"them), got {hf.get(key)!r}"
-                )
-        head_dim = hf.get("head_dim")
-        return cls(
-            architecture=arch,
-            vocab_size=_hf_size(hf, "vocab_size", "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_hf_size(hf, "intermediate_size", "intermediate_size"),
-            num_layers=_hf_size(hf, "num_hidden_layers", "num_layers"),
-            num_heads=heads,
-            num_kv_heads=_hf_size(hf, "num_key_value_heads", "num_kv_heads", heads),
-            head_dim=_hf_size(hf, "head_dim", "head_dim") if head_dim else hidden // heads,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            rms_norm_eps=_hf_number(hf, "rms_norm_eps", 1e-5),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
-            max_position_embeddings=max_pos,
-            bos_token_id=bos,
-            eos_token_ids=eos_ids,
-            name=name,
-        )
+        return config_from_hf(cls, hf, name)
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
         return PRESETS[name]
-
-
-# Upper bounds far above any released model (Llama 3.1 405B: D 16384, I 53248, L 126, V 128256;
-# the largest vocabularies ~262k), so a config whose sizes would allocate terabytes, or build
-# millions of tensor names, fails with an error naming the field before anything is allocated.
-MAX_SIZES = {
-    "vocab_size": 10**7,
-    "hidden_size": 2**17,
-    "intermediate_size": 2**20,
-    "num_layers": 10**4,
-    "num_heads": 2**12,
-    "num_kv_heads": 2**12,
-    "head_dim": 2**12,
-    "max_position_embeddings": 2**30,
-}
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def check_size(name: str, v, limit: int) -> int:
-    """`v` if it is an integer in [1, limit], else ValueError naming `name`, the value and limit."""
-    if not _is_int(v):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
-    if v <= 0:
-        raise ValueError(f"{name} must be positive, got {v}")
-    if v > limit:
-        raise ValueError(f"{name} = {v} is implausibly large (at most {limit})")
-    return int(v)
-
-
-def check_positive_number(name: str, v) -> float:
-    """`v` as a float if it is a finite positive number, else ValueError naming `name`."""
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a number, got {v!r}")
-    if not (np.isfinite(v) and v > 0):
-        raise ValueError(f"{name} must be a positive finite number, got {v!r}")
-    return float(v)
-
-
-_REQUIRED = object()
-
-
-def _hf_value(hf: dict, key: str, default, prefix: str):
-    if key in hf and hf[key] is not None:
-        return hf[key]
-    if default is _REQUIRED:
-        raise ValueError(f"config.json field {prefix + key!r} is missing")
-    return default
-
-
-def _hf_size(hf: dict, key: str, field: str, default=_REQUIRED, prefix: str = "") -> int:
-    """An integer config.json field, bounded like the ModelConfig `field` it fills.
-
-    An integral float (64.0) is accepted, as json writers sometimes emit them.
-    """
-    v = _hf_value(hf, key, default, prefix)
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    return check_size(f"config.json field {prefix + key!r}", v, MAX_SIZES[field])
-
-
-def _hf_number(hf: dict, key: str, default=_REQUIRED, prefix: str = "") -> float:
-    v = _hf_value(hf, key, default, prefix)
-    return check_positive_number(f"config.json field {prefix + key!r}", v)
-
-
-PRESETS: dict[str, ModelConfig] = {
-    "smollm2-135m": ModelConfig(
-        architecture="llama",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        max_position_embeddings=8192,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-        name="smollm2-135m",
-    ),
-    "llama3.2-1b": ModelConfig(
-        architecture="llama",
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=64,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009),
-        name="llama3.2-1b",
-    ),
-    "llama3-8b": ModelConfig(
-        architecture="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128009),
-        name="llama3-8b",
-    ),
-    "qwen2-7b": ModelConfig(
-        architecture="qwen2",
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_layers=28,
-        num_heads=28,
-        num_kv_heads=4,
-        head_dim=128,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        attention_bias=True,
-        max_position_embeddings=32768,
-        bos_token_id=None,
-        eos_token_ids=(151643, 151645),
-        name="qwen2-7b",
-    ),
-    # A tiny config for unit tests: every code path, milliseconds per step on CPU.
-    "tiny": ModelConfig(
-        architecture="llama",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-        name="tiny",
-    ),
-}
-
-
-# Model-dependent defaults, filled by `EngineConfig.for_model`.

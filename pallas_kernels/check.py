@@ -8,7 +8,9 @@ device is an "NVIDIA H200" and lowered with `lowering_platforms=("cuda",)`, whic
 compiler to PTX, which happens when XLA compiles on a real GPU (`experiments/gpu_kernels.py`).
 
 Each kernel file defines `lowering_cases() -> list[KernelCheck]` (`lowering.py`, a leaf the kernels
-import); adding a kernel file to the registry is one line in `KERNEL_MODULES`. Prints a table and exits non-zero if any case fails.
+import); adding a kernel file to the registry is one line in `KERNEL_MODULES`. The paged-attention
+kernels' cases include the sliding-window models (`paged_common.WINDOW_MODEL_HEADS`: a traced
+window argument, Gemma 2's soft-cap and query_pre_attn_scalar scale), named ".../window[/softcapN]". Prints a table and exits non-zero if any case fails.
 """
 
 from __future__ import annotations

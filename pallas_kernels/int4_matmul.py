@@ -2,7 +2,11 @@
 
 Layout (defined, with its diagram, in `int4_layout.py`): packed u32[K, N/8] where nibble j of
 packed column c is the code of output column j * N/8 + c; scales and mins f16[K/g, N];
-W = q * scale + min.
+W = q * scale + min. With `shards` = S > 1 each block of N/S columns is packed on its own; the
+kernel is written for S = 1 (what every device holds under tensor parallelism, where a column
+shard of an S = T weight is an S = 1 weight); given S > 1 on one device the wrapper slices the
+layer out, puts scales/mins in packed order and the output back in column order (a correct path,
+not the fast one).
 
 The implementation is a static choice of the caller, `impl=`: 'pallas' (this kernel, GPU),
 'pallas_interpret' (the same kernel interpreted, for CPU tests), 'xla' (unpack + dot, any backend)
@@ -55,7 +59,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.int4_layout import PACK, check_arrays, dequantize_arrays
+from pallas_kernels.int4_layout import (
+    PACK,
+    check_arrays,
+    column_order,
+    dequantize_arrays,
+    kernel_column_order,
+)
 from pallas_kernels.lowering import KernelCheck
 
 IMPLS = ("pallas", "pallas_interpret", "xla", "reference")
@@ -184,14 +194,18 @@ def _kernel(
             pltriton.store(ref, val, mask=mask)
 
 
-def _call(x2, packed, scales, mins, layer, group_size, cfg: Int4MatmulConfig, interpret: bool):
-    """pallas_call wrapper: x2 [M, K] @ layer `layer` (i32[]) of packed [L, K, N8] -> [M, N]."""
+def _call(
+    x2, packed, scales, mins, layer, group_size, cfg: Int4MatmulConfig, interpret: bool, out_dtype
+):
+    """pallas_call wrapper: x2 [M, K] @ layer `layer` (i32[]) of packed [L, K, N8] -> [M, N]
+    in out_dtype (shards = 1: output column j*N8 + c is nibble j of packed column c)."""
     m, k = x2.shape
     n_layers, _, n8 = packed.shape
     groups = k // group_size
     if groups % cfg.splits:
         raise ValueError(f"splits={cfg.splits} must divide the {groups} groups of K={k}")
-    out_dtype = jnp.float32 if cfg.splits > 1 else x2.dtype
+    final_dtype = out_dtype
+    out_dtype = jnp.float32 if cfg.splits > 1 else final_dtype
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     p2 = packed.reshape(n_layers * k, n8)  # (L*K, N8)
     s3 = scales.reshape(n_layers * groups, PACK, n8)  # (L*G, 8, N8): plane j = columns j*N8 ..
@@ -221,16 +235,24 @@ def _call(x2, packed, scales, mins, layer, group_size, cfg: Int4MatmulConfig, in
         out = jnp.sum(out, axis=0)
     else:
         out = out[0]
-    return out.reshape(m, PACK * n8).astype(x2.dtype)  # (M, 8, N8) -> (M, N): plane-major columns
+    return out.reshape(m, PACK * n8).astype(final_dtype)  # (M, 8, N8) -> (M, N): plane-major
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "config", "interpret"))
-def _pallas_jit(x, packed, scales, mins, layer, group_size, config, interpret):
+@functools.partial(
+    jax.jit, static_argnames=("group_size", "config", "interpret", "shards", "out_dtype")
+)
+def _pallas_jit(x, packed, scales, mins, layer, group_size, config, interpret, shards, out_dtype):
     *lead, k = x.shape
     x2 = x.reshape(-1, k)  # (M, K)
     cfg = config or plan(x2.shape[0], k, packed.shape[-1] * PACK, group_size)
-    out = _call(x2, packed, scales, mins, layer, group_size, cfg, interpret)
-    return out.reshape(*lead, -1)
+    if shards > 1:  # the kernel's S = 1 order: one layer, scales in packed order (copies)
+        packed, scales, mins = (
+            lax.dynamic_index_in_dim(a, layer, keepdims=True) for a in (packed, scales, mins)
+        )
+        scales, mins = (kernel_column_order(a, shards) for a in (scales, mins))
+        layer = 0
+    out = _call(x2, packed, scales, mins, layer, group_size, cfg, interpret, out_dtype)
+    return column_order(out, shards).reshape(*lead, -1)
 
 
 def int4_matmul(
@@ -243,8 +265,11 @@ def int4_matmul(
     impl: str,
     config: Int4MatmulConfig | None = None,
     layer: jax.Array | int | None = None,
+    shards: int = 1,
+    out_dtype=None,
 ) -> jax.Array:
-    """x[..., K] @ W[K, N] -> [..., N] in x.dtype, W = (packed, scales, mins) in the INT4 layout.
+    """x[..., K] @ W[K, N] -> [..., N] in out_dtype (default x.dtype), f32 accumulation;
+    W = (packed, scales, mins) in the INT4 layout, packed with `shards` column blocks.
 
     x:       f32/bf16/f16[..., K]
     packed:  u32[K, N/8];  scales, mins: f16[K/g, N]
@@ -257,7 +282,8 @@ def int4_matmul(
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    check_arrays(packed, scales, mins, group_size)
+    check_arrays(packed, scales, mins, group_size, shards)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     want_ndim = 2 if layer is None else 3
     if packed.ndim != want_ndim:
         what = "one layer's u32[K, N/8]" if layer is None else "a stack u32[L, K, N/8] with layer="
@@ -271,16 +297,17 @@ def int4_matmul(
     if impl in ("pallas", "pallas_interpret"):
         if layer is None:  # one layer: a stack of one (free reshapes)
             packed, scales, mins, layer = packed[None], scales[None], mins[None], 0
+        interpret = impl == "pallas_interpret"
         return _pallas_jit(
-            x, packed, scales, mins, layer, group_size, config, impl == "pallas_interpret"
+            x, packed, scales, mins, layer, group_size, config, interpret, shards, out_dtype
         )
     if layer is not None:
         packed, scales, mins = (
             lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (packed, scales, mins)
         )
     if impl == "xla":
-        return int4_matmul_xla(x, packed, scales, mins, group_size)
-    return int4_matmul_reference(x, packed, scales, mins, group_size)
+        return int4_matmul_xla(x, packed, scales, mins, group_size, shards, out_dtype)
+    return int4_matmul_reference(x, packed, scales, mins, group_size, shards, out_dtype)
 
 
 def lowering_cases() -> list:
@@ -331,16 +358,21 @@ def lowering_cases() -> list:
 # XLA path and reference.
 
 
-@functools.partial(jax.jit, static_argnames=("group_size",))
-def int4_matmul_xla(x, packed, scales, mins, group_size: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("group_size", "shards", "out_dtype"))
+def int4_matmul_xla(
+    x, packed, scales, mins, group_size: int, shards: int = 1, out_dtype=None
+) -> jax.Array:
     """Unpack + dot: dequantizes the whole [K, N] weight into x.dtype, then one XLA dot."""
-    w = dequantize_arrays(packed, scales, mins, group_size).astype(x.dtype)  # (K, N)
+    w = dequantize_arrays(packed, scales, mins, group_size, shards).astype(x.dtype)  # (K, N)
     y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return y.astype(out_dtype or x.dtype)
 
 
-def int4_matmul_reference(x, packed, scales, mins, group_size: int) -> jax.Array:
-    """The definition: x (as f32) @ W (f32, per `int4_layout.dequantize_arrays`) -> x.dtype."""
-    w = dequantize_arrays(packed, scales, mins, group_size)  # (K, N) f32
+def int4_matmul_reference(
+    x, packed, scales, mins, group_size: int, shards: int = 1, out_dtype=None
+) -> jax.Array:
+    """The definition: x (as f32) @ W (f32, per `int4_layout.dequantize_arrays`) -> out_dtype
+    (default x.dtype)."""
+    w = dequantize_arrays(packed, scales, mins, group_size, shards)  # (K, N) f32
     y = jnp.einsum("...k,kn->...n", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
-    return y.astype(x.dtype)
+    return y.astype(out_dtype or x.dtype)

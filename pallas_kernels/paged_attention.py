@@ -3,11 +3,23 @@
 Dataflow of `paged_attention` (B rows, H = KVH * G query heads, pool of P pages of ps tokens):
 
     q [B, H, D] -> [B, KVH, Gp, D]          the G heads of one KV head, padded to Gp >= 16 rows
-    grid (B, KVH, S): program (b, h, s) walks pages [s * pps, (s + 1) * pps) of row b in blocks of
-        block_k keys: gathers K/V tiles [block_k, D] of layer `layer`, KV head h straight from the
-        whole pool [L * KVH * P, ps, D] through the page table (each page read once per KV head),
-        and keeps an online softmax: partial out f32[Gp, D], running max m and sum l f32[Gp]
+    grid (B, KVH, S): program (b, h, s) walks its share of row b's key blocks (block_k keys each):
+        gathers K/V tiles [block_k, D] of layer `layer`, KV head h straight from the whole pool
+        [L * KVH * P, ps, D] through the page table (each page read once per KV head), and keeps
+        an online softmax: partial out f32[Gp, D], running max m and sum l f32[Gp]
     combine over S (log-sum-exp) -> [B, KVH, Gp, D] -> [B, H, D]
+
+Which key tiles (ppb pages each) program (b, h, s) walks: the row's window starts at key
+a = max(kv_len - w, 0) under a window w > 0 (a = 0 when global), on page A = a // ps; the row's
+pages [A, ceil(kv_len / ps)) form N tiles, tile n covering pages A + n * ppb ...; split s walks
+tiles [s * bps, min((s + 1) * bps, N)) with
+    global layer (window <= 0):  bps = pages_per_split / ppb, the static split of the page table
+                                 (exactly the tiles and order of the kernel without a window)
+    sliding window w > 0:        bps = ceil(N / S): the window's tiles shared evenly by the splits
+The window is read at run time (a traced i32, one program for sliding and global layers): a
+windowed layer never loads a page wholly before its window, and its splits share the window's
+tiles instead of idling, so its cost follows the window, not the sequence. Keys before a on page
+A are masked. Logits are `softcap(q.k * scale)` before the mask (`paged_common`).
 
 The kernel takes the whole stacked pool plus a traced `layer` index, so the model can call it inside
 `lax.scan` without slicing (and copying) a layer out of the cache. Rows with seq_len 0 run no
@@ -41,9 +53,13 @@ from pallas_kernels.paged_common import (
     KV_DTYPES,
     MASK_VALUE,
     MODEL_HEADS,
+    WINDOW_MODEL_HEADS,
+    check_attention_options,
     check_kv_inputs,
     next_pow2,
     pool_structs,
+    soft_cap,
+    window_start,
 )
 from pallas_kernels.tuning import H200_DECODE, DecodeConfig
 
@@ -52,9 +68,9 @@ from pallas_kernels.tuning import H200_DECODE, DecodeConfig
 
 
 def _decode_kernel(
-    layer_ref,  # i32[1]                  layer index into the stacked pool
+    scalars_ref,  # i32[2]                (layer index into the stacked pool, window; <= 0 global)
     lens_ref,  # i32[B]                   visible KV length of each row
-    pt_ref,  # i32[B, Wp]                 page table, padded to S * pages_per_split
+    pt_ref,  # i32[B, Wp]                 page table, padded to S * pages_per_split + ppb
     q_ref,  # [Gp, D]                     this (row, KV head)'s query heads (block of [B, KVH, Gp, D])
     k_ref,  # [L * KVH * P, ps, D]        whole K pool, one page per leading index
     v_ref,  # [L * KVH * P, ps, D]        whole V pool
@@ -62,10 +78,12 @@ def _decode_kernel(
     page_size: int,
     pages_per_block: int,
     pages_per_split: int,
+    num_splits: int,
     num_kv_heads: int,
     num_pages: int,
     quantized: bool,
     sm_scale: float,
+    softcap: float | None,
 ):
     if quantized:
         ks_ref, vs_ref, o_ref, m_ref, l_ref = refs
@@ -75,16 +93,25 @@ def _decode_kernel(
     block_k = pages_per_block * page_size
     gp, d = q_ref.shape
     kv_len = lens_ref[b]
-    base = (layer_ref[0] * num_kv_heads + h) * num_pages  # first page of (layer, head) in the pool
-    first_page = s * pages_per_split
-    n_pages = jnp.minimum(pl.cdiv(kv_len, page_size) - first_page, pages_per_split)
-    n_iter = pl.cdiv(jnp.maximum(n_pages, 0), pages_per_block)
+    window = scalars_ref[1]
+    windowed = window > 0
+    base = (
+        scalars_ref[0] * num_kv_heads + h
+    ) * num_pages  # first page of (layer, head) in the pool
+    win_start = jnp.where(windowed, jnp.maximum(kv_len - window, 0), 0)  # first visible key
+    first_page = win_start // page_size  # the window's first page; 0 when global
+    n_blocks = pl.cdiv(pl.cdiv(kv_len, page_size) - first_page, pages_per_block)  # key tiles
+    bps = jnp.where(  # tiles per split
+        windowed, pl.cdiv(n_blocks, num_splits), pages_per_split // pages_per_block
+    )
+    block0 = s * bps
+    n_iter = jnp.maximum(jnp.minimum(bps, n_blocks - block0), 0)
     q = q_ref[...]
     cdt = q.dtype  # products run in the query dtype; int8/fp8 values are exact in bf16/f32
 
     def body(i, carry):
         o, m, l = carry
-        page0 = first_page + i * pages_per_block
+        page0 = first_page + (block0 + i) * pages_per_block
         pages = pt_ref[b, pl.ds(page0, pages_per_block)]  # (ppb,)
         pages = base + jnp.clip(pages, 0, num_pages - 1)
         k = k_ref[pages].reshape(block_k, d).astype(cdt)  # (BK, D)
@@ -95,8 +122,9 @@ def _decode_kernel(
             logits = logits * (ks_ref[pages].reshape(1, block_k) * sm_scale)
         else:
             logits = logits * sm_scale
+        logits = soft_cap(logits, softcap)
         tok = page0 * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        logits = jnp.where(tok < kv_len, logits, MASK_VALUE)
+        logits = jnp.where((tok < kv_len) & (tok >= win_start), logits, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # (Gp,)
         corr = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])  # (Gp, BK)
@@ -135,7 +163,19 @@ def decode_plan(batch: int, num_kv_heads: int, width: int, page_size: int, cfg: 
 
 
 def _decode_call(
-    q, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, cfg, interpret
+    q,
+    k_pages,
+    v_pages,
+    seq_lens,
+    page_table,
+    layer,
+    k_scale,
+    v_scale,
+    window,
+    softcap,
+    scale,
+    cfg,
+    interpret,
 ):
     """pallas_call wrapper: q [B, H, D] -> [B, H, D]."""
     b, h, d = q.shape
@@ -143,7 +183,8 @@ def _decode_call(
     g = h // kvh
     gp = max(cfg.min_group_rows, next_pow2(g))
     ppb, splits, pps = decode_plan(b, kvh, page_table.shape[1], ps, cfg)
-    wp = splits * pps
+    # A window's tiles start at its first page, not at a tile boundary: one more tile of columns.
+    wp = splits * pps + ppb
     pt = jnp.pad(page_table, ((0, 0), (0, wp - page_table.shape[1])))  # (B, Wp)
     qg = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # (B, KVH, Gp, D)
     rows = n_layers * kvh * n_pages
@@ -152,14 +193,15 @@ def _decode_call(
     quantized = k_scale is not None
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     in_specs = [
-        whole((1,)),
+        whole((2,)),
         whole((b,)),
         whole((b, wp)),
         pl.BlockSpec((None, None, gp, d), lambda i, j, s: (i, j, 0, 0)),
         whole((rows, ps, d)),
         whole((rows, ps, d)),
     ]
-    args = [jnp.asarray(layer, jnp.int32).reshape(1), seq_lens, pt, qg, kf, vf]
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
+    args = [scalars.reshape(2), seq_lens, pt, qg, kf, vf]
     if quantized:
         in_specs += [whole((rows, ps)), whole((rows, ps))]
         args += [k_scale.reshape(rows, ps), v_scale.reshape(rows, ps)]
@@ -168,10 +210,12 @@ def _decode_call(
         page_size=ps,
         pages_per_block=ppb,
         pages_per_split=pps,
+        num_splits=splits,
         num_kv_heads=kvh,
         num_pages=n_pages,
         quantized=quantized,
-        sm_scale=1.0 / float(np.sqrt(d)),
+        sm_scale=1.0 / float(np.sqrt(d)) if scale is None else float(scale),
+        softcap=None if softcap is None else float(softcap),
     )
     o, m, l = pl.pallas_call(
         kernel,
@@ -200,12 +244,36 @@ def _decode_call(
     return o[:, :, :g].reshape(b, h, d).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softcap", "scale", "config", "interpret"))
 def _decode_jit(
-    q, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, config, interpret
+    q,
+    k_pages,
+    v_pages,
+    seq_lens,
+    page_table,
+    layer,
+    k_scale,
+    v_scale,
+    window,
+    softcap,
+    scale,
+    config,
+    interpret,
 ):
     return _decode_call(
-        q, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, config, interpret
+        q,
+        k_pages,
+        v_pages,
+        seq_lens,
+        page_table,
+        layer,
+        k_scale,
+        v_scale,
+        window,
+        softcap,
+        scale,
+        config,
+        interpret,
     )
 
 
@@ -221,6 +289,9 @@ def paged_attention(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     *,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
     config: DecodeConfig = H200_DECODE,
     interpret: bool = False,
 ) -> jax.Array:
@@ -234,12 +305,17 @@ def paged_attention(
     layer:      i32[] | int            which layer of the pool to read (traced inside lax.scan)
     k_scale,
     v_scale:    f32[L, KVH, P, ps] | None   per-token scales, required exactly for int8/fp8 pages
+    window:     i32[] | int | None     sliding window: keys seq_len - window .. seq_len - 1 only (the
+                                       query sits at seq_len - 1); <= 0 or None = global. Traced.
+    softcap:    float | None           logit soft-cap, s -> softcap * tanh(s / softcap) (static)
+    scale:      float | None           logit scale (static); None = 1 / sqrt(D)
     returns     [B, H, D] in q.dtype; zeros for rows with seq_len 0.
     """
     if q.ndim != 3 or q.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"q must be f32/bf16 [B, H, D], got {q.dtype}{list(q.shape)}")
     b, h, d = q.shape
     check_kv_inputs(h, d, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, b)
+    check_attention_options(window, softcap, scale)
     return _decode_jit(
         q,
         k_pages,
@@ -249,6 +325,9 @@ def paged_attention(
         jnp.asarray(layer, jnp.int32).reshape(()),
         k_scale,
         v_scale,
+        jnp.asarray(0 if window is None else window, jnp.int32).reshape(()),
+        softcap=softcap,
+        scale=scale,
         config=config,
         interpret=interpret,
     )
@@ -281,7 +360,34 @@ def lowering_cases() -> list:
                         args += (ks, vs)
                     name = f"decode/{model}/ps{ps}/{jnp.dtype(q_dt).name}/kv-{kv}"
                     cases.append(KernelCheck(name, paged_attention, args))
+    # Sliding-window models: the window a traced i32[] argument, the soft-cap and scale static.
+    for model, h, kvh, d, layers, softcap, scale in WINDOW_MODEL_HEADS:
+        fn = functools.partial(_windowed_decode, softcap=softcap, scale=scale)
+        for ps in (16, 32):
+            for q_dt in (jnp.bfloat16, jnp.float32):
+                for kv in KV_DTYPES:
+                    k, v, ks, vs = pool_structs(layers, kvh, pages, ps, d, q_dt, kv)
+                    args = (
+                        sds((batch, h, d), q_dt),
+                        k,
+                        v,
+                        sds((batch,), jnp.int32),
+                        sds((batch, width), jnp.int32),
+                        sds((), jnp.int32),
+                        ks,
+                        vs,
+                        sds((), jnp.int32),
+                    )
+                    cap = "" if softcap is None else f"/softcap{softcap:g}"
+                    name = f"decode/{model}/ps{ps}/{jnp.dtype(q_dt).name}/kv-{kv}/window{cap}"
+                    cases.append(KernelCheck(name, fn, args))
     return cases
+
+
+def _windowed_decode(q, k, v, lens, pt, layer, ks, vs, window, *, softcap, scale):
+    return paged_attention(
+        q, k, v, lens, pt, layer, ks, vs, window=window, softcap=softcap, scale=scale
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -298,6 +404,10 @@ def paged_attention_reference(
     layer: jax.Array | int = 0,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    *,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
     """Causal attention of new query tokens against their sequence's pages (gather + einsum).
 
@@ -309,9 +419,14 @@ def paged_attention_reference(
     page_table: i32[B, W]               the first W pages of each row's sequence
     k_scale,
     v_scale:    f32[L, KVH, P, ps] | None   per-token scales of an int8/fp8 cache
+    window:     i32[] | int | None      sliding window (<= 0 or None = global)
+    softcap:    float | None            logit soft-cap (static)
+    scale:      float | None            logit scale (static); None = 1 / sqrt(D)
     returns     [B, T, H, D] in q.dtype; a query with no visible key (inactive row) gives zeros.
 
-    Query (b, t) sees key positions s with s <= positions[b, t] and s < seq_lens[b].
+    Query (b, t) sees key positions s with s <= positions[b, t], s < seq_lens[b] and, under a
+    window w > 0, positions[b, t] - s < w. The definition: it gathers all W pages whatever the
+    window (the kernels and the ragged path skip the pages before it).
     """
     b, t, h, d = q.shape
     kvh, ps = k_pages.shape[1], k_pages.shape[3]
@@ -329,11 +444,18 @@ def paged_attention_reference(
     k = gather(k_pages, k_scale)
     v = gather(v_pages, v_scale)
     qf = q.astype(jnp.float32).reshape(b, t, kvh, g, d)  # (B, T, KVH, G, D)
-    logits = jnp.einsum("btkgd,kbsd->bkgts", qf, k) / jnp.sqrt(jnp.float32(d))
+    logits = jnp.einsum("btkgd,kbsd->bkgts", qf, k)
+    if scale is None:
+        logits = logits / jnp.sqrt(jnp.float32(d))
+    else:
+        logits = logits * jnp.float32(scale)
+    logits = soft_cap(logits, softcap)
     s_idx = jnp.arange(s_len)
     visible = (s_idx[None, None, :] <= positions[:, :, None]) & (
         s_idx[None, None, :] < seq_lens[:, None, None]
     )  # (B, T, S)
+    if window is not None:
+        visible &= s_idx[None, None, :] >= window_start(positions, window)[:, :, None]
     visible = visible[:, None, None]  # (B, 1, 1, T, S)
     logits = jnp.where(visible, logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)

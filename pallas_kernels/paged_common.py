@@ -1,5 +1,16 @@
-"""What the paged-attention kernels share: input checks, the mask value, and the shapes of the
-supported models' attention for the CUDA lowering cases (`python -m pallas_kernels.check`)."""
+"""What the paged-attention kernels share: input checks, the mask value, the logit options (sliding
+window, soft-cap, scale) and the shapes of the supported models' attention for the CUDA lowering
+cases (`python -m pallas_kernels.check`).
+
+The logit options, the same in the reference, the CPU ragged path and both kernels:
+
+    s = (q . k) * scale                  scale = 1 / sqrt(D) when None
+    s = softcap * tanh(s / softcap)      Gemma 2 soft-capping, only when softcap is not None
+    key p visible to the query at t  iff  p <= t, p < seq_len and (window <= 0 or t - p < window)
+
+`window` is a traced i32[] (scanned with the layers), so one compiled program serves sliding and
+global layers alike; window <= 0 is global attention, bit-for-bit the same as no window.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +29,33 @@ def next_pow2(n: int) -> int:
 
 def _is_concrete(x) -> bool:
     return x is not None and not isinstance(x, jax.core.Tracer)
+
+
+def window_start(query_pos, window):
+    """First key position visible to a query at `query_pos` under `window` (i32[] or None; <= 0 =
+    global): max(query_pos - window + 1, 0), or 0 for a global layer."""
+    if window is None:
+        return jnp.zeros_like(query_pos)
+    return jnp.where(window > 0, jnp.maximum(query_pos - window + 1, 0), 0)
+
+
+def soft_cap(logits, softcap: float | None):
+    """Gemma 2's logit soft-capping, s -> softcap * tanh(s / softcap); identity when None."""
+    if softcap is None:
+        return logits
+    return softcap * jnp.tanh(logits / softcap)
+
+
+def check_attention_options(window, softcap, scale) -> None:
+    """Raises ValueError for a window that is not an integer scalar, or a non-positive cap/scale."""
+    if window is not None and (
+        jnp.shape(window) not in ((), (1,))
+        or not jnp.issubdtype(jnp.result_type(window), jnp.integer)
+    ):
+        raise ValueError(f"window must be an integer scalar (<= 0 = global), got {window!r}")
+    for name, v in (("softcap", softcap), ("scale", scale)):
+        if v is not None and not (isinstance(v, (int, float)) and v > 0):
+            raise ValueError(f"{name} must be a positive Python float or None, got {v!r}")
 
 
 def check_kv_inputs(
@@ -107,6 +145,15 @@ MODEL_HEADS = (
     ("llama3.2-1b", 32, 8, 64, 16),
     ("llama3-8b", 32, 8, 128, 32),
     ("qwen2-7b", 28, 4, 128, 28),
+)
+# (name, q heads, KV heads, head_dim, layers, softcap, scale) of the sliding-window models'
+# attention: Gemma 2 (logit soft-cap 50, scale query_pre_attn_scalar ** -0.5), Gemma 3 (no cap),
+# Mistral (window only). Their lowering cases pass a traced window.
+WINDOW_MODEL_HEADS = (
+    ("gemma2-9b", 16, 8, 256, 42, 50.0, 256**-0.5),
+    ("gemma2-27b", 32, 16, 128, 46, 50.0, 144**-0.5),
+    ("gemma3-12b", 16, 8, 256, 48, None, 256**-0.5),
+    ("mistral-7b", 32, 8, 128, 32, None, None),
 )
 KV_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 

@@ -10,6 +10,12 @@ Dataflow of `paged_prefill_attention` (B rows, T tokens per row, H = KVH * G que
         online softmax with the causal mask s <= position and s < seq_len
     -> [B, KVH, Tp * Gp, D] -> [B, T, H, D]
 
+A sliding-window layer (window w > 0, a traced i32 read at run time) starts the key loop at the
+page holding the block's earliest visible key, max(min position in the block - w + 1, 0), so
+pages wholly before every row's window are never loaded: a block's cost is its own tokens plus
+the window, not the sequence. Inside the walked range each row masks keys s <= position - w.
+Logits are `softcap(q.k * scale)` before the mask (`paged_common`).
+
 The chunk may start mid-sequence (chunked prefill) and its own K/V are already in the pages (the
 model writes them before attention), so "cached pages plus the chunk itself" is one causal mask over
 the row's pages. Rows of different lengths and starting points share one launch (ragged). Tokens
@@ -47,17 +53,20 @@ from pallas_kernels.paged_common import (
     KV_DTYPES,
     MASK_VALUE,
     MODEL_HEADS,
+    WINDOW_MODEL_HEADS,
+    check_attention_options,
     check_kv_inputs,
     next_pow2,
     pool_structs,
+    soft_cap,
 )
 from pallas_kernels.tuning import H200_PREFILL, PrefillConfig
 
 
 def _prefill_kernel(
-    layer_ref,  # i32[1]                 layer index into the stacked pool
+    scalars_ref,  # i32[2]               (layer index into the stacked pool, window; <= 0 global)
     lens_ref,  # i32[B]                  KV length of each row (0 = inactive)
-    pt_ref,  # i32[B, Wp]                page table, padded to a whole number of key tiles
+    pt_ref,  # i32[B, Wp + ppb]          page table, padded to whole key tiles plus one tile
     pos_ref,  # i32[BR]                  position of each query row (block of [B, Tp * Gp])
     q_ref,  # [BR, D]                    query rows (block of [B, KVH, Tp * Gp, D])
     k_ref,  # [L * KVH * P, ps, D]       whole K pool, one page per leading index
@@ -70,6 +79,7 @@ def _prefill_kernel(
     num_pages: int,
     quantized: bool,
     sm_scale: float,
+    softcap: float | None,
 ):
     if quantized:
         ks_ref, vs_ref, o_ref = refs
@@ -81,14 +91,23 @@ def _prefill_kernel(
     kv_len = lens_ref[b]
     pos = pos_ref[...]  # (BR,)
     kv_end = jnp.minimum(kv_len, jnp.max(pos) + 1)  # keys past this are invisible to every row
-    n_iter = jnp.minimum(pl.cdiv(jnp.maximum(kv_end, 0), block_k), max_iters)
-    base = (layer_ref[0] * num_kv_heads + h) * num_pages
+    window = scalars_ref[1]
+    windowed = window > 0
+    row_start = jnp.where(windowed, pos - window + 1, 0)  # (BR,) first key each row sees
+    # Keys before the earliest row's window start are invisible to every row (padding rows, -1,
+    # do not count).
+    block_start = jnp.min(jnp.where(pos >= 0, row_start, jnp.iinfo(jnp.int32).max))
+    end_page = pl.cdiv(jnp.maximum(kv_end, 0), page_size)
+    first_page = jnp.where(windowed, jnp.maximum(block_start, 0) // page_size, 0)
+    first_page = jnp.minimum(first_page, end_page)  # 0 when global
+    n_iter = jnp.minimum(pl.cdiv(end_page - first_page, pages_per_block), max_iters)
+    base = (scalars_ref[0] * num_kv_heads + h) * num_pages
     q = q_ref[...]
     cdt = q.dtype
 
     def body(i, carry):
         o, m, l = carry
-        page0 = i * pages_per_block
+        page0 = first_page + i * pages_per_block
         pages = pt_ref[b, pl.ds(page0, pages_per_block)]  # (ppb,)
         pages = base + jnp.clip(pages, 0, num_pages - 1)
         k = k_ref[pages].reshape(block_k, d).astype(cdt)  # (BK, D)
@@ -99,8 +118,9 @@ def _prefill_kernel(
             logits = logits * (ks_ref[pages].reshape(1, block_k) * sm_scale)
         else:
             logits = logits * sm_scale
+        logits = soft_cap(logits, softcap)
         tok = page0 * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-        visible = (tok <= pos[:, None]) & (tok < kv_len)  # (BR, BK)
+        visible = (tok <= pos[:, None]) & (tok < kv_len) & (tok >= row_start[:, None])  # (BR, BK)
         logits = jnp.where(visible, logits, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # (BR,)
         corr = jnp.exp(m - m_new)
@@ -134,7 +154,20 @@ def prefill_plan(tokens: int, group: int, page_size: int, cfg: PrefillConfig):
 
 
 def _prefill_call(
-    q, k_pages, v_pages, positions, seq_lens, page_table, layer, k_scale, v_scale, cfg, interpret
+    q,
+    k_pages,
+    v_pages,
+    positions,
+    seq_lens,
+    page_table,
+    layer,
+    k_scale,
+    v_scale,
+    window,
+    softcap,
+    scale,
+    cfg,
+    interpret,
 ):
     """pallas_call wrapper: q [B, T, H, D] -> [B, T, H, D]."""
     b, t, h, d = q.shape
@@ -145,7 +178,8 @@ def _prefill_call(
     br = block_t * gp
     w = page_table.shape[1]
     wp = -(-w // ppb) * ppb
-    pt = jnp.pad(page_table, ((0, 0), (0, wp - w)))  # (B, Wp)
+    # A window's tiles start at its first page, not at a tile boundary: one more tile of columns.
+    pt = jnp.pad(page_table, ((0, 0), (0, wp + ppb - w)))  # (B, Wp + ppb)
     qg = q.reshape(b, t, kvh, g, d)
     qg = jnp.pad(qg, ((0, 0), (0, tp - t), (0, 0), (0, gp - g), (0, 0)))  # (B, Tp, KVH, Gp, D)
     qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, kvh, tp * gp, d)  # (B, KVH, Tp * Gp, D)
@@ -157,15 +191,16 @@ def _prefill_call(
     quantized = k_scale is not None
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     in_specs = [
-        whole((1,)),
+        whole((2,)),
         whole((b,)),
-        whole((b, wp)),
+        whole((b, wp + ppb)),
         pl.BlockSpec((None, br), lambda i, j, r: (i, r)),
         pl.BlockSpec((None, None, br, d), lambda i, j, r: (i, j, r, 0)),
         whole((rows, ps, d)),
         whole((rows, ps, d)),
     ]
-    args = [jnp.asarray(layer, jnp.int32).reshape(1), seq_lens, pt, pos, qg, kf, vf]
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
+    args = [scalars.reshape(2), seq_lens, pt, pos, qg, kf, vf]
     if quantized:
         in_specs += [whole((rows, ps)), whole((rows, ps))]
         args += [k_scale.reshape(rows, ps), v_scale.reshape(rows, ps)]
@@ -177,7 +212,8 @@ def _prefill_call(
         num_kv_heads=kvh,
         num_pages=n_pages,
         quantized=quantized,
-        sm_scale=1.0 / float(np.sqrt(d)),
+        sm_scale=1.0 / float(np.sqrt(d)) if scale is None else float(scale),
+        softcap=None if softcap is None else float(softcap),
     )
     o = pl.pallas_call(
         kernel,
@@ -193,9 +229,22 @@ def _prefill_call(
     return o.transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softcap", "scale", "config", "interpret"))
 def _prefill_jit(
-    q, k_pages, v_pages, positions, seq_lens, page_table, layer, k_scale, v_scale, config, interpret
+    q,
+    k_pages,
+    v_pages,
+    positions,
+    seq_lens,
+    page_table,
+    layer,
+    k_scale,
+    v_scale,
+    window,
+    softcap,
+    scale,
+    config,
+    interpret,
 ):
     return _prefill_call(
         q,
@@ -207,6 +256,9 @@ def _prefill_jit(
         layer,
         k_scale,
         v_scale,
+        window,
+        softcap,
+        scale,
         config,
         interpret,
     )
@@ -225,6 +277,9 @@ def paged_prefill_attention(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     *,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
     config: PrefillConfig = H200_PREFILL,
     interpret: bool = False,
 ) -> jax.Array:
@@ -240,7 +295,11 @@ def paged_prefill_attention(
     layer:      i32[] | int            which layer of the pool (traced inside lax.scan)
     k_scale,
     v_scale:    f32[L, KVH, P, ps] | None   per-token scales, required exactly for int8/fp8 pages
-    returns     [B, T, H, D] in q.dtype. Token (b, t) sees keys s <= positions[b, t], s < seq_lens[b].
+    window:     i32[] | int | None     sliding window (traced; <= 0 or None = global)
+    softcap:    float | None           logit soft-cap, s -> softcap * tanh(s / softcap) (static)
+    scale:      float | None           logit scale (static); None = 1 / sqrt(D)
+    returns     [B, T, H, D] in q.dtype. Token (b, t) sees keys s <= positions[b, t], s < seq_lens[b]
+                and, under a window w > 0, s > positions[b, t] - w.
     """
     if q.ndim != 4 or q.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"q must be f32/bf16 [B, T, H, D], got {q.dtype}{list(q.shape)}")
@@ -250,6 +309,7 @@ def paged_prefill_attention(
             f"positions must be i32[{b}, {t}], got {positions.dtype}{list(positions.shape)}"
         )
     check_kv_inputs(h, d, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, b)
+    check_attention_options(window, softcap, scale)
     return _prefill_jit(
         q,
         k_pages,
@@ -260,6 +320,9 @@ def paged_prefill_attention(
         jnp.asarray(layer, jnp.int32).reshape(()),
         k_scale,
         v_scale,
+        jnp.asarray(0 if window is None else window, jnp.int32).reshape(()),
+        softcap=softcap,
+        scale=scale,
         config=config,
         interpret=interpret,
     )
@@ -296,13 +359,68 @@ def lowering_cases() -> list:
                             f"B{batch}xT{chunk}"
                         )
                         cases.append(KernelCheck(name, paged_prefill_attention, args))
+    # Sliding-window models: the window a traced i32[] argument, the soft-cap and scale static.
+    for model, h, kvh, d, layers, softcap, scale in WINDOW_MODEL_HEADS:
+        fn = functools.partial(_windowed_prefill, softcap=softcap, scale=scale)
+        for ps in (16, 32):
+            for q_dt in (jnp.bfloat16, jnp.float32):
+                for kv in KV_DTYPES:
+                    for batch, chunk, width in shapes[:2]:
+                        k, v, ks, vs = pool_structs(layers, kvh, pages, ps, d, q_dt, kv)
+                        args = (
+                            sds((batch, chunk, h, d), q_dt),
+                            k,
+                            v,
+                            sds((batch, chunk), jnp.int32),
+                            sds((batch,), jnp.int32),
+                            sds((batch, width), jnp.int32),
+                            sds((), jnp.int32),
+                            ks,
+                            vs,
+                            sds((), jnp.int32),
+                        )
+                        cap = "" if softcap is None else f"/softcap{softcap:g}"
+                        name = (
+                            f"prefill/{model}/ps{ps}/{jnp.dtype(q_dt).name}/kv-{kv}/"
+                            f"B{batch}xT{chunk}/window{cap}"
+                        )
+                        cases.append(KernelCheck(name, fn, args))
     return cases
 
 
+def _windowed_prefill(q, k, v, pos, lens, pt, layer, ks, vs, window, *, softcap, scale):
+    return paged_prefill_attention(
+        q, k, v, pos, lens, pt, layer, ks, vs, window=window, softcap=softcap, scale=scale
+    )
+
+
 def paged_prefill_reference(
-    q, k_pages, v_pages, positions, seq_lens, page_table, layer=0, k_scale=None, v_scale=None
+    q,
+    k_pages,
+    v_pages,
+    positions,
+    seq_lens,
+    page_table,
+    layer=0,
+    k_scale=None,
+    v_scale=None,
+    *,
+    window=None,
+    softcap=None,
+    scale=None,
 ) -> jax.Array:
     """The pure-jnp definition: `paged_attention_reference` (gather + einsum), same arguments."""
     return paged_attention_reference(
-        q, k_pages, v_pages, positions, seq_lens, page_table, layer, k_scale, v_scale
+        q,
+        k_pages,
+        v_pages,
+        positions,
+        seq_lens,
+        page_table,
+        layer,
+        k_scale,
+        v_scale,
+        window=window,
+        softcap=softcap,
+        scale=scale,
     )

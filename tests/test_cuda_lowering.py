@@ -122,6 +122,22 @@ EXPECTED = {DecodeShape: {"paged_decode"}, PrefillShape: {"paged_prefill"}}
         ("smollm2-135m", "int4-rtn", "auto"),
         ("smollm2-135m", None, "int8"),
         ("llama3-8b", "int4-rtn", "fp8"),  # head_dim 128, GQA group 4, 128k vocab
+        # issue 26's dense families: per-head q/k norms (Qwen3); Gemma 2's per-layer windows
+        # (traced, scanned with the layers), soft-caps, query_pre_attn_scalar and head_dim 256;
+        # Gemma 3's two RoPE tables per layer under INT4; Phi-3's head_dim 96 and window 2047.
+        ("qwen3-8b", None, "auto"),
+        ("gemma2-9b", None, "auto"),
+        ("gemma3-12b", "int4-rtn", "int8"),
+        pytest.param(
+            "phi3-mini",
+            None,
+            "auto",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=ValueError,
+                reason="the Pallas attention kernels need a power-of-two head_dim (Phi-3: 96)",
+            ),
+        ),
     ],
 )
 def test_engine_steps_lower_for_cuda(model, quantization, kv_cache_dtype):
@@ -164,3 +180,23 @@ def test_every_warmup_program_lowers_for_cuda():
         assert kernels(lower_step(shape, c, params, cache, state, r.model)) == EXPECTED[type(shape)]
     # 8 page-table widths (1..128 pages): 8 decode, 8 x (4 row buckets + prompt log-probs) prefill.
     assert [sum(isinstance(s, k) for s in shapes) for k in (DecodeShape, PrefillShape)] == [8, 40]
+
+
+# --- mixture-of-experts (issue 26) ---
+@pytest.mark.parametrize("quantization", [None, "int4-rtn", "int8"])
+def test_moe_steps_lower_for_cuda(quantization):
+    """Mixtral-8x7B's decode and prefill steps: the experts' grouped matmuls lower as XLA's
+    `chlo.ragged_dot` inside the layer scan (3 per layer body: gate, up, down), beside the Pallas
+    attention (and the INT4 kernel for the dense projections); quantized expert stacks are
+    dequantized into the grouped matmul (`layers/moe.py`)."""
+    c, params = abstract_model("mixtral-8x7b", quantization)
+    cache = abstract_cache(c, "auto")
+    state = jax.eval_shape(lambda: steps.init_slot_state(NUM_SLOTS, MAX_PAGES, c.vocab_size))
+    int4 = {"int4_matmul"} if quantization == "int4-rtn" else set()
+    for shape in [DecodeShape(NUM_SLOTS, MAX_PAGES, 0), PrefillShape(8, 8, False)]:
+        text = lower_step(shape, c, params, cache, state)
+        assert kernels(text) == EXPECTED[type(shape)] | int4, shape
+        assert len(re.findall(r"chlo\.ragged_dot\"", text)) == 3, shape
+
+
+# --- end mixture-of-experts ---

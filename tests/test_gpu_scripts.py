@@ -34,3 +34,33 @@ def test_gpu_script_smoke(tmp_path, script, checks):
     assert out["smoke"] is True
     for part in checks:  # each check row says ok (or, for the stack timing, the same output)
         assert out[part] and all(c.get("ok", c.get("same")) for c in out[part]), part
+
+
+def test_gpu_tp_smoke(tmp_path):
+    """experiments/gpu_tp.py on 4 host CPU devices (it sets the flag itself): the TP 2 and TP 4
+    decode steps (4 replicating the tiny model's 2 KV heads) give TP 1's tokens, and every
+    timing row (f32 and INT4 at TP 1 and 2, against the narrow one-device model) runs."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "experiments" / "gpu_tp.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "gpu_tp.json").read_text())
+    assert out["smoke"] is True and out["devices"] == 4
+    assert [r["tp"] for r in out["correctness"]] == [1, 2, 4]
+    assert all(r["ok"] and r["tokens_equal"] for r in out["correctness"]), out["correctness"]
+    timed = [r for r in out["timing"] if "skipped" not in r]
+    assert {(r["weights"], r["tp"]) for r in timed} == {
+        (w, t) for w in ("float32", "int4") for t in (1, 2)
+    }
+    assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 for r in timed)
+    assert all("narrow_step_ms" in r for r in timed if r["tp"] > 1)

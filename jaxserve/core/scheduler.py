@@ -102,9 +102,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, num_pages: int, slot_buckets: tuple[int, ...] | None = None
+        self,
+        config: EngineConfig,
+        num_pages: int,
+        slot_buckets: tuple[int, ...] | None = None,
+        slot_offset: int = 0,
     ):
+        """slot_offset: the first of this scheduler's config.num_slots slots (a data-parallel
+        shard's, `data_parallel.py`); buckets count slots from it."""
         self.config = config
+        self.slot_offset = slot_offset
         # Decode row buckets (the runner's): requests are packed into the lowest slots so a decode
         # step over the first B slots covers them all (`_compact`).
         self.slot_buckets = slot_buckets or (config.num_slots,)
@@ -126,7 +133,7 @@ class Scheduler:
             )
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
-        self.free_slots = list(range(config.num_slots))
+        self.free_slots = list(range(slot_offset, slot_offset + config.num_slots))
         self._released: list[int] = []
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prefill tokens taken from the prefix cache
@@ -194,7 +201,7 @@ class Scheduler:
         held = [r for r in self.running if r.slot is not None]
         if not held:
             return
-        target = bucket_for(len(held), self.slot_buckets)
+        target = bucket_for(len(held), self.slot_buckets) + self.slot_offset
         if max(r.slot for r in held) < target:
             return
         for req in sorted((r for r in held if r.slot >= target), key=lambda r: r.slot):
@@ -284,7 +291,8 @@ class Scheduler:
             req.num_computed_tokens += steps
             req.num_pending_tokens += steps
         if plan.decode:
-            self.decode_rows_sum += bucket_for(max(plan.decode_slots) + 1, self.slot_buckets)
+            rows = max(plan.decode_slots) - self.slot_offset + 1
+            self.decode_rows_sum += bucket_for(rows, self.slot_buckets)
             self.num_decode_plans += 1
         for chunk in plan.prefill:
             req = chunk.request

@@ -36,6 +36,7 @@ from absl import app, flags
 
 from jaxserve.bench.core import format_table, make_llm, run_benchmark
 from jaxserve.bench.workloads import SPECS, make_workload
+from jaxserve.launch import distributed
 from jaxserve.launch import flags as engine_flags
 
 _WORKLOAD = flags.DEFINE_enum("workload", "longtail", sorted(SPECS), "Built-in workload to serve.")
@@ -51,6 +52,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     kwargs = engine_flags.llm_kwargs()
+    distributed.initialize()  # a multi-host run: every process benchmarks the same workload
     do_warmup = kwargs.pop("warmup", True)  # the benchmark's own warm-up (step 3), on by default
     spec = SPECS[_WORKLOAD.value]
     kwargs.setdefault("num_slots", spec.num_slots)  # --num_slots overrides the workload's

@@ -20,6 +20,7 @@ from typing import Any
 from absl import flags
 
 from jaxserve.config import EngineConfig
+from jaxserve.launch import distributed  # noqa: F401  (every launcher takes the multi-host flags)
 
 FLAGS = flags.FLAGS
 

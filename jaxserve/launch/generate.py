@@ -51,9 +51,10 @@ from jaxserve.batch.job import StopFlag, run_job
 from jaxserve.batch.reader import INPUT_FORMATS, check_input_path, read_input
 from jaxserve.batch.sharding import check_shards, shard_of
 from jaxserve.batch.summary import JobStats, summary, summary_path, write_summary
-from jaxserve.batch.writer import OutputWriter, check_output_path
+from jaxserve.batch.writer import FollowerOutput, OutputWriter, check_output_path
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.launch import distributed
 from jaxserve.launch import flags as engine_flags
 
 FLAGS = flags.FLAGS
@@ -156,10 +157,12 @@ def main(argv: list[str]) -> int:
         defaults = sampling_defaults()
         SamplingParams.from_dict(defaults)  # a bad flag fails here, not once per row
         llm_kwargs = engine_flags.llm_kwargs()
+        distributed.wanted()  # the multi-host flags go together
     except OutputError as e:
         return _fail(str(e), e.exit_code)
     except (ValueError, OverflowError) as e:
         return _fail(str(e))
+    distributed.initialize()
     stop = StopFlag()
     with stop.installed():
         return _run(defaults, llm_kwargs, stop)
@@ -175,11 +178,28 @@ def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -
         use_chat_template=FLAGS.use_chat_template,
     )
     rows = [r for r in rows if shard_of(r.key, FLAGS.num_shards) == FLAGS.shard_index]
-    writer = OutputWriter(FLAGS.output, fsync=FLAGS.fsync, overwrite=FLAGS.overwrite)
-    try:
-        resume = writer.open()
-    except OutputError as e:
-        return _fail(str(e), e.exit_code)
+    leader = distributed.is_writer()  # process 0 alone writes (one process: always)
+    if leader:
+        writer = OutputWriter(FLAGS.output, fsync=FLAGS.fsync, overwrite=FLAGS.overwrite)
+    else:
+        writer = FollowerOutput(FLAGS.output)
+    error = None
+    if leader:
+        try:
+            resume = writer.open()
+        except OutputError as e:
+            error = e
+    # the others read the output after process 0 has locked and repaired it, and stop if it failed
+    code = distributed.agree(error.exit_code if error is not None else 0)
+    if error is not None:
+        return _fail(str(error), error.exit_code)
+    if code:
+        return _fail(f"process 0 could not open --output (exit code {code})", code)
+    if not leader:
+        try:
+            resume = writer.open()
+        except OutputError as e:
+            return _fail(str(e), e.exit_code)
     plan = resume.plan(rows)
     done_before = len(plan.skip)
     failed_before = sum(r.key in plan.skip for r in rows if r.error is not None)
@@ -266,7 +286,8 @@ def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -
     else:
         result["complete"] = False
     try:
-        write_summary(summary_path(FLAGS.output), result)
+        if leader:
+            write_summary(summary_path(FLAGS.output), result)
     except OSError as e:
         print(f"generate: warning: could not write the summary: {e}", file=sys.stderr)
     if code:

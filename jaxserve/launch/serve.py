@@ -20,6 +20,7 @@ import sys
 
 from absl import app, flags
 
+from jaxserve.launch import distributed
 from jaxserve.launch import flags as engine_flags
 
 FLAGS = flags.FLAGS
@@ -93,6 +94,12 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         kwargs = engine_flags.llm_kwargs()
+        if distributed.wanted():
+            raise ValueError(
+                "serving over many processes is not supported (one HTTP front end would have to "
+                "feed every process the same requests); run one server per host, each with "
+                "--tensor_parallel_size / --data_parallel_size over its own devices"
+            )
     except ValueError as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,9 @@ class AttentionMetadata:
     seq_lens: jax.Array  # i32[B]      KV length after this step's writes, 0 = inactive row
     # Static: flat live-page bucket of a decode step for the 'ragged' impl (0 = not used).
     num_flat_pages: int = struct.field(pytree_node=False, default=0)
+    # Static: the same for a sliding-window layer (each row's pages from its window's first one:
+    # at most ceil(window / page_size) + 1), so its cost follows the window; 0 = num_flat_pages.
+    num_window_flat_pages: int = struct.field(pytree_node=False, default=0)
 
     @classmethod
     def contiguous(cls, lens, length: int, page_size: int) -> AttentionMetadata:
@@ -48,32 +51,94 @@ class AttentionMetadata:
 
 
 def attention(
-    q: jax.Array, cache: KVCache, layer: jax.Array, meta: AttentionMetadata, impl: str
+    q: jax.Array,
+    cache: KVCache,
+    layer: jax.Array,
+    meta: AttentionMetadata,
+    impl: str,
+    *,
+    window=None,
+    softcap: float | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
     """q: [B, T, H, D] -> [B, T, H, D]. The new tokens' K/V must already be written to `cache`.
+
+    window: i32[] (traced: the layer's sliding window, scanned with the layers) or None; a key at
+    position p is visible to a query at position t iff 0 <= t - p < window; window <= 0 = global.
+    softcap (static): Gemma-2 logit soft-capping, s -> softcap * tanh(s / softcap); None = off.
+    scale (static): the logits' scale; None = 1 / sqrt(D).
+
+    Under a mesh whose 'model' axis has T > 1 devices (tensor parallelism, `jaxserve.parallel`),
+    the heads are split over it: every device attends its H/T query heads over its KVH/T KV heads
+    of the pool (`jax.shard_map`), so the kernels stay single-device.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if "model" in mesh.axis_names and mesh.shape["model"] > 1:
+        return _sharded_attention(q, cache, layer, meta, impl, window, softcap, scale)
+    return _attention_local(q, cache, layer, meta, impl, window, softcap, scale)
+
+
+def _sharded_attention(q, cache, layer, meta, impl, window, softcap, scale):
+    """`_attention_local` per device over the 'model' axis: q's heads (axis 2) and the pool's KV
+    heads (axis 1) sharded, everything else replicated."""
+    P = jax.sharding.PartitionSpec
+    heads = P(None, None, "model", None)
+    pool = P(None, "model")
+    kv = KVCache(
+        k=pool,
+        v=pool,
+        k_scale=pool if cache.quantized else None,
+        v_scale=pool if cache.quantized else None,
+    )
+    has_window = window is not None
+
+    def local(q, cache, layer, meta, window):
+        return _attention_local(
+            q, cache, layer, meta, impl, window if has_window else None, softcap, scale
+        )
+
+    return jax.shard_map(
+        local,
+        in_specs=(heads, kv, P(), P(), P()),
+        out_specs=heads,
+        axis_names={"model"},
+        check_vma=False,
+    )(q, cache, layer, meta, window if has_window else jnp.int32(0))
+
+
+def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
+    """`attention` on one device (every head of q and of the pool is local).
 
     impl (static) is resolved when the engine is built (`jaxserve.resolve`), never here:
 
     'pallas' / 'pallas_interpret': T == 1 runs the flash-decoding kernel, T > 1 the ragged
-    chunked-prefill kernel; both read the whole stacked pool at the traced `layer`.
+    chunked-prefill kernel; both read the whole stacked pool at the traced `layer`, and a
+    windowed layer's loop starts at its window's first page.
     'ragged' (XLA, the CPU default): decode over the step's live pages laid end to end
     (`ragged_attention.py`, needs meta.num_flat_pages); prefill chunks use the reference.
+
+    window / softcap / scale go to every path unchanged (see `attention`). Decode paths take the
+    query at kv_len - 1, which is the decode step's position (seq_len = position + 1).
     """
+    opts = dict(window=window, softcap=softcap, scale=scale)
     if impl == "ragged":
         if q.shape[1] == 1 and meta.num_flat_pages > 0:
-            kv_len = jnp.minimum(meta.seq_lens, meta.positions[:, 0] + 1)
-            out = ragged_decode_attention(
-                q[:, 0],
-                cache.k,
-                cache.v,
-                jnp.maximum(kv_len, 0),
-                meta.page_table,
-                meta.num_flat_pages,
-                layer,
-                cache.k_scale,
-                cache.v_scale,
+            kv_len = jnp.maximum(jnp.minimum(meta.seq_lens, meta.positions[:, 0] + 1), 0)
+
+            def ragged(num_flat):
+                return ragged_decode_attention(
+                    q[:, 0], cache.k, cache.v, kv_len, meta.page_table, num_flat, layer,
+                    cache.k_scale, cache.v_scale, **opts,
+                )  # fmt: skip
+
+            small = meta.num_window_flat_pages
+            if window is None or not 0 < small < meta.num_flat_pages:
+                return ragged(meta.num_flat_pages)[:, None]  # (B, 1, H, D)
+            # a sliding layer gathers only its window's pages; a global one every live page
+            out = jax.lax.cond(
+                window > 0, lambda: ragged(small), lambda: ragged(meta.num_flat_pages)
             )
-            return out[:, None]  # (B, 1, H, D)
+            return out[:, None]
         impl = "reference"
     if impl in ("pallas", "pallas_interpret"):
         interpret = impl == "pallas_interpret"
@@ -89,6 +154,7 @@ def attention(
                 layer,
                 cache.k_scale,
                 cache.v_scale,
+                **opts,
                 interpret=interpret,
             )
             return out[:, None]  # (B, 1, H, D)
@@ -102,6 +168,7 @@ def attention(
             layer,
             cache.k_scale,
             cache.v_scale,
+            **opts,
             interpret=interpret,
         )
     if impl == "reference":
@@ -115,5 +182,6 @@ def attention(
             layer,
             cache.k_scale,
             cache.v_scale,
+            **opts,
         )
     raise ValueError(f"attention impl {impl!r} is not available")

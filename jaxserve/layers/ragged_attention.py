@@ -7,14 +7,20 @@ end instead, F of them (a static bucket >= sum of the rows' pages), and attentio
 softmax over that flat list -- the cost follows the sum of the lengths, as the Pallas kernel's does
 on the GPU:
 
-    n_b     = ceil(kv_len_b / ps)                       pages of row b       i32[B]
+    a_b     = window_start(kv_len_b - 1, window) // ps   first page of row b's window (0 if global)
+    n_b     = ceil(kv_len_b / ps) - a_b                  pages of row b       i32[B]
     ends    = cumsum(n)                                  row b owns flat pages [ends_b - n_b, ends_b)
     owner_f = searchsorted(ends, f, side="right")        row of flat page f   i32[F]  (B = padding)
-    page_f  = page_table[owner_f, f - start(owner_f)]
+    page_f  = page_table[owner_f, a_owner + f - start(owner_f)]
     K, V    = pool[layer][:, page]                       [KVH, F, ps, D]      (only live pages read)
-    s       = q[owner] . K / sqrt(D)                     [F, KVH, G, ps]      masked to token < kv_len
+    s       = softcap(q[owner] . K * scale)              [F, KVH, G, ps]      masked to the window
     m_b     = segment_max over the row's pages of max_s  [B, KVH, G]
     out_b   = segment_sum(exp(s - m) V) / segment_sum(exp(s - m))
+
+A sliding-window layer (window > 0; the query sits at kv_len - 1, as in decode) lays out only the
+pages from its window's first page on, so it needs F >= sum(ceil(kv_len / ps) - a); the pages
+before the window are never gathered. F is static: a step serving global layers too must size it
+for them (then the windowed layers leave the rest of the bucket as masked padding).
 
 Equal to the reference up to f32 summation order (tests/layers/test_ragged_attention.py). A row with
 kv_len 0 owns no page and gets zeros, as in the reference. Quantized (int8/fp8) pools multiply the
@@ -27,6 +33,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.paged_common import soft_cap, window_start
+
 
 def ragged_decode_attention(
     q: jax.Array,
@@ -38,11 +46,18 @@ def ragged_decode_attention(
     layer: jax.Array | int = 0,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    *,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
-    """q [B, H, D], pools [L, KVH, P, ps, D], kv_lens i32[B] (keys visible to each row's query),
-    page_table i32[B, W] -> [B, H, D] in q.dtype.
+    """q [B, H, D], pools [L, KVH, P, ps, D], kv_lens i32[B] (keys visible to each row's query,
+    which sits at position kv_len - 1), page_table i32[B, W] -> [B, H, D] in q.dtype.
 
-    num_flat_pages (static) must be >= sum(ceil(kv_lens / ps)); pages beyond it would be dropped.
+    window: i32[] | int | None (<= 0 = global): keys kv_len - window .. kv_len - 1 only.
+    softcap, scale (static): as in `paged_attention_reference`.
+    num_flat_pages (static) must be >= sum over rows of the pages from the window's first page to
+    the last (all of ceil(kv_lens / ps) when global); pages beyond it would be dropped.
     """
     b, h, d = q.shape
     kvh, ps = k_pages.shape[1], k_pages.shape[3]
@@ -51,11 +66,13 @@ def ragged_decode_attention(
     f = num_flat_pages
 
     kv_lens = jnp.clip(kv_lens, 0, w * ps)
-    n_pages = (kv_lens + ps - 1) // ps  # (B,)
+    first = window_start(kv_lens - 1, window)  # (B,) first visible key
+    first_page = first // ps  # (B,)
+    n_pages = (kv_lens + ps - 1) // ps - first_page  # (B,) >= 0
     ends = jnp.cumsum(n_pages)
     owner = jnp.searchsorted(ends, jnp.arange(f, dtype=ends.dtype), side="right")  # (F,) in [0, B]
     row = jnp.minimum(owner, b - 1)
-    j = jnp.arange(f) - (ends - n_pages)[row]  # page index within the row's sequence
+    j = first_page[row] + jnp.arange(f) - (ends - n_pages)[row]  # page index within the row
     live = owner < b
     page = jnp.where(live, page_table[row, jnp.clip(j, 0, w - 1)], 0)  # (F,)
 
@@ -68,9 +85,14 @@ def ragged_decode_attention(
     k = gather(k_pages, k_scale)
     v = gather(v_pages, v_scale)
     qf = q.astype(jnp.float32).reshape(b, kvh, g, d)[row]  # (F, KVH, G, D)
-    s = jnp.einsum("fkgd,kfsd->fkgs", qf, k) / jnp.sqrt(jnp.float32(d))  # (F, KVH, G, ps)
+    s = jnp.einsum("fkgd,kfsd->fkgs", qf, k)  # (F, KVH, G, ps)
+    s = s / jnp.sqrt(jnp.float32(d)) if scale is None else s * jnp.float32(scale)
+    s = soft_cap(s, softcap)
     tok = j[:, None] * ps + jnp.arange(ps)[None, :]  # (F, ps)
-    visible = (live[:, None] & (tok < kv_lens[row][:, None]))[:, None, None, :]  # (F, 1, 1, ps)
+    visible = live[:, None] & (tok < kv_lens[row][:, None])  # (F, ps)
+    if window is not None:
+        visible &= tok >= first[row][:, None]
+    visible = visible[:, None, None, :]  # (F, 1, 1, ps)
     s = jnp.where(visible, s, -jnp.inf)
 
     seg = dict(segment_ids=owner, num_segments=b + 1, indices_are_sorted=True)  # segment B: padding

@@ -59,8 +59,15 @@ def load_model(
     dtype: str = "float32",
     load_format: str = "auto",
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
+    mesh=None,
 ) -> LoadedModel:
-    """Loads config, params (in `dtype`) and tokenizer; see the module docstring for `model`."""
+    """Loads config, params (in `dtype`) and tokenizer; see the module docstring for `model`.
+
+    tensor_parallel_size: the TP the weights will run under; quantizing at load picks a group
+    size that each device's slice of a row-parallel weight holds whole.
+    mesh: a ('data', 'model') mesh: HF and GGUF float tensors, and a converted checkpoint's
+    arrays, are placed straight onto their shards as they are read (`parallel.partition`)."""
     if not (model is None or isinstance(model, (str, os.PathLike, ModelConfig))):
         raise TypeError(
             f"model must be None, a str, a path or a ModelConfig, got {type(model).__name__}"
@@ -75,20 +82,21 @@ def load_model(
         )
     t0 = time.perf_counter()
     if load_format == "dummy":
-        loaded = _quantize(_load_dummy(model, dtype), quantization)
+        loaded = _quantize(_load_dummy(model, dtype), quantization, tensor_parallel_size)
     elif isinstance(model, ModelConfig):
         raise ValueError(f"a ModelConfig as model needs load_format='dummy', got {load_format!r}")
     elif quantization != GGUF_NATIVE and model is not None and checkpoint.is_checkpoint(model):
         # A converted checkpoint holds its own dtype and quantization; `quantization`, if given,
         # must name the checkpoint's recipe (load_checkpoint checks it).
-        loaded = checkpoint.load_checkpoint(model, quantization=quantization)
+        loaded = checkpoint.load_checkpoint(model, quantization=quantization, mesh=mesh)
     else:
         if model is None or str(model) in DEFAULT_MODEL_NAMES:
             model = default_model.smollm2_gguf_path()
         if quantization == GGUF_NATIVE:  # Q4_0/Q4_1/Q8_0 blocks straight into INT4/INT8
             loaded = gguf_native.load_gguf_native(Path(model), dtype)
         else:
-            loaded = _quantize(_load_files(Path(model), dtype), quantization)
+            loaded = _load_files(Path(model), dtype, None if quantization else mesh)
+            loaded = _quantize(loaded, quantization, tensor_parallel_size)
     log.info("loaded %s (%s) in %.1f s", loaded.source, dtype, time.perf_counter() - t0)
     return loaded
 
@@ -107,26 +115,28 @@ def _load_dummy(model, dtype: str) -> LoadedModel:
     return LoadedModel(config, dummy.dummy_params(config, dtype), None, f"dummy:{name}")
 
 
-def _load_files(path: Path, dtype: str) -> LoadedModel:
-    """A HF directory or a .gguf file, as floats in `dtype`."""
+def _load_files(path: Path, dtype: str, mesh=None) -> LoadedModel:
+    """A HF directory or a .gguf file, as floats in `dtype` (on `mesh`'s shards if given)."""
     if hf.is_hf_dir(path):
-        config, params = hf.load_hf_dir(path, dtype)
+        config, params = hf.load_hf_dir(path, dtype, mesh)
         return LoadedModel(config, params, load_tokenizer(path), str(path))
     if path.suffix == ".gguf" and path.is_file():
         reader = gguf_file.open_gguf(path)
-        config, params = gguf_file.load_gguf(path, dtype, reader=reader)
+        config, params = gguf_file.load_gguf(path, dtype, reader=reader, mesh=mesh)
         return LoadedModel(config, params, load_tokenizer(path, reader=reader), str(path))
     raise ValueError(f"cannot load model {str(path)!r}: expected {_accepted()}")
 
 
-def _quantize(loaded: LoadedModel, quantization: str | None) -> LoadedModel:
+def _quantize(loaded: LoadedModel, quantization: str | None, row_shards: int = 1) -> LoadedModel:
     """The loaded float weights quantized by `quantization` (None: as loaded)."""
     if quantization is None:
         return loaded
     calib = None
     if quantization in CALIBRATED_METHODS:
         calib = _default_calibration(loaded, quantization)
-    params = quantize_params(loaded.params, loaded.config, quantization, calib=calib)
+    params = quantize_params(
+        loaded.params, loaded.config, quantization, calib=calib, row_shards=row_shards
+    )
     return dataclasses.replace(loaded, params=params)
 
 

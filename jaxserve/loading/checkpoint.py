@@ -4,7 +4,8 @@ On disk (see checkpoints/README.md):
 
     <dir>/
       jaxserve_checkpoint.json   {"format", "version", "config": ModelConfig fields,
-                                  "recipe": {"quantization", "group_size", "dtype", ...},
+                                  "recipe": {"quantization", "group_size", "dtype", ...,
+                                             "int4_layout": {"shards": {weight: S}}},
                                   "weights": {"layers/wq": {"type": "Int4Weight",
                                                             "static": {"group_size": 128, ...},
                                                             "shape": [L, K, N]}, ...}}
@@ -50,8 +51,9 @@ VERSION = 1
 META_FILE = "jaxserve_checkpoint.json"
 TYPES = {cls.__name__: cls for cls in QUANTIZED_TYPES}
 # Static fields the engine chooses when it is built, not the checkpoint: saved for the record but
-# not restored (the INT4 matmul `impl`; checkpoints written before it became static say "auto").
-RUNTIME_FIELDS = ("impl",)
+# not restored (the INT4 matmul `impl`; checkpoints written before it became static say "auto";
+# `parallel`, set by the partition rules when the weight is placed on a mesh, is not even saved).
+RUNTIME_FIELDS = ("impl", "parallel")
 # The weight type each quantization family must produce.
 FAMILY_TYPE = {"int4": "Int4Weight", "int8": "Int8Weight", "fp8": "Fp8Weight"}
 
@@ -78,6 +80,8 @@ def config_from_dict(d: dict) -> ModelConfig:
             raise ValueError(f"rope_scaling must be an object, got {d['rope_scaling']!r}")
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    # JSON has no tuples: ModelConfig's sequence fields (mlp_only_layers, ...) are tuples.
+    d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
     return ModelConfig(**d)
 
 
@@ -119,6 +123,7 @@ def save_checkpoint(path, config: ModelConfig, params: dict, tokenizer=None, rec
     for name, leaf in _walk(params):
         if isinstance(leaf, QUANTIZED_TYPES):
             arrays, static = _split_fields(leaf)
+            static = _saved_static(static)
             weights[name] = {
                 "type": type(leaf).__name__,
                 "static": static,
@@ -132,6 +137,8 @@ def save_checkpoint(path, config: ModelConfig, params: dict, tokenizer=None, rec
         "recipe": recipe,
         "weights": weights,
     }
+    if int4_layout(weights) is not None:
+        recipe["int4_layout"] = int4_layout(weights)
     _check_recipe(recipe, weights, params, config)
     path.mkdir(parents=True)
     with ocp.StandardCheckpointer() as ckptr:
@@ -143,8 +150,35 @@ def save_checkpoint(path, config: ModelConfig, params: dict, tokenizer=None, rec
     return path
 
 
+def _saved_static(static: dict) -> dict:
+    """The static fields written for a weight: not `parallel` (where it is placed is the engine's
+    choice), and not `shards` when 1 (the plain INT4 layout, left implicit as in checkpoints
+    written before shards existed; `int4_layout` in the recipe records it either way)."""
+    static = {k: v for k, v in static.items() if k != "parallel"}
+    if static.get("shards") == 1:
+        del static["shards"]
+    return static
+
+
+def int4_layout(weights: dict) -> dict | None:
+    """The INT4 packing the checkpoint holds, for its recipe: {"shards": {weight: S}} (each weight's
+    N columns packed as S blocks, `pallas_kernels/int4_layout.py`; 1 = the plain layout, and
+    what checkpoints from before shards existed hold); None without INT4 weights."""
+    shards = {
+        name: spec["static"].get("shards", 1)
+        for name, spec in sorted(weights.items())
+        if spec["type"] == "Int4Weight"
+    }
+    return {"shards": shards} if shards else None
+
+
 def _check_recipe(recipe: dict, weights: dict, params: dict, config: ModelConfig) -> None:
     """Raises ValueError naming the first weight the recipe does not describe."""
+    if "int4_layout" in recipe and recipe["int4_layout"] != int4_layout(weights):
+        raise ValueError(
+            f"recipe int4_layout {recipe['int4_layout']} does not match the weights' "
+            f"{int4_layout(weights)}"
+        )
     method = recipe.get("quantization")
     if method is None:
         if weights:
@@ -236,9 +270,11 @@ def _rebuild(name: str, spec: dict, node, meta_file: Path):
     return w
 
 
-def load_checkpoint(path, quantization: str | None = None) -> LoadedModel:
+def load_checkpoint(path, quantization: str | None = None, mesh=None) -> LoadedModel:
     """-> LoadedModel(config, params, tokenizer, source). quantization, if given, must equal the
-    recipe's method (so a server asked for int4-gptq never silently serves an int8 checkpoint)."""
+    recipe's method (so a server asked for int4-gptq never silently serves an int8 checkpoint).
+    mesh: a ('data', 'model') mesh; orbax restores every array straight onto its shards (the
+    partition rules' split, `parallel.partition.load_spec`)."""
     path = Path(path).resolve()
     if not is_checkpoint(path):
         raise ValueError(f"{path} is not a jaxserve checkpoint (needs {META_FILE} and params/)")
@@ -257,7 +293,8 @@ def load_checkpoint(path, quantization: str | None = None) -> LoadedModel:
     for entry in (path / "params", path / "tokenizer"):
         inside(path, entry)  # the top level only: orbax's own files are its business
     with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(path / "params")
+        target = None if mesh is None else _sharded_target(ckptr, path / "params", config, mesh)
+        params = ckptr.restore(path / "params", target)
     for name, spec in weights.items():
         node = params
         for part in name.split("/"):
@@ -275,6 +312,23 @@ def load_checkpoint(path, quantization: str | None = None) -> LoadedModel:
     tok_dir = path / "tokenizer"
     tokenizer = load_tokenizer(tok_dir) if tok_dir.is_dir() else None
     return LoadedModel(config, params, tokenizer, str(path))
+
+
+def _sharded_target(ckptr, params_dir: Path, config: ModelConfig, mesh):
+    """The restore target: every saved array as a ShapeDtypeStruct on its shards."""
+    from jaxserve.parallel.mesh import mesh_sizes
+    from jaxserve.parallel.partition import load_spec
+
+    _, t = mesh_sizes(mesh)
+    tree = ckptr.metadata(params_dir).item_metadata.tree
+
+    def target(key_path, meta):
+        name = "/".join(str(getattr(k, "key", k)) for k in key_path)
+        spec = load_spec(name, len(meta.shape), config, t)
+        sharding = jax.sharding.NamedSharding(mesh, spec)
+        return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(target, tree)
 
 
 def read_recipe(path) -> dict:

@@ -33,7 +33,7 @@ def _init(key: jax.Array, config: ModelConfig, dtype: str) -> dict:
 def memory_limit_bytes() -> int:
     """The memory the params may take: the default device's limit, else physical host memory."""
     host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return min(host, int(stats.get("bytes_limit", host)))
 
 

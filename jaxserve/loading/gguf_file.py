@@ -22,6 +22,11 @@ already our `[in, out]`; the numpy view and the dequantized array are [out, in])
     blk.{i}.ffn_down.weight    -> layers/w_down[i]
     output_norm.weight         -> final_norm
     output.weight              -> lm_head      (absent: tied to token_embd)
+    rope_freqs.weight          -> config.rope_scaling (rope_type 'freq_factors'): f32[Dh/2], the
+                                  per-frequency divisors llama.cpp's converter writes for Llama 3.1
+                                  (`rope_type: llama3`) scaling: inv_freq = base_inv / rope_freqs
+
+`{arch}.rope.scaling.type` 'linear' (with `rope.scaling.factor`) is read too; YaRN is refused.
 
 llama.cpp's converter permutes the rows of llama's q/k projections so that each head's rotary
 pairs are interleaved (GPT-J layout); our RoPE uses Hugging Face's rotate-half layout, so
@@ -44,7 +49,7 @@ import gguf
 import numpy as np
 from gguf.quants import dequantize
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.loading.loaded import ModelLoadError
 from jaxserve.loading.params import flat_shapes, np_dtype, to_device
 from jaxserve.model_config import MAX_SIZES, check_positive_number, check_size
@@ -117,10 +122,7 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
             f"unknown architecture: GGUF general.architecture {arch!r}; supported: {SUPPORTED_ARCHS}"
         )
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names or field(reader, f"{arch}.rope.scaling.type", "none") != "none":
-        raise ValueError(
-            f"GGUF rope scaling (rope_freqs.weight / {arch}.rope.scaling.type) is not supported"
-        )
+    rope_scaling = _rope_scaling(reader, arch)
 
     def req(key):
         v = field(reader, f"{arch}.{key}")
@@ -178,6 +180,7 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
         num_kv_heads=size("attention.head_count_kv", "num_kv_heads", heads),
         head_dim=size("attention.key_length", "head_dim", max(hidden // heads, 1)),
         rope_theta=number("rope.freq_base", 10000.0),
+        rope_scaling=rope_scaling,
         rms_norm_eps=number("attention.layer_norm_rms_epsilon"),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
@@ -186,6 +189,32 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
         eos_token_ids=() if eos is None else (eos,),
         name=name or str(field(reader, "general.name", "")),
     )
+
+
+ROPE_FREQS = "rope_freqs.weight"  # not a param: read into the config (`_rope_scaling`)
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> RopeScaling | None:
+    """RoPE scaling from `rope_freqs.weight` (llama3 divisors) or `{arch}.rope.scaling.*`."""
+    kind = field(reader, f"{arch}.rope.scaling.type", "none")
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        if kind not in ("none", "llama3") or len(freqs.shape) != 1:
+            raise ValueError(
+                f"GGUF {ROPE_FREQS} (shape {[int(d) for d in freqs.shape]}) with "
+                f"{arch}.rope.scaling.type {kind!r} is not supported"
+            )
+        divisors = dequantize_tensor(freqs).astype(np.float64)
+        return RopeScaling(rope_type="freq_factors", freq_factors=tuple(divisors.tolist()))
+    if kind == "none":
+        return None
+    if kind == "linear":
+        factor = field(reader, f"{arch}.rope.scaling.factor")
+        return RopeScaling(
+            factor=check_positive_number(f"GGUF metadata key {arch}.rope.scaling.factor", factor),
+            rope_type="linear",
+        )
+    raise ValueError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported (none, linear)")
 
 
 def gguf_tensor_map(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, list]:
@@ -218,7 +247,7 @@ def gguf_tensor_map(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, l
                 raise ValueError(f"GGUF tensor {n} has shape {got}, expected {want} (for {path})")
             tensors.append(t)
         out[path] = tensors
-    extra = sorted(set(by_name) - wanted)
+    extra = sorted(set(by_name) - wanted - {ROPE_FREQS})
     if extra:
         raise ValueError(f"GGUF has unexpected tensor(s) {extra[:8]} (of {len(extra)})")
     return out
@@ -254,7 +283,9 @@ def dequantize_tensor(t) -> np.ndarray:
     return x.reshape([int(d) for d in reversed(t.shape)])
 
 
-def load_gguf_params(reader: gguf.GGUFReader, config: ModelConfig, dtype: str = "float32") -> dict:
+def load_gguf_params(
+    reader: gguf.GGUFReader, config: ModelConfig, dtype: str = "float32", mesh=None
+) -> dict:
     """Dequantizes every mapped tensor, un-permutes llama q/k, transposes linears to [in, out]."""
     np_dtype(dtype)  # validate before the slow part
     shapes = flat_shapes(config)
@@ -274,15 +305,18 @@ def load_gguf_params(reader: gguf.GGUFReader, config: ModelConfig, dtype: str = 
             else:
                 arr[i] = x
         flat[path] = arr
-    return to_device(flat, config, dtype)
+    return to_device(flat, config, dtype, mesh)
 
 
-def load_gguf(path: str | Path, dtype: str = "float32", reader=None) -> tuple[ModelConfig, dict]:
-    """Reads a GGUF file into (config, params). Pass an open `reader` to avoid parsing twice."""
+def load_gguf(
+    path: str | Path, dtype: str = "float32", reader=None, mesh=None
+) -> tuple[ModelConfig, dict]:
+    """Reads a GGUF file into (config, params). Pass an open `reader` to avoid parsing twice;
+    a `mesh` to place each tensor straight onto its shards."""
     reader = reader if reader is not None else open_gguf(path)
     config = read_config(path, reader)
     try:
-        params = load_gguf_params(reader, config, dtype)
+        params = load_gguf_params(reader, config, dtype, mesh)
     except ModelLoadError:
         raise
     except ValueError as e:  # a tensor's name, shape or type: name the file too

@@ -15,8 +15,13 @@ the file; llama.cpp's q/k row permutation is undone on those rows (it only moves
 rows, `gguf_file.unpermute_rows`), then they are transposed to our [in, out] and packed with
 `int4.pack` at group_size 32. Every weight value is then exactly GGUF's dequantized value.
 
-    import_gguf_params(reader, config, dtype) -> params   linear weights and embed quantized, rest float
-    load_gguf_native(path, dtype)             -> LoadedModel (`load_model(..., quantization="gguf-native")`)
+    import_gguf_params(reader, config, dtype, shards=1) -> params   linears and embed quantized
+    load_gguf_native(path, dtype, shards=1)  -> LoadedModel (`load_model(..., quantization="gguf-native")`)
+
+Tensor parallelism: `shards` (an int for every INT4 weight, or a mapping param path -> int, absent
+paths 1) packs each INT4 weight's N columns as that many blocks (`pallas_kernels/int4_layout.py`),
+so a column-parallel split over T = shards devices gives each device a plain packed weight. It
+only moves nibbles: the values are GGUF's either way. A Q8_0 weight (Int8Weight) splits as it is.
 
 Linear weights of any other type (F32, F16, K-quants) are dequantized to `dtype` floats. The token
 embedding token_embd (numpy [V, D], blocks along D) is already the lm_head view [D, V] the model
@@ -31,6 +36,7 @@ This is loading, not quantization: it reads a file into the layouts `jaxserve.qu
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -111,10 +117,11 @@ def tensor_rows_cols(t) -> tuple[int, int]:
     return int(t.shape[1]), int(t.shape[0])
 
 
-def import_linear(tensors: list, heads: int | None, stacked: bool):
+def import_linear(tensors: list, heads: int | None, stacked: bool, shards: int = 1):
     """GGUF tensors of one linear param (one per layer) -> Int4Weight / Int8Weight [(L,) in, out].
 
     heads: undo llama.cpp's q/k row permutation with this many heads (None: not permuted).
+    shards: the INT4 weight's column blocks (ignored for Q8_0); N must be a multiple of 8*shards.
     """
     types = {t.tensor_type for t in tensors}
     if len(types) != 1:
@@ -140,24 +147,30 @@ def import_linear(tensors: list, heads: int | None, stacked: bool):
         q, d = arrays
         return Int8Weight(jnp.asarray(q), jnp.asarray(d), group_size=BLOCK)
     codes, d, m = arrays
-    return int4.pack(codes, d, m, group_size=BLOCK)
+    return int4.pack(codes, d, m, group_size=BLOCK, shards=shards)
 
 
-def import_gguf_params(reader, config: ModelConfig, dtype: str = "float32") -> dict:
+def import_gguf_params(
+    reader, config: ModelConfig, dtype: str = "float32", shards: int | Mapping[str, int] = 1
+) -> dict:
     """Params with Q4_0/Q4_1 linears (and token_embd, as the [D, V] lm_head view) as Int4Weight
-    (g=32), Q8_0 ones as Int8Weight (g=32); everything else float."""
+    (g=32, packed with `shards` column blocks: an int, or param path -> int), Q8_0 ones as
+    Int8Weight (g=32); everything else float."""
+    shards_of = _shards_of(shards, config)
     dt = np_dtype(dtype)
     shapes = flat_shapes(config)
     floats, quantized = {}, {}
     for path, tensors in gguf_file.gguf_tensor_map(reader, config).items():
         stacked = path.startswith("layers/")
         is_linear = path != "embed" and len(shapes[path]) - int(stacked) == 2
-        if (is_linear or _native_embed(path, tensors, config)) and (
+        if (is_linear or _native_embed(path, tensors, config, shards_of(path))) and (
             tensors[0].tensor_type in NATIVE_TYPES
         ):
-            quantized[path] = import_linear(
-                tensors, gguf_file.unpermute_heads(path, config), stacked
-            )
+            heads = gguf_file.unpermute_heads(path, config)
+            try:
+                quantized[path] = import_linear(tensors, heads, stacked, shards_of(path))
+            except ValueError as e:
+                raise ValueError(f"GGUF weight {path}: {e}") from e
             continue
         heads = gguf_file.unpermute_heads(path, config)
         arrs = []
@@ -177,21 +190,35 @@ def import_gguf_params(reader, config: ModelConfig, dtype: str = "float32") -> d
     return params
 
 
-def _native_embed(path: str, tensors: list, config: ModelConfig) -> bool:
-    """token_embd imports as a quantized lm_head view unless INT4 cannot pack its V columns."""
+def _shards_of(shards, config: ModelConfig):
+    """int | {param path: int} -> path -> int; unknown paths in the mapping are errors."""
+    if isinstance(shards, Mapping):
+        unknown = sorted(set(shards) - set(flat_shapes(config)))
+        if unknown:
+            raise ValueError(f"shards names unknown param path(s) {unknown}")
+        return lambda path: shards.get(path, 1)
+    return lambda path: shards
+
+
+def _native_embed(path: str, tensors: list, config: ModelConfig, shards: int = 1) -> bool:
+    """token_embd imports as a quantized lm_head view unless INT4 cannot pack its V columns (in
+    `shards` blocks)."""
     if path != "embed":
         return False
-    return tensors[0].tensor_type == Q.Q8_0 or config.vocab_size % int4.PACK == 0
+    return tensors[0].tensor_type == Q.Q8_0 or config.vocab_size % (int4.PACK * shards) == 0
 
 
-def load_gguf_native(path: Path, dtype: str = "float32") -> LoadedModel:
-    """A .gguf file with its Q4_0/Q4_1/Q8_0 linears imported natively, the rest as `dtype` floats."""
+def load_gguf_native(
+    path: Path, dtype: str = "float32", shards: int | Mapping[str, int] = 1
+) -> LoadedModel:
+    """A .gguf file with its Q4_0/Q4_1/Q8_0 linears imported natively, the rest as `dtype` floats;
+    INT4 weights packed with `shards` column blocks (see `import_gguf_params`)."""
     if path.suffix != ".gguf" or not path.is_file():
         raise ValueError(f"quantization={GGUF_NATIVE!r} needs a .gguf file, got {str(path)!r}")
     reader = gguf_file.open_gguf(path)
     config = gguf_file.read_config(path, reader)
     try:
-        params = import_gguf_params(reader, config, dtype)
+        params = import_gguf_params(reader, config, dtype, shards)
     except ModelLoadError:
         raise
     except ValueError as e:  # a tensor's name, shape or type: name the file too

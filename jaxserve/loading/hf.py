@@ -22,6 +22,27 @@ per-layer tensors are stacked on a leading [L] axis):
     model.norm.weight                               [D]       -> final_norm
     lm_head.weight                                  [V, D]    -> lm_head (.T)     (absent if tied)
 
+Mixture-of-experts (`MOE_LAYER_NAMES`): the sparse layers l = config.moe_layers (the k-th of them
+is row k of the stacks; the dense MLP names above then cover only config.dense_layers), experts
+e = 0..E-1 stacked at load into [Ls, E, ...]:
+
+    Mixtral    model.layers.{l}.block_sparse_moe.gate.weight        [E, D]  -> layers/router[k] (.T)
+               model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight [Im, D] -> we_gate[k, e] (.T)
+               ...experts.{e}.w3.weight [Im, D] -> we_up[k, e] (.T); ...w2.weight [D, Im] -> we_down
+    Qwen3-MoE  model.layers.{l}.mlp.gate.weight -> router; mlp.experts.{e}.gate_proj / up_proj /
+               down_proj.weight -> we_gate / we_up / we_down (same shapes and transposes)
+
+Dense families (`FAMILY_LAYER_NAMES`, `fused_rows`):
+
+    Qwen3, Gemma 3  self_attn.q_norm.weight / k_norm.weight [Dh]   -> layers/q_norm, k_norm
+    Gemma 2 / 3     post_attention_layernorm.weight [D] -> layers/post_attn_norm (attention output)
+                    pre_feedforward_layernorm.weight    -> layers/mlp_norm
+                    post_feedforward_layernorm.weight   -> layers/post_mlp_norm
+                    (the stored weights w of Gemma's (1 + w) norms, as they are)
+    Phi-3           self_attn.qkv_proj.weight [(H + 2 KVH) * Dh, D] rows [q | k | v] -> wq, wk, wv
+                    mlp.gate_up_proj.weight   [2 I, D]              rows [gate | up] -> w_gate, w_up
+                    (split at load: each param reads only its rows of the fused tensor)
+
 A missing tensor, an unexpected tensor, or a shape mismatch raises ValueError naming the tensor.
 The only names ignored are `*.rotary_emb.inv_freq` buffers (recomputed from the config), and
 `lm_head.weight` of a tied model when it equals the embedding.
@@ -65,6 +86,97 @@ LAYER_NAMES = {
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
+# --- mixture-of-experts: our layer param -> HF name inside model.layers.{l} ({e}: the expert) ---
+MOE_LAYER_NAMES = {
+    "mixtral": {
+        "router": "block_sparse_moe.gate.weight",
+        "we_gate": "block_sparse_moe.experts.{e}.w1.weight",
+        "we_up": "block_sparse_moe.experts.{e}.w3.weight",
+        "we_down": "block_sparse_moe.experts.{e}.w2.weight",
+    },
+    "qwen3_moe": {
+        "router": "mlp.gate.weight",
+        "we_gate": "mlp.experts.{e}.gate_proj.weight",
+        "we_up": "mlp.experts.{e}.up_proj.weight",
+        "we_down": "mlp.experts.{e}.down_proj.weight",
+    },
+}
+EXPERT_STACKS = ("we_gate", "we_up", "we_down")  # two stacked axes: [Ls, E, ...]
+
+
+def _stacked_axes(path: str) -> int:
+    """How many leading axes of a param were stacked from per-tensor HF names."""
+    if not path.startswith("layers/"):
+        return 0
+    return 2 if path.removeprefix("layers/") in EXPERT_STACKS else 1
+
+
+def _layer_names(config: ModelConfig, param: str) -> tuple[list[str], bool]:
+    """The HF names of one stacked layer param (row-major over its stacked axes), transposed?"""
+    moe = MOE_LAYER_NAMES.get(config.architecture, {})
+    if param in moe:
+        suffix = moe[param]
+        names = [
+            f"model.layers.{i}.{suffix}".format(e=e)
+            for i in config.moe_layers
+            for e in (range(config.num_experts) if param in EXPERT_STACKS else [0])
+        ]
+        return names, True
+    family = FAMILY_LAYER_NAMES.get(config.architecture, {})
+    suffix, transposed = family[param] if param in family else LAYER_NAMES[param]
+    held = (
+        config.dense_layers if param in ("w_gate", "w_up", "w_down") else range(config.num_layers)
+    )
+    return [f"model.layers.{i}.{suffix}" for i in held], transposed
+
+
+# --- end mixture-of-experts ---
+# --- dense families: per-architecture overrides of LAYER_NAMES, and fused tensors ---
+_QK_NORMS = {
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+}
+_GEMMA_NORMS = {
+    "post_attn_norm": ("post_attention_layernorm.weight", False),
+    "mlp_norm": ("pre_feedforward_layernorm.weight", False),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", False),
+}
+FAMILY_LAYER_NAMES = {
+    "qwen3": _QK_NORMS,
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS | _QK_NORMS,
+    "phi3": {
+        "wq": ("self_attn.qkv_proj.weight", True),
+        "wk": ("self_attn.qkv_proj.weight", True),
+        "wv": ("self_attn.qkv_proj.weight", True),
+        "w_gate": ("mlp.gate_up_proj.weight", True),
+        "w_up": ("mlp.gate_up_proj.weight", True),
+    },
+}
+FAMILY_LAYER_NAMES["qwen3_moe"] = _QK_NORMS  # mixture-of-experts: Qwen3-MoE has Qwen3's attention
+
+
+def fused_rows(config: ModelConfig, path: str) -> tuple[slice, int] | None:
+    """(rows of the fused HF tensor holding param `path`, the fused tensor's row count), or None
+    when the param has a tensor of its own."""
+    if config.architecture != "phi3":
+        return None
+    qd, kd = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    i = config.intermediate_size
+    parts = {
+        "layers/wq": (0, qd, qd + 2 * kd),
+        "layers/wk": (qd, qd + kd, qd + 2 * kd),
+        "layers/wv": (qd + kd, qd + 2 * kd, qd + 2 * kd),
+        "layers/w_gate": (0, i, 2 * i),
+        "layers/w_up": (i, 2 * i, 2 * i),
+    }
+    if path not in parts:
+        return None
+    start, stop, total = parts[path]
+    return slice(start, stop), total
+
+
+# --- end dense families ---
 GLOBAL_NAMES = {
     "embed": ("model.embed_tokens.weight", False),
     "final_norm": ("model.norm.weight", False),
@@ -108,8 +220,7 @@ def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[list[str], bool]]:
     out = {}
     for path in flat_shapes(config):
         if path.startswith("layers/"):
-            suffix, transposed = LAYER_NAMES[path.removeprefix("layers/")]
-            names = [f"model.layers.{i}.{suffix}" for i in range(config.num_layers)]
+            names, transposed = _layer_names(config, path.removeprefix("layers/"))
         else:
             name, transposed = GLOBAL_NAMES[path]
             names = [name]
@@ -187,7 +298,9 @@ def _check_layer_count(model_dir: Path, config: ModelConfig, names) -> None:
         )
 
 
-def load_hf_dir(model_dir: str | Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+def load_hf_dir(
+    model_dir: str | Path, dtype: str = "float32", mesh=None
+) -> tuple[ModelConfig, dict]:
     """Reads a HF directory into (config, params) with params in `dtype` on the default device."""
     model_dir = Path(model_dir)
     config = load_hf_config(model_dir)
@@ -215,16 +328,20 @@ def load_hf_dir(model_dir: str | Path, dtype: str = "float32") -> tuple[ModelCon
             except SafetensorError as e:
                 raise ModelLoadError(files[name], f"cannot read tensor {name}: {e}") from e
 
-        def check(name: str, want: tuple[int, ...]) -> None:
+        def check(name: str, want: tuple[int, ...], fused=None) -> None:
             got = file_shape(name)
+            if fused is not None:  # the fused tensor holds this param's rows and others'
+                want = (fused[1], *want[1:])
             if got != want:
                 raise ModelLoadError(
                     files[name],
                     f"tensor {name} has shape {got}, expected {want} (from config.json)",
                 )
 
-        def read(name: str) -> np.ndarray:
+        def read(name: str, fused=None) -> np.ndarray:
             try:
+                if fused is not None:  # only this param's rows of the fused tensor
+                    return handles[files[name]].get_slice(name)[fused[0]]
                 return handles[files[name]].get_tensor(name)
             except SafetensorError as e:
                 raise ModelLoadError(files[name], f"cannot read tensor {name}: {e}") from e
@@ -232,9 +349,9 @@ def load_hf_dir(model_dir: str | Path, dtype: str = "float32") -> tuple[ModelCon
         # Every header shape against the config before anything is read or allocated, so the
         # arrays below are exactly as large as the files' own tensors.
         for path, (names, transposed) in name_map.items():
-            one = shapes[path][1:] if path.startswith("layers/") else shapes[path]
+            one = shapes[path][_stacked_axes(path) :]
             for name in names:
-                check(name, one[::-1] if transposed else one)
+                check(name, one[::-1] if transposed else one, fused_rows(config, path))
         if tied_head:
             check("lm_head.weight", shapes["embed"])
         for path, (names, transposed) in name_map.items():
@@ -242,10 +359,11 @@ def load_hf_dir(model_dir: str | Path, dtype: str = "float32") -> tuple[ModelCon
             if path.startswith("layers/"):
                 arr = None
                 for i, name in enumerate(names):
-                    x = read(name)
+                    x = read(name, fused_rows(config, path))
                     if arr is None:  # keep the file's dtype on the host (bf16 stays 2 bytes)
                         arr = np.empty(shape, x.dtype)
-                    arr[i] = x.T if transposed else x
+                    # row i of the stacked axes ([L] or, for expert stacks, [Ls, E] row-major)
+                    arr.reshape(-1, *shape[_stacked_axes(path) :])[i] = x.T if transposed else x
             else:
                 x = read(names[0])
                 arr = np.ascontiguousarray(x.T if transposed else x)
@@ -259,4 +377,4 @@ def load_hf_dir(model_dir: str | Path, dtype: str = "float32") -> tuple[ModelCon
                     "lm_head.weight differs from model.embed_tokens.weight",
                 )
     log.info("loaded %d tensors from %s (%s)", len(wanted), model_dir, dtype)
-    return config, to_device(flat, config, dtype)
+    return config, to_device(flat, config, dtype, mesh)  # mesh: each tensor onto its shards

@@ -34,20 +34,30 @@ def flat_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def to_device(flat: dict, config: ModelConfig, dtype: str | None = None) -> dict:
+def to_device(flat: dict, config: ModelConfig, dtype: str | None = None, mesh=None) -> dict:
     """Nests {path: host array} into the params pytree of jax arrays; checks every shape.
 
     With `dtype`, float arrays are cast on the device (numpy's bfloat16 casts are several times
     slower than XLA's); other leaves (quantized-weight pytrees) are moved as they are.
+    With a ('data', 'model') `mesh`, each host array goes straight onto its devices, split as the
+    partition rules say (`parallel.partition.load_spec`): a device receives only its slice, so a
+    model larger than one device loads. Quantized pytrees go to the default device; the runner
+    places them.
     """
     dt = None if dtype is None else np_dtype(dtype)
+    place = None
+    if mesh is not None:
+        from jaxserve.parallel.partition import placer
+
+        place = placer(config, mesh)
     params: dict = {}
     for path, arr in flat.items():
         node = params
         *parents, leaf = path.split("/")
         for p in parents:
             node = node.setdefault(p, {})
-        x = jax.device_put(arr)
+        plain = isinstance(arr, np.ndarray | jax.Array)
+        x = place(path, arr) if place is not None and plain else jax.device_put(arr)
         if dt is not None and isinstance(x, jax.Array) and x.dtype != dt:
             x = x.astype(dt)
         node[leaf] = x

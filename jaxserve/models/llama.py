@@ -1,4 +1,5 @@
-"""A functional Llama-family transformer (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""The one functional decoder (Llama 2/3/3.1, Mistral, Qwen2/3, SmolLM2, Gemma 2/3, Phi-3, MoE)
+over a paged KV cache. A family is a ModelConfig and its switches, never a copy of this file.
 
     forward(params, tokens, meta, cache, config, impl) -> (hidden, cache)
     decoder_layer(lp, x, positions, attend, config, proj) -> (x, aux, taps)   one layer
@@ -16,10 +17,20 @@ leading layer axis and the layers run under `lax.scan`, so compile time does not
       wq         [L, D, H*Dh]     (+ bq [L, H*Dh] when config.attention_bias, Qwen2)
       wk, wv     [L, D, KVH*Dh]   (+ bk, bv [L, KVH*Dh])
       wo         [L, H*Dh, D]
+      q_norm, k_norm [L, Dh]      config.qk_norm (Qwen3, Gemma 3): per-head RMSNorm before RoPE
+      post_attn_norm [L, D]       config.sandwich_norms (Gemma 2/3): on the attention output,
+      post_mlp_norm  [L, D]         and on the MLP output, before each residual add
       mlp_norm   [L, D]
       w_gate     [L, D, I]
       w_up       [L, D, I]
       w_down     [L, I, D]
+      -- mixture-of-experts (config.num_experts > 0; `layers/moe.py`): the sparse layers Ls =
+         config.moe_layers hold these instead of w_gate/w_up/w_down (which then stack only the
+         dense layers, [Ld, ...], Ld = len(config.dense_layers), absent when Ld = 0):
+      router     [Ls, D, E]       (float, never quantized)
+      we_gate    [Ls, E, D, Im]   Im = moe_intermediate_size
+      we_up      [Ls, E, D, Im]
+      we_down    [Ls, E, Im, D]
     final_norm   [D]
     lm_head      [D, V]           absent when config.tie_word_embeddings (logits use embed^T)
 
@@ -28,6 +39,13 @@ same logical shape; `layers.linear.linear` multiplies either. A quantized embedd
 output projection it is when tied, logical [D, V] (`layers.embedding`): the lookup gathers its
 columns and tied logits are `linear(hidden, embed)`. Norms and softmax run in f32; matmuls in the
 params' dtype (`model_dtype`: the float embedding's, else final_norm's).
+
+The family switches, all read from the static config (`model_config.py`): q/k norms, Gemma's
+`(1 + w)` norms (`norm_offset`), sandwich norms, the gate activation, scaled embeddings,
+attention scale and soft-caps, final-logit soft-cap, RoPE scaling (llama3 / linear / LongRoPE /
+GGUF divisors). What differs per layer (Gemma's sliding and global layers, Gemma 3's two RoPE
+bases) is scanned with the weights as `layer_constants(config)`: the window i32[L] and the RoPE
+table f32[L, Dh/2].
 """
 
 from __future__ import annotations
@@ -37,96 +55,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.embedding import embed, is_quantized
 from jaxserve.layers.linear import linear, matmul
+from jaxserve.layers.moe import expert_stack, moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
+from jaxserve.models.params import check_params, init_params, model_dtype, param_shapes  # noqa: F401
 from jaxserve.resolve import REFERENCE_IMPL, ModelImpl
-
-
-def param_shapes(config: ModelConfig) -> dict:
-    """The logical shape of every parameter, as a nested dict of tuples (the name map's contract).
-
-    embed is (V, D) as a plain array; `check_params` accepts a quantized embed as (D, V).
-    """
-    c = config
-    L, D, I, V = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size
-    qd, kd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    layers = {
-        "attn_norm": (L, D),
-        "wq": (L, D, qd),
-        "wk": (L, D, kd),
-        "wv": (L, D, kd),
-        "wo": (L, qd, D),
-        "mlp_norm": (L, D),
-        "w_gate": (L, D, I),
-        "w_up": (L, D, I),
-        "w_down": (L, I, D),
-    }
-    if c.attention_bias:
-        layers.update({"bq": (L, qd), "bk": (L, kd), "bv": (L, kd)})
-    shapes = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head"] = (D, V)
-    return shapes
-
-
-def check_params(params: dict, config: ModelConfig) -> None:
-    """Raises ValueError naming any missing, unexpected or mis-shaped parameter."""
-    want = param_shapes(config)
-
-    def walk(w, p, prefix):
-        missing = sorted(set(w) - set(p))
-        extra = sorted(set(p) - set(w))
-        if missing:
-            raise ValueError(f"missing parameter(s): {[prefix + m for m in missing]}")
-        if extra:
-            raise ValueError(f"unexpected parameter(s): {[prefix + e for e in extra]}")
-        for k, shape in w.items():
-            if isinstance(shape, dict):
-                walk(shape, p[k], prefix + k + "/")
-                continue
-            shape = tuple(shape)
-            if prefix + k == "embed" and is_quantized(p[k]):
-                shape = shape[::-1]  # the lm_head view (D, V): see layers/embedding.py
-                if tuple(p[k].shape) != shape:
-                    raise ValueError(
-                        f"parameter embed is a quantized {type(p[k]).__name__} of logical shape "
-                        f"{tuple(p[k].shape)}, expected the lm_head view (D, V) = {shape}"
-                    )
-            elif tuple(p[k].shape) != shape:
-                raise ValueError(
-                    f"parameter {prefix + k} has shape {tuple(p[k].shape)}, expected {shape}"
-                )
-
-    walk(want, params, "")
-
-
-def model_dtype(params: dict):
-    """The dtype activations run in: the float embedding table's, else final_norm's."""
-    table = params["embed"]
-    return table.dtype if not is_quantized(table) else params["final_norm"].dtype
-
-
-def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random weights (normal, std 0.02; norms at 1): tests and the `dummy` load format."""
-    shapes = param_shapes(config)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda x: isinstance(x, tuple)
-    )
-    keys = jax.random.split(key, len(flat))
-    leaves = []
-    for (path, shape), k in zip(flat, keys):
-        name = jax.tree_util.keystr(path)
-        if "norm" in name:
-            leaves.append(jnp.ones(shape, dtype))
-        else:
-            leaves.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def forward(
@@ -145,43 +85,118 @@ def forward(
     """
     c = config
     dtype = model_dtype(params)
-    x = embed(params["embed"], tokens, dtype)  # (B, T, D)
+    x = embed_tokens(params, tokens, c, dtype)  # (B, T, D)
     # Weights whose kernel reads a layer of the stack in place (INT4) stay out of the scan's
     # inputs, which would slice (copy) each layer out for the kernel; they get the layer index.
+    # So do the MLP stacks of a model mixing dense and sparse layers (`mlp_rows`): they get the
+    # row of their stack that holds the layer.
+    rows = {name: jnp.asarray(r) for name, r in mlp_rows(c).items()}  # name -> i32[L]
     whole = {
-        name: w for name, w in params["layers"].items() if getattr(w, "reads_layer_in_place", False)
+        name: w
+        for name, w in params["layers"].items()
+        if getattr(w, "reads_layer_in_place", False) or name in rows
     }
     scanned = {name: w for name, w in params["layers"].items() if name not in whole}
+    sparse = jnp.asarray(np.isin(np.arange(c.num_layers), c.moe_layers)) if rows else None
 
     def layer(carry, xs):
         x, cache = carry
-        lp, li = xs
+        lp, li, row, is_sparse, lc = xs  # lc: this layer's `layer_constants`
+
+        def stack_row(name):  # the row of whole[name] holding layer li
+            return row[name] if name in row else li
 
         def proj(a, name):  # a @ layer li's weight `name`
-            w = whole[name] if name in whole else lp[name]
-            return linear(a, w, layer=li if name in whole else None, min_rows=impl.min_matmul_rows)
+            if name not in whole:
+                return linear(a, lp[name], min_rows=impl.min_matmul_rows)
+            return linear(a, whole[name], layer=stack_row(name), min_rows=impl.min_matmul_rows)
+
+        def expert(name):  # layer li's expert stack `name`, [E, K, N] in the activation dtype
+            w = lp.get(name)
+            if name in whole:
+                i = stack_row(name)
+                w = jax.tree.map(
+                    lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), whole[name]
+                )
+            return expert_stack(w, dtype)
 
         x, cache, _ = decoder_layer(
-            lp, x, meta.positions, paged_attend(cache, li, meta, impl), c, proj
+            lp,
+            x,
+            meta.positions,
+            paged_attend(cache, li, meta, impl, **attention_options(c, lc["window"])),
+            c,
+            proj,
+            expert,
+            sparse=is_sparse,
+            inv_freq=lc["inv_freq"],
         )
         return (x, cache), None
 
+    consts = {k: jnp.asarray(v) for k, v in layer_constants(c).items()}
     (x, cache), _ = jax.lax.scan(
-        layer, (x, cache), (scanned, jnp.arange(c.num_layers, dtype=jnp.int32))
+        layer,
+        (x, cache),
+        (scanned, jnp.arange(c.num_layers, dtype=jnp.int32), rows, sparse, consts),
     )
-    return rms_norm(x, params["final_norm"], c.rms_norm_eps), cache
+    return rms_norm(x, params["final_norm"], c.rms_norm_eps, c.norm_offset), cache
 
 
-def paged_attend(cache: kvc.KVCache, layer, meta: AttentionMetadata, impl: ModelImpl):
+def embed_tokens(params: dict, tokens: jax.Array, config: ModelConfig, dtype) -> jax.Array:
+    """tokens i32[B, T] -> the first layer's input [B, T, D] in dtype (Gemma: times sqrt(D),
+    the scale rounded to dtype first, as HF does)."""
+    x = embed(params["embed"], tokens, dtype)  # (B, T, D)
+    if config.scale_embeddings:
+        x = x * jnp.asarray(config.hidden_size**0.5, dtype)
+    return x
+
+
+def layer_constants(config: ModelConfig) -> dict[str, np.ndarray]:
+    """What varies per layer besides the weights, scanned with them:
+    {"window": i32[L] (0 = global), "inv_freq": f32[L, Dh/2] (the layer's RoPE table)}."""
+    return {"window": config.layer_windows(), "inv_freq": config.layer_inv_freq()}
+
+
+def attention_options(config: ModelConfig, window) -> dict:
+    """The `attention` keywords of a layer: its window (traced i32[], only when some layer of the
+    config slides: else None, the unmasked path), the soft-cap and the scale (static)."""
+    return dict(
+        window=window if config.uses_sliding_window else None,
+        softcap=config.attn_logit_softcap,
+        scale=config.attention_scale,
+    )
+
+
+def paged_attend(
+    cache: kvc.KVCache,
+    layer,
+    meta: AttentionMetadata,
+    impl: ModelImpl,
+    *,
+    window=None,
+    softcap: float | None = None,
+    scale: float | None = None,
+):
     """The engine's `attend` for `decoder_layer`: writes the new tokens' K/V into layer `layer`
     of the paged cache (ONE write, before attention reads it, so XLA updates the donated pool in
-    place), then runs paged attention over it. Returns (out [B, T, H, Dh], the updated cache)."""
+    place), then runs paged attention over it (window / softcap / scale: `attention_options`).
+    Returns (out [B, T, H, Dh], the updated cache)."""
 
     def attend(q, k, v):
         new = kvc.write(cache, layer, k, v, meta.slot_mapping)
-        return attention(q, new, layer, meta, impl.attention), new
+        out = attention(
+            q, new, layer, meta, impl.attention, window=window, softcap=softcap, scale=scale
+        )
+        return out, new
 
     return attend
+
+
+def gate_activation(config: ModelConfig) -> Callable:
+    """The MLP gate's activation, f32 -> f32: SiLU (SwiGLU) or tanh-GELU (Gemma's GeGLU)."""
+    if config.mlp_activation == "gelu_tanh":
+        return lambda a: jax.nn.gelu(a, approximate=True)
+    return jax.nn.silu
 
 
 def decoder_layer(
@@ -191,6 +206,9 @@ def decoder_layer(
     attend: Callable,
     config: ModelConfig,
     proj: Callable | None = None,
+    expert: Callable | None = None,
+    sparse=None,
+    inv_freq=None,
 ) -> tuple[jax.Array, Any, dict]:
     """One decoder layer: the engine's, calibration's (AWQ/GPTQ statistics) and the experiments'.
 
@@ -199,47 +217,149 @@ def decoder_layer(
     attend(q [B, T, H, Dh] (roped), k [B, T, KVH, Dh] (roped), v [B, T, KVH, Dh]) ->
       (out [B, T, H, Dh], aux): the attention over whatever holds the keys (the paged cache, whose
       updated self is `aux`; or a dense causal softmax over the window);
-    proj(a, name) -> a @ the layer's weight `name` (default: `linear(a, lp[name])`).
+    proj(a, name) -> a @ the layer's weight `name` (default: `linear(a, lp[name])`);
+    expert(name) -> the layer's expert stack `name` [E, K, N] in x.dtype (default: lp[name],
+      dequantized by `moe.expert_stack`);
+    sparse: whether the MLP is the mixture of experts (`moe_block`) or the dense SwiGLU: None
+      (from the config, when all its layers are one kind), a Python bool, or a traced bool[]
+      (a model mixing both: `lax.cond` runs one of the two, both compiled once);
+    inv_freq: the layer's RoPE table f32[Dh/2] (`layer_constants`; default: the config's, which
+      must then be the same for every layer). The layer's window goes into `attend`.
 
     Returns (x' [B, T, D], aux, taps), taps = the inputs of the layer's linears, {"attn" [B, T, D]
-    -> wq/wk/wv, "o" [B, T, H*Dh] -> wo, "mlp" [B, T, D] -> w_gate/w_up, "down" [B, T, I] ->
-    w_down} and the roped queries "q" [B, T, H, Dh]. Unused taps cost nothing under jit.
+    -> wq/wk/wv, "o" [B, T, H*Dh] -> wo, "mlp" [B, T, D] -> w_gate/w_up (or the router), "down"
+    [B, T, I] -> w_down (dense MLP only)} and the roped queries "q" [B, T, H, Dh]. Unused taps
+    cost nothing under jit.
     """
     c = config
     b, t, _ = x.shape
     h, kvh, dh = c.num_heads, c.num_kv_heads, c.head_dim
     dtype = x.dtype
-    inv_freq = c.inv_freq()
+    if inv_freq is None:
+        table = c.layer_inv_freq()
+        if not (table == table[:1]).all():
+            raise ValueError("this config's RoPE differs per layer: pass decoder_layer inv_freq=")
+        inv_freq = table[0]
     if proj is None:
         proj = lambda a, name: linear(a, lp[name])  # noqa: E731
 
-    a_in = rms_norm(x, lp["attn_norm"], c.rms_norm_eps)  # (B, T, D)
+    def norm(a, name):
+        return rms_norm(a, lp[name], c.rms_norm_eps, c.norm_offset)
+
+    rope = dict(long_from=c.rope_long_from, scale=c.rope_attention_factor)
+    if c.rope_long_from is not None:
+        rope["long_inv_freq"] = c.inv_freq(long=True)
+
+    a_in = norm(x, "attn_norm")  # (B, T, D)
     q, k, v = proj(a_in, "wq"), proj(a_in, "wk"), proj(a_in, "wv")
     if c.attention_bias:
         q = q + lp["bq"].astype(dtype)
         k = k + lp["bk"].astype(dtype)
         v = v + lp["bv"].astype(dtype)
-    q = apply_rope(q.reshape(b, t, h, dh), positions, inv_freq)  # (B, T, H, Dh)
-    k = apply_rope(k.reshape(b, t, kvh, dh), positions, inv_freq)  # (B, T, KVH, Dh)
+    q, k = q.reshape(b, t, h, dh), k.reshape(b, t, kvh, dh)  # (B, T, H | KVH, Dh)
+    if c.qk_norm:
+        q, k = norm(q, "q_norm"), norm(k, "k_norm")
+    q = apply_rope(q, positions, inv_freq, **rope)  # (B, T, H, Dh)
+    k = apply_rope(k, positions, inv_freq, **rope)  # (B, T, KVH, Dh)
     o, aux = attend(q, k, v.reshape(b, t, kvh, dh))
     o_in = o.reshape(b, t, h * dh)
-    x = x + proj(o_in, "wo")
-    m_in = rms_norm(x, lp["mlp_norm"], c.rms_norm_eps)
-    d_in = jax.nn.silu(proj(m_in, "w_gate").astype(jnp.float32)).astype(dtype) * proj(m_in, "w_up")
-    x = x + proj(d_in, "w_down")
-    return x, aux, {"attn": a_in, "q": q, "o": o_in, "mlp": m_in, "down": d_in}
+    attn_out = proj(o_in, "wo")
+    x = x + (norm(attn_out, "post_attn_norm") if c.sandwich_norms else attn_out)
+    m_in = norm(x, "mlp_norm")
+    taps = {"attn": a_in, "q": q, "o": o_in, "mlp": m_in}
+    # --- mixture-of-experts: the MLP is dense, sparse, or (mixed models) chosen per layer ---
+    if expert is None:
+        expert = lambda name: expert_stack(lp[name], dtype)  # noqa: E731
+    if sparse is None:
+        if c.moe_layers and c.dense_layers:
+            raise ValueError(
+                "this config mixes dense and sparse layers (mlp_only_layers / "
+                "decoder_sparse_step): decoder_layer needs sparse= for each layer"
+            )
+        sparse = bool(c.moe_layers)
+
+    def dense(m):
+        act = gate_activation(c)
+        d_in = act(proj(m, "w_gate").astype(jnp.float32)).astype(dtype) * proj(m, "w_up")
+        return proj(d_in, "w_down"), d_in
+
+    if sparse is True:
+        y = moe_block(m_in, proj, expert, c)
+    elif sparse is False:
+        y, taps["down"] = dense(m_in)
+    else:
+        y = jax.lax.cond(
+            sparse, lambda m: moe_block(m, proj, expert, c), lambda m: dense(m)[0], m_in
+        )
+    # --- end mixture-of-experts ---
+    x = x + (norm(y, "post_mlp_norm") if c.sandwich_norms else y)
+    return x, aux, taps
+
+
+# --- mixture-of-experts ---
+MOE_PARAMS = ("router", "we_gate", "we_up", "we_down")
+DENSE_MLP_PARAMS = ("w_gate", "w_up", "w_down")
+
+
+def moe_block(m_in: jax.Array, proj: Callable, expert: Callable, config: ModelConfig) -> jax.Array:
+    """The sparse MLP: m_in [B, T, D] -> [B, T, D]. Router logits in the activation dtype (as
+    HF), then `moe.moe_mlp` over the B*T tokens (padding rows too: dropless, they take no
+    capacity from real tokens)."""
+    b, t, d = m_in.shape
+    flat = m_in.reshape(b * t, d)  # (N, D)
+    logits = proj(flat, "router")  # (N, E)
+    y = moe_mlp(
+        flat,
+        logits,
+        expert("we_gate"),
+        expert("we_up"),
+        expert("we_down"),
+        config.num_experts_per_tok,
+        config.norm_topk_prob,
+    )
+    return y.reshape(b, t, d)
+
+
+def mlp_rows(config: ModelConfig) -> dict[str, np.ndarray]:
+    """{MLP param: i32[L], the row of its stack holding layer l (0 for the other kind's layers)}
+    for a model mixing dense and sparse layers; {} when every layer is one kind (the stacks then
+    hold every layer, [L, ...], and are scanned like the rest).
+
+    Why compact stacks and `lax.cond` rather than both MLPs stacked over every layer: no layer
+    stores (or loads, or quantizes) weights it never uses, the scan stays one loop body whatever
+    the pattern, and the conditional costs a predicate per layer."""
+    c = config
+    if not (c.moe_layers and c.dense_layers):
+        return {}
+    out = {}
+    for names, held in ((DENSE_MLP_PARAMS, c.dense_layers), (MOE_PARAMS, c.moe_layers)):
+        row = np.zeros(c.num_layers, np.int32)
+        row[list(held)] = np.arange(len(held), dtype=np.int32)
+        out.update({n: row for n in names})
+    return out
+
+
+# --- end mixture-of-experts ---
 
 
 def compute_logits(
     params: dict, hidden: jax.Array, config: ModelConfig, impl: ModelImpl = REFERENCE_IMPL
 ) -> jax.Array:
-    """hidden[..., D] -> f32 logits[..., V]."""
+    """hidden[..., D] -> f32 logits[..., V] (Gemma 2: soft-capped, cap * tanh(logits / cap))."""
     rows = impl.min_matmul_rows
     if config.tie_word_embeddings:
         w = params["embed"]
         if is_quantized(w):  # the lm_head view (D, V)
-            return linear(hidden, w).astype(jnp.float32)
-        return matmul(
-            hidden, w.astype(hidden.dtype), transposed=True, out_dtype=jnp.float32, min_rows=rows
-        )
-    return linear(hidden, params["lm_head"], min_rows=rows).astype(jnp.float32)
+            logits = linear(hidden, w).astype(jnp.float32)
+        else:
+            logits = matmul(
+                hidden,
+                w.astype(hidden.dtype),
+                transposed=True,
+                out_dtype=jnp.float32,
+                min_rows=rows,
+            )
+    else:
+        logits = linear(hidden, params["lm_head"], min_rows=rows).astype(jnp.float32)
+    cap = config.final_logit_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -5,6 +5,12 @@
 returns the same pytree with every linear weight (layers/{wq, wk, wv, wo, w_gate, w_up, w_down}
 [L, K, N], and lm_head [D, V] when untied) replaced by a quantized-weight pytree of the same logical
 shape (`Int4Weight`, `Int8Weight`, `Fp8Weight`); norms and biases keep the model dtype.
+Mixture-of-experts models: the expert stacks layers/{we_gate, we_up, we_down} [Ls, E, K, N]
+quantize like any linear (per expert: the scales keep the [Ls, E] axes) and the MoE layer
+dequantizes one layer's stack inside the step (`layers/moe.py`); the router [Ls, D, E] is
+deliberately left in the model dtype (E outputs: tiny, and it decides which experts run); w_gate /
+w_up / w_down exist only for the dense layers. AWQ / GPTQ refuse MoE configs (their calibration
+collects one input statistic per linear, not per expert).
 `layers.linear.linear` calls `w.matmul(x)`, so the model runs unchanged (an INT4 stack is
 handed to its kernel whole, `w.matmul(x, layer=l)`, which reads layer l in place).
 
@@ -40,12 +46,21 @@ from jaxserve.quant.int4 import Int4Weight, pack, unpack
 from jaxserve.quant.int8 import Fp8Weight, Int8Weight
 
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+MOE_EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")  # the router stays float
 QUANTIZED_TYPES = (Int4Weight, Int8Weight, Fp8Weight)
 
 
 def linear_weight_names(params: dict, config: ModelConfig) -> list[str]:
     """Paths ('layers/wq', ..., 'lm_head') of the weights `quantize_params` replaces."""
-    names = [f"layers/{n}" for n in LAYER_WEIGHTS]
+    # --- mixture-of-experts: dense MLP weights only where there are dense layers; expert stacks
+    names = [
+        f"layers/{n}"
+        for n in LAYER_WEIGHTS
+        if config.dense_layers or n not in ("w_gate", "w_up", "w_down")
+    ]
+    if config.moe_layers:
+        names += [f"layers/{n}" for n in MOE_EXPERT_WEIGHTS]
+    # --- end mixture-of-experts ---
     if not config.tie_word_embeddings:
         names.append("lm_head")
     for name in names:
@@ -186,14 +201,33 @@ def with_matmul_impl(params: dict, impl: str) -> dict:
     )
 
 
-def default_group_size(params: dict, config: ModelConfig) -> int:
-    """The largest supported group size (128, else 64, else 32) dividing every linear's input dim.
+# The row-parallel linears of tensor parallelism (`jaxserve.parallel.partition.ROLES`): their
+# input dim is split over the devices, so a group must not straddle two devices' slices.
+ROW_PARALLEL = ("wo", "w_down")
+
+
+def default_group_size(params: dict, config: ModelConfig, row_shards: int = 1) -> int:
+    """The largest supported group size (128, else 64, else 32) dividing every linear's input dim
+    (for the row-parallel ones, each of `row_shards` tensor-parallel slices of it).
 
     SmolLM2's 576-wide inputs give 64. Raises ValueError when even 32 does not divide one.
     """
+
+    def rows(name):
+        k = _get(params, name).shape[-2]
+        return k // row_shards if name.split("/")[-1] in ROW_PARALLEL else k
+
     for g in sorted(int4.GROUP_SIZES, reverse=True):
-        if all(_get(params, n).shape[-2] % g == 0 for n in linear_weight_names(params, config)):
+        if all(rows(n) % g == 0 for n in linear_weight_names(params, config)):
             return g
+    g = min(int4.GROUP_SIZES)
+    for n in linear_weight_names(params, config):
+        if row_shards > 1 and rows(n) % g and _get(params, n).shape[-2] % g == 0:
+            raise ValueError(
+                f"{n}: its input dim {_get(params, n).shape[-2]} split over "
+                f"tensor_parallel_size={row_shards} devices leaves {rows(n)} rows per device, "
+                f"which no INT4 group size {int4.GROUP_SIZES} divides"
+            )
     check_group_size(params, config, min(int4.GROUP_SIZES))  # raises, naming the weight
     raise AssertionError("unreachable")
 
@@ -206,6 +240,7 @@ def quantize_params(
     calib=None,
     quantize_embedding: bool = True,
     embedding_method: str | None = None,
+    row_shards: int = 1,
     **method_options,
 ) -> dict:
     """Quantizes the linear weights of a float params pytree (see the module docstring).
@@ -224,8 +259,16 @@ def quantize_params(
     """
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; known: {sorted(METHODS)}")
-    if group_size is None:
-        group_size = default_group_size(params, config)
+    if config.num_experts and method in ("int4-awq", "int4-gptq"):
+        raise ValueError(
+            f"{method} does not support mixture-of-experts models (num_experts="
+            f"{config.num_experts}): its calibration has no per-expert statistics; use int4-rtn, "
+            "int8 or fp8"
+        )
+    if group_size is None:  # row_shards: the tensor parallelism INT4 weights will run under
+        group_size = default_group_size(
+            params, config, row_shards if method.startswith("int4") else 1
+        )
     for name in linear_weight_names(params, config):
         if isinstance(_get(params, name), QUANTIZED_TYPES):
             raise ValueError(f"{name} is already quantized")

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.layers.embedding import embed
 from jaxserve.models import llama
 from jaxserve.quant import int4, rtn
 
@@ -172,29 +171,50 @@ class LayerStats:
     count: int  # tokens seen
 
 
-def _causal_attention(q, k, v, config: ModelConfig):
+def _causal_attention(q, k, v, config: ModelConfig, window=None):
     """Dense causal GQA attention over whole windows (the `attend` of `llama.decoder_layer`).
-    q [N, T, H, Dh], k/v [N, T, KVH, Dh] -> ([N, T, H, Dh], None)."""
+    q [N, T, H, Dh], k/v [N, T, KVH, Dh] -> ([N, T, H, Dh], None). With the paged attention's
+    options (`llama.attention_options`): window i32[] (keys t - p < window; <= 0 global), the
+    scores' scale and soft-cap."""
     n, t, h, dh = q.shape
     kvh, g = config.num_kv_heads, config.q_per_kv
     qg = q.reshape(n, t, kvh, g, dh)  # head h = kv * G + g, as in the paged reference
-    s = jnp.einsum("ntkgd,nskd->nkgts", qg, k) / jnp.sqrt(jnp.float32(dh))
-    mask = jnp.tril(jnp.ones((t, t), bool))
+    scale = config.attention_scale or 1.0 / float(np.sqrt(dh))
+    s = jnp.einsum("ntkgd,nskd->nkgts", qg, k) * jnp.float32(scale)
+    if config.attn_logit_softcap is not None:
+        cap = config.attn_logit_softcap
+        s = cap * jnp.tanh(s / cap)
+    dist = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]  # (T, T): query t - key p
+    mask = dist >= 0
+    if window is not None:
+        mask = mask & ((window <= 0) | (dist < window))
     p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
     return jnp.einsum("nkgts,nskd->ntkgd", p, v).reshape(n, t, h, dh), None
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def layer_forward(lp: dict, x: jax.Array, config: ModelConfig) -> tuple[jax.Array, dict]:
+def layer_forward(
+    lp: dict, x: jax.Array, config: ModelConfig, layer=None
+) -> tuple[jax.Array, dict]:
     """One decoder layer (the model's own, `llama.decoder_layer`) in f32 over whole windows.
-    lp: that layer's params (no layer axis); x f32[N, T, D].
+    lp: that layer's params (no layer axis); x f32[N, T, D]; layer: its index (traced, so one
+    compile serves every layer), needed where windows or RoPE differ per layer (Gemma).
 
     Returns (x_out f32[N, T, D], {"attn", "o", "mlp", "down"} -> the linears' inputs).
     """
     n, t, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
-    attend = functools.partial(_causal_attention, config=config)
-    x, _, taps = llama.decoder_layer(lp, x, positions, attend, config)
+    window, inv_freq = None, None
+    if layer is not None:
+        consts = llama.layer_constants(config)
+        window = jnp.asarray(consts["window"])[layer] if config.uses_sliding_window else None
+        inv_freq = jnp.asarray(consts["inv_freq"])[layer]
+    elif len(set(config.layer_windows().tolist())) > 1:
+        raise ValueError("this config's windows differ per layer: pass layer_forward layer=")
+    elif config.uses_sliding_window:
+        window = jnp.asarray(config.layer_windows()[0])
+    attend = functools.partial(_causal_attention, config=config, window=window)
+    x, _, taps = llama.decoder_layer(lp, x, positions, attend, config, inv_freq=inv_freq)
     return x, {k: taps[k] for k in LINEAR_INPUTS}
 
 
@@ -224,11 +244,12 @@ def _layer_slice(layers: dict, i: jax.Array, dtype) -> dict:
     return out
 
 
-def _run_layer(lp, x, config, batch, want_stats):
+def _run_layer(lp, x, config, batch, want_stats, layer=None):
     """Runs one layer over x [N, T, D] in minibatches; optionally accumulates LayerStats."""
     outs, xtx, absum = [], None, None
+    layer = None if layer is None else jnp.int32(layer)
     for s in range(0, x.shape[0], batch):
-        y, inputs = layer_forward(lp, x[s : s + batch], config)
+        y, inputs = layer_forward(lp, x[s : s + batch], config, layer)
         outs.append(y)
         if want_stats:
             a, b = _moments(inputs)
@@ -250,7 +271,7 @@ def _embed(params: dict, tokens: np.ndarray, config: ModelConfig) -> jax.Array:
         raise ValueError(f"calibration tokens must be int[N, T], got {tokens.dtype}{tokens.shape}")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= config.vocab_size):
         raise ValueError(f"calibration tokens must lie in [0, {config.vocab_size})")
-    return embed(params["embed"], jnp.asarray(tokens), jnp.float32)  # (N, T, D)
+    return llama.embed_tokens(params, jnp.asarray(tokens), config, jnp.float32)  # (N, T, D)
 
 
 def collect_stats(params: dict, config: ModelConfig, tokens: np.ndarray, batch: int = 4):
@@ -258,7 +279,7 @@ def collect_stats(params: dict, config: ModelConfig, tokens: np.ndarray, batch: 
     x = _embed(params, tokens, config)
     stats = []
     for i in range(config.num_layers):
-        x, st = _run_layer(layer_slice(params, i), x, config, batch, True)
+        x, st = _run_layer(layer_slice(params, i), x, config, batch, True, i)
         stats.append(st)
         log.info("calibration stats: layer %d/%d", i + 1, config.num_layers)
     return stats
@@ -293,12 +314,12 @@ def sequential_quantize(
     new_layers = []
     for i in range(config.num_layers):
         lp = layer_slice(params, i)
-        _, st = _run_layer(lp, x[:n_fit], config, batch, True)
+        _, st = _run_layer(lp, x[:n_fit], config, batch, True, i)
         qlp = quantize_layer(lp, st, i)
         if refine is not None:
-            x_f, _ = _run_layer(lp, x_f, config, batch, False)
+            x_f, _ = _run_layer(lp, x_f, config, batch, False, i)
             qlp = refine(qlp, x, x_f, i)
-        x, _ = _run_layer(float_view(qlp), x, config, batch, False)
+        x, _ = _run_layer(float_view(qlp), x, config, batch, False, i)
         new_layers.append(qlp)
         log.info("sequential quantization: layer %d/%d", i + 1, config.num_layers)
     return restack(params, new_layers)

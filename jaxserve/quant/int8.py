@@ -10,9 +10,15 @@ dots.
     int8: scale = amax / 127,  q = round(w / scale)          in -127..127
     fp8:  scale = amax / 448,  q = float8_e4m3fn(w / scale)  (448 = e4m3's largest finite value)
 
-Leaves may carry a leading layer axis [L, ...] (scanned like any array); `matmul` needs one layer.
-`take(ids)` gathers columns W[:, ids].T: the lookup of an embedding table kept in the lm_head
-view [D, V] (GGUF's Q8_0 token_embd imports that way, exactly).
+Leaves may carry a leading layer axis [L, ...] (scanned like any array); `matmul` needs one layer
+(a 2-D weight, or a stack and `layer=`, which it slices out). `take(ids)` gathers columns
+W[:, ids].T: the lookup of an embedding table kept in the lm_head view [D, V] (GGUF's Q8_0
+token_embd imports that way, exactly). `take_columns(idx)` copies exactly the columns idx.
+
+Tensor parallelism (`quant/sharded.py`): `partition_specs(role)` splits q and scales along N
+(column) or K (row; scales' group axis, or replicated scales for per-channel weights, whose one
+group then spans each device's K/T rows). With `parallel` set and a mesh splitting 'model',
+`matmul` and `take` run the local code under `jax.shard_map`.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from jaxserve.quant import sharded
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
@@ -47,17 +55,18 @@ def _dequantize(q, scales, group_size: int) -> jax.Array:
     return q.astype(jnp.float32) * jnp.repeat(scales, group_size, axis=-2)
 
 
-def _matmul(name: str, q, scales, group_size: int, x: jax.Array) -> jax.Array:
-    """x[..., K] @ (q * scales)[K, N] -> [..., N] in x.dtype."""
+def _matmul(name: str, q, scales, group_size: int, x: jax.Array, out_dtype=None) -> jax.Array:
+    """x[..., K] @ (q * scales)[K, N] -> [..., N] in out_dtype (default x.dtype)."""
+    out_dtype = out_dtype or x.dtype
     if q.ndim != 2:
         raise ValueError(f"{name}.matmul needs one layer's weight [K, N]; got shape {q.shape}")
     if x.shape[-1] != q.shape[0]:
         raise ValueError(f"{name}.matmul: x has last dim {x.shape[-1]}, weight has K={q.shape[0]}")
     if scales.shape[0] == 1:  # per-channel: the scale factors out of the dot
         y = jnp.einsum("...k,kn->...n", x, q.astype(x.dtype), preferred_element_type=jnp.float32)
-        return (y * scales[0]).astype(x.dtype)
+        return (y * scales[0]).astype(out_dtype)
     w = _dequantize(q, scales, group_size).astype(x.dtype)
-    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def _take(name: str, q, scales, group_size: int, ids, dtype) -> jax.Array:
@@ -92,20 +101,99 @@ class _ScaledWeight:
 
     def check(self) -> None:
         _check(type(self).__name__, self.q, self.scales, self.group_size, self.QDTYPE)
+        sharded.check_parallel(self.parallel)
 
     def dequantize(self) -> jax.Array:
         """-> f32[..., K, N]."""
         self.check()
         return _dequantize(self.q, self.scales, self.group_size)
 
-    def matmul(self, x: jax.Array) -> jax.Array:
+    def matmul(self, x: jax.Array, layer=None) -> jax.Array:
+        """x[..., K] @ W -> [..., N] in x.dtype; layer: W is layer `layer` of a stack [L, K, N].
+
+        Under a mesh that splits 'model' and with `parallel` set, runs in `jax.shard_map`.
+        """
         self.check()
-        return _matmul(type(self).__name__, self.q, self.scales, self.group_size, x)
+        name = type(self).__name__
+        if self.q.ndim != (2 if layer is None else 3):
+            raise ValueError(
+                f"{name}.matmul needs one layer's weight [K, N], or a stack [L, K, N] with "
+                f"layer=; got shape {self.shape} and layer={layer!r}"
+            )
+        if x.ndim < 1 or x.shape[-1] != self.shape[-2]:
+            raise ValueError(f"{name}.matmul: x has shape {x.shape}, weight has K={self.shape[-2]}")
+
+        def local(w, x, layer, out_dtype):
+            q, scales = w.q, w.scales
+            if layer is not None:
+                q, scales = (
+                    jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (q, scales)
+                )
+            return _matmul(name, q, scales, w.group_size, x, out_dtype)
+
+        return sharded.matmul(self, x, layer, local)
 
     def take(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
         """Columns ids int[...] -> W[:, ids].T [..., K] in dtype (an embedding lookup)."""
         self.check()
-        return _take(type(self).__name__, self.q, self.scales, self.group_size, ids, dtype)
+        name = type(self).__name__
+
+        def local(w, ids, dtype):
+            return _take(name, w.q, w.scales, w.group_size, ids, dtype)
+
+        return sharded.take(self, ids, dtype, local)
+
+    def partition_specs(self, role: str, axis: str = sharded.AXIS, size: int | None = None):
+        """-> the same class with PartitionSpec leaves (leading stacked axes unsplit).
+
+        role 'column': q and scales split on N. role 'row': q split on K; scales on their group
+        axis, or replicated for a per-channel weight (one group); needs (K/T) % group_size == 0
+        otherwise. role 'replicated': nothing split. size: T, checked when given or when the
+        current mesh has `axis`.
+        """
+        sharded.check_role(role)
+        nd = self.q.ndim
+        t = sharded.spec_size(size, axis)
+        if t is not None and role != "replicated":
+            self._local_fields(role, t)  # raises when the weight cannot split over t
+        if role == "replicated":
+            return self.replace(q=sharded.spec(nd, None, -1), scales=sharded.spec(nd, None, -1))
+        if role == "column":
+            return self.replace(q=sharded.spec(nd, axis, -1), scales=sharded.spec(nd, axis, -1))
+        per_channel = self.scales.shape[-2] == 1
+        return self.replace(
+            q=sharded.spec(nd, axis, -2), scales=sharded.spec(nd, None if per_channel else axis, -2)
+        )
+
+    def _local_fields(self, role: str, t: int) -> dict:
+        """Static fields of one device's shard over t devices (see `sharded`)."""
+        k, n = self.shape[-2:]
+        if role == "column":
+            if n % t:
+                raise ValueError(f"column-parallel split of N={n} over T={t} devices: N % T != 0")
+            return {}
+        if self.scales.shape[-2] == 1:  # per-channel: the one group spans each device's rows
+            if k % t:
+                raise ValueError(f"row-parallel split of K={k} over T={t} devices: K % T != 0")
+            return {"group_size": k // t}
+        sharded.row_group_check(k, t, self.group_size)
+        return {}
+
+    def take_columns(self, idx):
+        """The weight of exactly the output columns idx (static ints, in that order, repeats
+        allowed): q and scales copied bit for bit."""
+        idx = np.asarray(idx)
+        n = self.shape[-1]
+        if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
+            raise ValueError(
+                f"{type(self).__name__}.take_columns: idx must be 1-D ints, got {idx.dtype}{idx.shape}"
+            )
+        bad = idx[(idx < 0) | (idx >= n)]
+        if bad.size:
+            raise ValueError(
+                f"{type(self).__name__}.take_columns: column {int(bad[0])} is outside [0, N={n})"
+            )
+        return self.replace(q=self.q[..., idx], scales=self.scales[..., idx])
 
 
 @struct.dataclass
@@ -117,6 +205,7 @@ class Int8Weight(_ScaledWeight):
     q: jax.Array  # i8[..., K, N]
     scales: jax.Array  # f32[..., K // group_size, N]
     group_size: int = struct.field(pytree_node=False)
+    parallel: str | None = struct.field(pytree_node=False, default=None)  # see `quant/sharded.py`
 
 
 @struct.dataclass
@@ -128,6 +217,7 @@ class Fp8Weight(_ScaledWeight):
     q: jax.Array  # f8e4m3fn[..., K, N]
     scales: jax.Array  # f32[..., K // group_size, N]
     group_size: int = struct.field(pytree_node=False)
+    parallel: str | None = struct.field(pytree_node=False, default=None)  # see `quant/sharded.py`
 
 
 @functools.partial(jax.jit, static_argnames=("fp8",))

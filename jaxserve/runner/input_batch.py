@@ -1,6 +1,7 @@
 """Host-side packing of a scheduler plan into the fixed-shape numpy arrays a step takes.
 
     pack_prefill(plan, shape, num_slots, chunk) -> PrefillBatch   the plan's chunks, [R, T]
+    pack_prefill_shards(plan, shape, num_slots, chunk, D)          D data shards' blocks, [D*R, T]
     padding_batch(rows, num_slots, chunk)       -> PrefillBatch   all padding (warm-up)
     move_arrays(moves, num_slots)               -> (src, dst)     i32[S] each, S = padding
 
@@ -53,20 +54,47 @@ def pack_prefill(
     plan: SchedulerOutput, shape: PrefillShape, num_slots: int, chunk: int
 ) -> PrefillBatch:
     """The plan's chunks as rows of a [shape.rows, chunk] batch (the rest padding)."""
-    batch = padding_batch(shape.rows, num_slots, chunk)
-    for i, c in enumerate(plan.prefill):
+    return pack_prefill_shards(plan, shape, num_slots, chunk, 1)[0]
+
+
+def shard_rows(plan: SchedulerOutput, num_slots: int, shards: int) -> list[int]:
+    """The row of each plan.prefill[i] within its data shard's block (shards == 1: i)."""
+    per_shard = num_slots // shards
+    seen = [0] * shards
+    rows = []
+    for c in plan.prefill:
+        d = c.request.slot // per_shard
+        rows.append(seen[d])
+        seen[d] += 1
+    return rows
+
+
+def pack_prefill_shards(
+    plan: SchedulerOutput, shape: PrefillShape, num_slots: int, chunk: int, shards: int
+) -> tuple[PrefillBatch, list[int]]:
+    """The plan's chunks as D = `shards` blocks of shape.rows rows ([D * rows, chunk]): block d
+    holds the chunks of data shard d's slots, numbered locally (slot - d * S/D; S/D = padding).
+    Returns (batch, packed row of each plan.prefill[i])."""
+    per_shard = num_slots // shards
+    batch = padding_batch(shape.rows * shards, per_shard, chunk)
+    local = shard_rows(plan, num_slots, shards)
+    packed = []
+    for c, row in zip(plan.prefill, local):
+        d = c.request.slot // per_shard
+        packed.append(d * shape.rows + row)
+    for j, (i, c) in enumerate(zip(packed, plan.prefill)):
         req = c.request
         ids = req.all_token_ids
         batch.tokens[i, : c.length] = ids[c.start : c.start + c.length]
-        batch.slots[i], batch.start[i], batch.length[i] = req.slot, c.start, c.length
+        batch.slots[i], batch.start[i], batch.length[i] = req.slot % per_shard, c.start, c.length
         batch.is_last[i] = c.is_last
-        if plan.forced[i]:
+        if plan.forced[j]:
             batch.forced[i] = req.output_token_ids[-1]  # complete: no token of it is in flight
         n_prompt = len(req.prompt_token_ids)
         if req.sampling_params.prompt_logprobs is not None and c.start + 1 < n_prompt:
             end = min(c.start + c.length, n_prompt - 1)
             batch.targets[i, : end - c.start] = req.prompt_token_ids[c.start + 1 : end + 1]
-    return batch
+    return batch, packed
 
 
 def move_arrays(moves: list[tuple[int, int]], num_slots: int) -> tuple[np.ndarray, np.ndarray]:

@@ -16,9 +16,9 @@ and flat-page buckets; prefill row and width buckets); `warmup()` compiles every
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-import os
 import time
 
 import jax
@@ -27,12 +27,16 @@ import numpy as np
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.request import Request
 from jaxserve.core.runner_api import StepResult
-from jaxserve.core.sampling_params import SamplingParams, make_slot_row
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import SchedulerOutput
-from jaxserve.layers import kv_cache, linear
+from jaxserve.core.slot_row import make_slot_row
+from jaxserve.layers import linear
+from jaxserve.parallel import partition
+from jaxserve.parallel.mesh import make_mesh, mesh_sizes
 from jaxserve.quant import with_matmul_impl
 from jaxserve.resolve import DecodeShape, PrefillShape, Resolved, resolve
-from jaxserve.runner import input_batch, steps
+from jaxserve.runner import data_parallel, input_batch, memory, steps
+from jaxserve.runner.memory import check_memory, device_memory_bytes, state_bytes  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -43,6 +47,7 @@ class StepHandle:
     decode_top: bool = False  # some decoding request asked for top log-probs
     prefill: steps.PrefillOutput | None = None
     prefill_top: bool = False
+    prefill_rows: list[int] | None = None  # packed row of each plan.prefill[i]
 
     def arrays(self) -> dict[str, jax.Array]:
         """The arrays to bring back, under StepResult's field names."""
@@ -69,37 +74,21 @@ class StepHandle:
 logger = logging.getLogger(__name__)
 
 
-def state_bytes(model_config: ModelConfig, engine_config: EngineConfig, num_pages: int) -> dict:
-    """Device bytes of the KV pool and of the slot state (S slots, V vocab): the sampling state
-    holds i32 token counts and two bool masks per slot and vocabulary entry."""
-    c, e = model_config, engine_config
-    per_token = kv_cache.bytes_per_token(
-        c.num_layers, c.num_kv_heads, c.head_dim, e.kv_cache_dtype, e.dtype
-    )
-    slots = e.num_slots * (6 * c.vocab_size + 4 * e.max_pages_per_seq + 64)
-    return {"kv_pool": num_pages * e.page_size * per_token, "slot_state": slots}
+def _to_host(arrays: dict[str, jax.Array]) -> dict:
+    """Device arrays -> numpy. Arrays spanning other processes' devices (a multi-host mesh) are
+    gathered: every process runs the same steps, so every process calls this collective."""
+    if all(x.is_fully_addressable for x in arrays.values()):
+        return jax.device_get(arrays)
+    from jax.experimental import multihost_utils
+
+    return {
+        k: np.asarray(v) for k, v in multihost_utils.process_allgather(arrays, tiled=True).items()
+    }
 
 
-def device_memory_bytes() -> int:
-    """Memory of the first device: the allocator's limit on a GPU, physical RAM on the CPU."""
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_memory(model_config: ModelConfig, engine_config: EngineConfig, num_pages: int) -> None:
-    """ValueError naming num_slots / num_pages when the pool and slot state cannot fit, instead of
-    an opaque allocation failure inside XLA."""
-    need = state_bytes(model_config, engine_config, num_pages)
-    have = device_memory_bytes()
-    if sum(need.values()) > have:
-        gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
-        raise ValueError(
-            f"num_slots={engine_config.num_slots} and num_pages={num_pages} need "
-            f"{gib(need['kv_pool'])} of KV pages and {gib(need['slot_state'])} of slot state, "
-            f"more than the device's {gib(have)}: lower num_slots, num_pages or kv_cache_memory"
-        )
+def _shard_buckets(buckets: tuple[int, ...], d: int) -> tuple[int, ...]:
+    """The user's decode row buckets (over all slots) as one data shard's: each divided by D."""
+    return tuple(sorted({max(1, b // d) for b in buckets}))
 
 
 class ModelRunner:
@@ -107,6 +96,9 @@ class ModelRunner:
 
     backend: the backend whose choices to make (`jaxserve.resolve`); default the one jax runs
     on, read once here. A test lowering a GPU engine's steps on the CPU passes "gpu".
+    mesh: a ('data', 'model') `jax.sharding.Mesh` to run on (`jaxserve.parallel`); default one
+    of engine_config.data_parallel_size x tensor_parallel_size devices when either exceeds 1,
+    else none (one device, nothing sharded).
     """
 
     def __init__(
@@ -116,62 +108,117 @@ class ModelRunner:
         engine_config: EngineConfig,
         num_pages: int,
         backend: str | None = None,
+        mesh=None,
     ):
         engine_config = engine_config.for_model(model_config)  # a filled config comes back equal
+        t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
+        if mesh is None and t * d > 1:
+            mesh = make_mesh(t, d)
+        if mesh is not None:
+            d, t = mesh_sizes(mesh)
+            engine_config = dataclasses.replace(
+                engine_config, tensor_parallel_size=t, data_parallel_size=d
+            )
+            params, model_config = partition.replicate_kv_heads(params, model_config, t)
+        self.mesh = mesh
+        self.data_shards = d
+        self.slots_per_shard = engine_config.num_slots // d
+        if num_pages % d:
+            raise ValueError(
+                f"num_pages ({num_pages}) must be a multiple of data_parallel_size ({d})"
+            )
+        # The step shapes are one shard's: its slots (buckets count from its first slot).
+        shard_config = engine_config
+        if d > 1:
+            buckets = engine_config.slot_buckets
+            shard_config = dataclasses.replace(
+                engine_config,
+                num_slots=self.slots_per_shard,
+                data_parallel_size=1,
+                slot_buckets="auto" if buckets == "auto" else _shard_buckets(buckets, d),
+            )
         self.resolved: Resolved = resolve(
-            engine_config, model_config, backend or jax.default_backend()
+            shard_config, model_config, backend or jax.default_backend()
         )
+        self._steps = data_parallel if d > 1 else steps
         r = self.resolved
         params = with_matmul_impl(params, r.int4_matmul)
         if r.weight_layout == "out_in":
             params = {**params, "layers": linear.cpu_layout(params["layers"])}
+        if mesh is not None:
+            params = partition.shard_params(params, model_config, mesh)
         self.params = params
         self.model_config = model_config
         self.config = engine_config
         self.num_slots = engine_config.num_slots
         self.slot_buckets = r.slot_buckets
         check_memory(model_config, engine_config, num_pages)  # before anything is allocated
-        self.cache = steps.init_cache(
-            model_config,
-            num_pages,
-            engine_config.page_size,
-            engine_config.kv_cache_dtype,
-            engine_config.dtype,
-        )
-        self.state = steps.init_slot_state(self.num_slots, r.max_pages, model_config.vocab_size)
+
+        def init_cache():
+            return steps.init_cache(
+                model_config,
+                num_pages,
+                engine_config.page_size,
+                engine_config.kv_cache_dtype,
+                engine_config.dtype,
+            )
+
+        def init_state():
+            return steps.init_slot_state(self.num_slots, r.max_pages, model_config.vocab_size)
+
+        if mesh is None:
+            self.cache, self.state = init_cache(), init_state()
+        else:  # each device allocates only its share of the pool and of the slots
+            pool = partition.cache_specs(jax.eval_shape(init_cache), data_axis=d > 1)
+            self.cache = jax.jit(init_cache, out_shardings=partition.named(mesh, pool))()
+            slots = jax.eval_shape(init_state)
+            slots = data_parallel.state_specs(slots) if d > 1 else partition.replicated(slots)
+            self.state = jax.jit(init_state, out_shardings=partition.named(mesh, slots))()
         self._page_table = np.zeros((self.num_slots, r.max_pages), np.int32)  # host mirror
         self._active = np.zeros((self.num_slots,), bool)  # host mirror of state.active
         self._dirty = False
         self.num_h2d_transfers = 0
         self.num_d2h_transfers = 0
+        self.workspace_bytes: int | None = None  # XLA temp bytes of the largest steps (warm-up)
+        logger.info(memory.describe(self.memory_plan()))
+
+    def memory_plan(self) -> dict:
+        """Per-device bytes of params, KV pool, slot state and workspace (`runner/memory.py`)."""
+        return memory.memory_plan(self)
+
+    def _on_mesh(self):
+        """The context the steps run in: the mesh, so layers see its axes while tracing."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     # -- the steps, one call each ------------------------------------------------------------------
     def generate(self, shape: DecodeShape, want_top: bool = False) -> steps.DecodeOutput:
-        self.cache, self.state, out = steps.generate(
-            self.params,
-            self.cache,
-            self.state,
-            np.bool_(want_top),
-            config=self.model_config,
-            impl=self.resolved.model,
-            shape=shape,
-            num_steps=self.config.decode_steps,
-        )
+        with self._on_mesh():
+            self.cache, self.state, out = self._steps.generate(
+                self.params,
+                self.cache,
+                self.state,
+                np.bool_(want_top),
+                config=self.model_config,
+                impl=self.resolved.model,
+                shape=shape,
+                num_steps=self.config.decode_steps,
+            )
         return out
 
     def prefill(
         self, batch: input_batch.PrefillBatch, shape: PrefillShape, want_top: bool = False
     ) -> steps.PrefillOutput:
-        self.cache, self.state, out = steps.prefill(
-            self.params,
-            self.cache,
-            self.state,
-            batch,
-            np.bool_(want_top),
-            config=self.model_config,
-            impl=self.resolved.model,
-            shape=shape,
-        )
+        with self._on_mesh():
+            self.cache, self.state, out = self._steps.prefill(
+                self.params,
+                self.cache,
+                self.state,
+                batch,
+                np.bool_(want_top),
+                config=self.model_config,
+                impl=self.resolved.model,
+                shape=shape,
+            )
         return out
 
     # -- slot bookkeeping (host mirrors, flushed once per step) ----------------------------------
@@ -221,6 +268,10 @@ class ModelRunner:
     # -- one engine step ------------------------------------------------------------------------
     def dispatch(self, plan: SchedulerOutput) -> StepHandle:
         """Queues the plan's device work (asynchronously) and returns the handle to fetch."""
+        with self._on_mesh():
+            return self._dispatch(plan)
+
+    def _dispatch(self, plan: SchedulerOutput) -> StepHandle:
         for slot in plan.released:
             self._active[slot] = False
             self._dirty = True
@@ -235,24 +286,32 @@ class ModelRunner:
         handle = StepHandle()
         r = self.resolved
         if plan.decode:
-            handle.decode_top = any(q.sampling_params.logprobs for q in plan.decode)
-            shape = r.decode_shape(max(plan.decode_slots), [len(q.pages) for q in plan.decode])
+            # logprobs=0 too: the top entries give the sampled token's rank
+            handle.decode_top = any(q.sampling_params.logprobs is not None for q in plan.decode)
+            last = max(slot % self.slots_per_shard for slot in plan.decode_slots)  # in its shard
+            shape = r.decode_shape(last, [len(q.pages) for q in plan.decode])
             handle.decode = self.generate(shape, handle.decode_top)
         if plan.prefill:
-            handle.prefill_top = any(c.request.sampling_params.logprobs for c in plan.prefill)
+            handle.prefill_top = any(
+                c.request.sampling_params.logprobs is not None for c in plan.prefill
+            )
+            d = self.data_shards
             shape = r.prefill_shape(
-                len(plan.prefill),
+                max(input_batch.shard_rows(plan, self.num_slots, d)) + 1,  # chunks per shard
                 max(len(c.request.pages) for c in plan.prefill),
                 input_batch.wants_prompt_logprobs(plan),
             )
-            batch = input_batch.pack_prefill(plan, shape, self.num_slots, r.chunk)
+            batch, handle.prefill_rows = input_batch.pack_prefill_shards(
+                plan, shape, self.num_slots, r.chunk, d
+            )
             handle.prefill = self.prefill(batch, shape, handle.prefill_top)
             self.num_h2d_transfers += 1  # the packed batch
             for c in plan.prefill:
                 if c.is_last:
                     self._active[c.request.slot] = True  # the device activated it too
         for x in handle.arrays().values():
-            x.copy_to_host_async()  # the transfer starts as soon as the step is computed
+            if x.is_fully_addressable:  # (a multi-host step's outputs are gathered in fetch)
+                x.copy_to_host_async()  # the transfer starts as soon as the step is computed
         return handle
 
     def fetch(self, handle: StepHandle) -> StepResult:
@@ -260,7 +319,7 @@ class ModelRunner:
         arrays = handle.arrays()
         if not arrays:
             return StepResult()
-        host = jax.device_get(arrays)  # the step's one device->host transfer
+        host = _to_host(arrays)  # the step's one device->host transfer
         self.num_d2h_transfers += 1
         for name in ("tokens", "valid", "logprobs"):
             if "decode_" + name in host:  # scan stacks steps first: (k, S) -> (S, k)
@@ -268,12 +327,32 @@ class ModelRunner:
         for name in ("top_ids", "top_logprobs"):
             if "decode_" + name in host:
                 host["decode_" + name] = np.asarray(host["decode_" + name]).transpose(1, 0, 2)
+        if self.data_shards > 1:
+            self._to_global_rows(host, handle)
         return StepResult(**host)
+
+    def _to_global_rows(self, host: dict, handle: StepHandle) -> None:
+        """Data-parallel outputs in the engine's indexing: decode rows [D*B] (the first B slots
+        of each shard) -> global slots [S]; prefill rows [D*R] -> plan.prefill's order."""
+        d, per = self.data_shards, self.slots_per_shard
+        for name, x in host.items():
+            x = np.asarray(x)
+            if name.startswith("decode_"):
+                b = x.shape[0] // d
+                full = np.zeros((d, per, *x.shape[1:]), x.dtype)
+                full[:, :b] = x.reshape(d, b, *x.shape[1:])
+                host[name] = full.reshape(d * per, *x.shape[1:])
+            else:  # prefill_* and prompt_*: rows of the packed blocks
+                host[name] = x[handle.prefill_rows]
 
     def warmup(self) -> float:
         """Compiles every step shape (`Resolved.decode_shapes` / `prefill_shapes`) and the slot
         updates; returns the seconds it took. All rows are padding (nothing active, no valid
         chunk), so the state is left as it was."""
+        with self._on_mesh():
+            return self._warmup()
+
+    def _warmup(self) -> float:
         t0 = time.perf_counter()
         r, s = self.resolved, self.num_slots
         saved = self._active.copy()
@@ -288,13 +367,45 @@ class ModelRunner:
         for shape in decode:
             self.generate(shape)
         for shape in prefill:
-            self.prefill(input_batch.padding_batch(shape.rows, s, r.chunk), shape)
+            rows, local = shape.rows * self.data_shards, self.slots_per_shard
+            self.prefill(input_batch.padding_batch(rows, local, r.chunk), shape)
         self._active[:] = saved
         self._dirty = True
         self._flush()
         jax.block_until_ready(self.state)
+        self.workspace_bytes = self._workspace(decode[-1], prefill[-1])
         dt = time.perf_counter() - t0
         logger.info(
             "warm-up: %d decode and %d prefill programs in %.1f s", len(decode), len(prefill), dt
         )
+        logger.info(memory.describe(self.memory_plan()))
         return dt
+
+    def _workspace(self, decode: DecodeShape, prefill: PrefillShape) -> int | None:
+        """XLA's temporary bytes per device of the largest decode and prefill programs (their
+        executables are cached by the warm-up: lowering them again compiles nothing)."""
+        rows, local = prefill.rows * self.data_shards, self.slots_per_shard
+        batch = input_batch.padding_batch(rows, local, self.resolved.chunk)
+        common = dict(config=self.model_config, impl=self.resolved.model)
+        no = np.bool_(False)
+        programs = [
+            self._steps.generate.lower(
+                self.params,
+                self.cache,
+                self.state,
+                no,
+                shape=decode,
+                num_steps=self.config.decode_steps,
+                **common,
+            ),
+            self._steps.prefill.lower(
+                self.params, self.cache, self.state, batch, no, shape=prefill, **common
+            ),
+        ]
+        sizes = []
+        for lowered in programs:
+            analysis = lowered.compile().memory_analysis()
+            if analysis is None:
+                return None
+            sizes.append(int(analysis.temp_size_in_bytes))
+        return max(sizes)

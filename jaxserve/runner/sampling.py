@@ -4,6 +4,9 @@ Every per-request number (temperature, top-k, seeds, ...) is an array, so nothin
 `sample` follows vLLM's order:
 
     logits f32[S, V]
+      -> allowed_token_ids: every other token -> -inf
+      -> bad_words: the last token of a word whose other tokens were just generated -> -inf
+      -> logit_bias: + bias[token]
       -> min_tokens: stop/eos ids -> -inf while num_generated < min_tokens
       -> repetition penalty on prompt | generated tokens (positive / rp, negative * rp)
       -> frequency (* count) and presence (* [count > 0]) penalties on generated tokens
@@ -13,7 +16,8 @@ Every per-request number (temperature, top-k, seeds, ...) is an array, so nothin
 The key of slot s is fold_in(wrap_key_data(key_data[s]), num_generated[s]): a slot's token depends
 only on its own logits row, parameters, seed and step, never on other slots or its index.
 `lax.cond` skips the random path when every slot is greedy, and the top-k/top-p threshold search
-when no sampling slot asks for it. Log-probs are those of the raw model distribution (log_softmax
+when no sampling slot asks for it, and the allowed / bad-words / bias pass when no slot has one
+(`has_processors`). Log-probs are those of the raw model distribution (log_softmax
 of the unmodified logits), as vLLM returns by default.
 
 The runner writes a request into a slot with `set_slot(state, slot, row)` where `row` is the host's
@@ -29,7 +33,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxserve.core.sampling_params import MAX_LOGPROBS, SlotRow
+from jaxserve.core.sampling_params import (
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+)
+from jaxserve.core.slot_row import SlotRow
 
 jax.tree_util.register_dataclass(
     SlotRow, data_fields=[f.name for f in dataclasses.fields(SlotRow)], meta_fields=[]
@@ -50,6 +60,12 @@ class SamplingState:
     token_counts: jax.Array  # i32[S, V]; times each token was generated
     prompt_mask: jax.Array  # bool[S, V]; token occurs in the prompt
     stop_mask: jax.Array  # bool[S, V]; suppressed while num_generated < min_tokens
+    allowed_mask: jax.Array  # bool[S, V]; all True unless the request set allowed_token_ids
+    bias_ids: jax.Array  # i32[S, NB]; logit_bias token ids, -1 padded (NB = MAX_LOGIT_BIAS)
+    bias_values: jax.Array  # f32[S, NB]
+    bad_words: jax.Array  # i32[S, NW, W]; token sequences right-aligned, -1 padded
+    recent_tokens: jax.Array  # i32[S, W - 1]; last generated tokens, newest last, -2 padded
+    has_processors: jax.Array  # bool[S]; the slot uses allowed_token_ids, bad_words or logit_bias
 
 
 @struct.dataclass
@@ -80,6 +96,12 @@ def init_state(num_slots: int, vocab_size: int) -> SamplingState:
         token_counts=jnp.zeros((s, v), jnp.int32),
         prompt_mask=jnp.zeros((s, v), bool),
         stop_mask=jnp.zeros((s, v), bool),
+        allowed_mask=jnp.ones((s, v), bool),
+        bias_ids=jnp.full((s, MAX_LOGIT_BIAS), -1, jnp.int32),
+        bias_values=jnp.zeros((s, MAX_LOGIT_BIAS), jnp.float32),
+        bad_words=jnp.full((s, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, jnp.int32),
+        recent_tokens=jnp.full((s, MAX_BAD_WORD_TOKENS - 1), -2, jnp.int32),
+        has_processors=jnp.zeros((s,), bool),
     )
 
 
@@ -96,6 +118,9 @@ def _one_hot_rows(ids: jax.Array, vocab_size: int, dtype) -> jax.Array:
 def set_slot(state: SamplingState, slot: jax.Array, row: SlotRow) -> SamplingState:
     """Writes one request's row into slot `slot` (i32[]); jittable, donate `state`."""
     v = state.token_counts.shape[1]
+    allowed = jnp.asarray(row.allowed_ids, jnp.int32)  # (NA,)
+    bias_ids = jnp.asarray(row.bias_ids, jnp.int32)  # (NB,)
+    bad_words = jnp.asarray(row.bad_words, jnp.int32)  # (NW, W)
     scalars = {
         name: getattr(state, name).at[slot].set(jnp.asarray(getattr(row, name)))
         for name in (
@@ -121,15 +146,47 @@ def set_slot(state: SamplingState, slot: jax.Array, row: SlotRow) -> SamplingSta
         stop_mask=state.stop_mask.at[slot].set(
             _one_hot_rows(jnp.asarray(row.stop_ids), v, jnp.bool_)
         ),
+        allowed_mask=state.allowed_mask.at[slot].set(
+            jnp.where(allowed[0] < 0, True, _one_hot_rows(allowed, v, jnp.bool_))
+        ),
+        bias_ids=state.bias_ids.at[slot].set(bias_ids),
+        bias_values=state.bias_values.at[slot].set(jnp.asarray(row.bias_values, jnp.float32)),
+        bad_words=state.bad_words.at[slot].set(bad_words),
+        recent_tokens=state.recent_tokens.at[slot].set(jnp.asarray(row.recent_tokens, jnp.int32)),
+        has_processors=state.has_processors.at[slot].set(
+            (allowed[0] >= 0) | (bias_ids[0] >= 0) | (bad_words[0, -1] >= 0)
+        ),
     )
 
 
 def update_counts(state: SamplingState, tokens: jax.Array, active: jax.Array) -> SamplingState:
-    """token_counts[s, tokens[s]] += 1 for each active slot. tokens i32[S], active bool[S]."""
+    """token_counts[s, tokens[s]] += 1 and tokens[s] appended to recent_tokens[s] for each active
+    slot. tokens i32[S], active bool[S]."""
     s, v = state.token_counts.shape
     ids = jnp.where(active & (tokens >= 0), tokens, v)  # inactive -> out of range -> dropped
     counts = state.token_counts.at[jnp.arange(s), ids].add(1, mode="drop")
-    return state.replace(token_counts=counts)
+    shifted = jnp.concatenate([state.recent_tokens[:, 1:], tokens[:, None]], axis=1)  # (S, W-1)
+    recent = jnp.where((active & (tokens >= 0))[:, None], shifted, state.recent_tokens)
+    return state.replace(token_counts=counts, recent_tokens=recent)
+
+
+def apply_logits_processors(logits: jax.Array, state: SamplingState) -> jax.Array:
+    """allowed_token_ids, bad_words, then logit_bias (vLLM v1's order). f32[S, V] -> f32[S, V].
+
+    A bad word [t_1 .. t_n] bans t_n when the last n-1 generated tokens are t_1 .. t_n-1 (vLLM:
+    only generated tokens count, not the prompt); a one-token word is always banned.
+    """
+    s, v = logits.shape
+    logits = jnp.where(state.allowed_mask, logits, -jnp.inf)
+    words = state.bad_words  # (S, NW, W)
+    prefix, last = words[:, :, :-1], words[:, :, -1]  # (S, NW, W-1), (S, NW)
+    recent = state.recent_tokens[:, None, :]  # (S, 1, W-1)
+    match = jnp.all((prefix < 0) | (prefix == recent), axis=-1) & (last >= 0)  # (S, NW)
+    banned = jnp.where(match, last, v)  # out of range -> dropped
+    rows = jnp.arange(s)[:, None]
+    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    bias_ids = jnp.where(state.bias_ids < 0, v, state.bias_ids)  # (S, NB)
+    return logits.at[rows, bias_ids].add(state.bias_values, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, state: SamplingState, num_generated: jax.Array) -> jax.Array:
@@ -236,9 +293,15 @@ def sample(
         & jnp.all(state.frequency_penalty == 0.0)
         & jnp.all(num_generated >= state.min_tokens)
     )
-    # The penalty passes over [S, V] are skipped when no slot uses one (the common case).
+    # The processor and penalty passes over [S, V] are skipped when no slot uses one (the common
+    # case).
+    processed = jax.lax.cond(
+        jnp.any(state.has_processors),
+        lambda: apply_logits_processors(logits, state),
+        lambda: logits,
+    )
     penalized = jax.lax.cond(
-        neutral, lambda: logits, lambda: apply_penalties(logits, state, num_generated)
+        neutral, lambda: processed, lambda: apply_penalties(processed, state, num_generated)
     )
     greedy_tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
     greedy = state.temperature <= 0

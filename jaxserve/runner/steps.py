@@ -30,6 +30,7 @@ from jaxserve.core.sampling_params import MAX_LOGPROBS
 from jaxserve.layers import kv_cache
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import llama
+from jaxserve.parallel.partition import pin_cache, pin_replicated, pin_slots
 from jaxserve.resolve import DecodeShape, ModelImpl, PrefillShape
 from jaxserve.runner import sampling
 from jaxserve.runner.input_batch import PrefillBatch
@@ -100,29 +101,41 @@ def init_cache(model_config: ModelConfig, num_pages: int, page_size: int, kv_dty
 @functools.partial(jax.jit, donate_argnames=("state",))
 def insert(state: SlotState, slot, row, num_generated, max_total_len) -> SlotState:
     """JetStream `insert`: one request's row into slot `slot` (i32[]); the slot stays inactive."""
-    return state.replace(
-        sampling=sampling.set_slot(state.sampling, slot, row),
-        num_generated=state.num_generated.at[slot].set(num_generated),
-        max_total_len=state.max_total_len.at[slot].set(max_total_len),
-        seq_len=state.seq_len.at[slot].set(0),
-        active=state.active.at[slot].set(False),
+    return pin_slots(
+        state.replace(
+            sampling=sampling.set_slot(state.sampling, slot, row),
+            num_generated=state.num_generated.at[slot].set(num_generated),
+            max_total_len=state.max_total_len.at[slot].set(max_total_len),
+            seq_len=state.seq_len.at[slot].set(0),
+            active=state.active.at[slot].set(False),
+        )
     )
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def sync(state: SlotState, page_table, active) -> SlotState:
     """Installs the host's page table i32[S, max_pages] and decode mask bool[S]."""
-    return state.replace(page_table=page_table, active=active)
+    return pin_slots(state.replace(page_table=page_table, active=active))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def move(state: SlotState, src, dst) -> SlotState:
     """Copies slot rows src[i] -> dst[i] (i32[S] each; dst = S marks padding, dropped)."""
     s = state.last_token.shape[0]
-    return jax.tree.map(lambda a: a.at[dst].set(a[jnp.minimum(src, s - 1)], mode="drop"), state)
+    moved = jax.tree.map(lambda a: a.at[dst].set(a[jnp.minimum(src, s - 1)], mode="drop"), state)
+    return pin_slots(moved)
 
 
-def _decode_inputs(st: SlotState, pt, num_flat: int, ps: int):
+def _window_flat(config: ModelConfig, rows: int, num_flat: int, ps: int) -> int:
+    """The 'ragged' flat-page bucket of a sliding-window layer: each row reads at most the
+    ceil(window / ps) + 1 pages its window touches (0 when the model has no window)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or not num_flat:
+        return 0
+    return min(num_flat, rows * (-(-window // ps) + 1))
+
+
+def _decode_inputs(st: SlotState, pt, num_flat: int, ps: int, window_flat: int = 0):
     """One decode step's inputs for slot rows `st` (B rows): (alive bool[B], tokens [B, 1], meta)."""
     rows, width = pt.shape
     alive = st.active & (st.seq_len + 2 <= st.max_total_len)  # (B,)
@@ -134,6 +147,7 @@ def _decode_inputs(st: SlotState, pt, num_flat: int, ps: int):
         page_table=pt,
         seq_lens=jnp.where(alive, pos + 1, 0),
         num_flat_pages=num_flat,
+        num_window_flat_pages=window_flat,
     )
     return alive, st.last_token[:, None], meta
 
@@ -184,9 +198,10 @@ def generate(
 
     def step(carry, _):
         cache, st = carry
-        alive, tokens, meta = _decode_inputs(st, pt, shape.num_flat, cache.page_size)
+        window_flat = _window_flat(config, shape.rows, shape.num_flat, cache.page_size)
+        alive, tokens, meta = _decode_inputs(st, pt, shape.num_flat, cache.page_size, window_flat)
         hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)
-        logits = llama.compute_logits(params, hidden[:, 0], config, impl)  # (B, V)
+        logits = pin_replicated(llama.compute_logits(params, hidden[:, 0], config, impl))  # (B, V)
         out = sampling.sample(logits, st.sampling, st.num_generated, MAX_LOGPROBS, want_top)
         tok = jnp.where(alive, out.tokens, st.last_token)
         inc = alive.astype(jnp.int32)
@@ -199,7 +214,7 @@ def generate(
         return (cache, st), DecodeOutput(tok, alive, out.logprobs, out.top_ids, out.top_logprobs)
 
     (cache, sub), out = jax.lax.scan(step, (cache, sub), None, length=num_steps)
-    return cache, _set_rows(state, sub), out
+    return pin_cache(cache), pin_slots(_set_rows(state, sub)), out
 
 
 def _prefill_inputs(state: SlotState, batch: PrefillBatch, width: int, ps: int):
@@ -269,7 +284,7 @@ def prefill(
     meta = _prefill_inputs(state, batch, shape.width, cache.page_size)
     hidden, cache = llama.forward(params, batch.tokens, meta, cache, config, impl)  # (R, T, D)
     last = hidden[jnp.arange(r), jnp.maximum(batch.length - 1, 0)]  # each row's last token (R, D)
-    logits = llama.compute_logits(params, last, config, impl)  # (R, V)
+    logits = pin_replicated(llama.compute_logits(params, last, config, impl))  # (R, V)
     state, out = _prefill_advance(state, batch, logits, want_top)
     prompt = None
     if shape.prompt_logprobs:
@@ -281,7 +296,7 @@ def prefill(
             lp.reshape(r, t), top_ids.reshape(r, t, -1), top_lp.reshape(r, t, -1)
         )
     return (
-        cache,
-        state,
+        pin_cache(cache),
+        pin_slots(state),
         PrefillOutput(out.tokens, out.logprobs, out.top_ids, out.top_logprobs, prompt),
     )

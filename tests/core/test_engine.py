@@ -91,7 +91,8 @@ def test_fill_retire_refill_matches_reference(async_sched):
     ps = prompts(10)
     lens = [1, 5, 12, 3, 30, 7, 2, 9, 16, 4]
     for i, (p, n) in enumerate(zip(ps, lens)):
-        engine.add_request(str(i), None, p, greedy(max_tokens=n, ignore_eos=True))
+        # logprobs=0: vLLM sets cumulative_logprob only when log-probs are requested
+        engine.add_request(str(i), None, p, greedy(max_tokens=n, ignore_eos=True, logprobs=0))
     outs = run_all(engine)
     for i, (p, n) in enumerate(zip(ps, lens)):
         out = outs[str(i)].outputs[0]

@@ -94,7 +94,9 @@ def test_logprobs_and_echo(client, offline):
     lp = r.choices[0].logprobs
     out = ref.outputs[0]
     assert lp.tokens == [f"token_id:{t}" for t in out.token_ids]
-    assert lp.token_logprobs == pytest.approx([e[t] for t, e in zip(out.token_ids, out.logprobs)])
+    assert lp.token_logprobs == pytest.approx(
+        [e[t].logprob for t, e in zip(out.token_ids, out.logprobs)]
+    )
     assert all(len(top) >= 2 for top in lp.top_logprobs)
     # echo + logprobs + max_tokens=0: the prompt's log-probs (lm-eval's loglikelihood)
     r = client.completions.create(
@@ -104,7 +106,7 @@ def test_logprobs_and_echo(client, offline):
     p = PROMPTS[0]
     assert r.choices[0].token_ids == [] and len(lp.tokens) == len(p)
     assert lp.token_logprobs[0] is None
-    want = [e[t] for t, e in zip(p[1:], ref.prompt_logprobs[-(len(p) - 1) :])]
+    want = [e[t].logprob for t, e in zip(p[1:], ref.prompt_logprobs[-(len(p) - 1) :])]
     assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
     # echo with generation: the prompt's entries, then the generated ones
     r = client.completions.create(model="tiny", prompt=PROMPTS[0], echo=True, logprobs=1, **GREEDY)

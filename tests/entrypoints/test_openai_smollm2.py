@@ -36,7 +36,7 @@ def _loglikelihoods(llm):
             sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
             lps = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].prompt_logprobs
             lps = [None] * (len(ids) - len(lps)) + lps  # entry p scores token p
-            out.append(sum(lps[p][ids[p]] for p in range(n_ctx, len(ids))))
+            out.append(sum(lps[p][ids[p]].logprob for p in range(n_ctx, len(ids))))
     return out
 
 
@@ -112,7 +112,7 @@ def test_chat_logprobs(smol, client):
     content = r.choices[0].logprobs.content
     assert len(content) == 4
     assert [c.logprob for c in content] == pytest.approx(
-        [e[t] for t, e in zip(ref.token_ids, ref.logprobs)], abs=1e-5
+        [e[t].logprob for t, e in zip(ref.token_ids, ref.logprobs)], abs=1e-5
     )
     assert all(len(c.top_logprobs) == 2 for c in content)
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob

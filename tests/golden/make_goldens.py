@@ -20,6 +20,26 @@ It writes, under tests/golden/:
       Matrices use std 1/sqrt(fan_in), norms and biases are randomized too, so logits are O(1) and
       any mis-mapped tensor changes them.
 
+      The other model families (issue 26), torch seeds 4-8, each with `tokens` i32[2, 20] (phi3:
+      [2, 12]) so that every sequence runs past the sliding windows (6), and a greedy.json (below):
+        qwen3           Qwen3ForCausalLM: per-head q/k RMSNorm, explicit head_dim 32 (!= 64 / 4)
+        gemma2          Gemma2ForCausalLM, 3 layers (sliding, full, sliding), window 6, soft-caps
+                        that bind (attention 2.0, final 4.0), query_pre_attn_scalar 24 (!= 16)
+        gemma3          Gemma3ForCausalLM (gemma3_text), 4 layers of layer_types (S, S, F, S),
+                        window 6, q/k norms, local RoPE base 100 vs global 10000 with linear factor 4,
+                        final soft-cap 4.0 (its attn_logit_softcapping 2.0 is in the config, but
+                        HF's Gemma3Attention never applies it: the golden checks we don't either)
+        phi3            Phi3ForCausalLM: fused qkv_proj / gate_up_proj; LongRoPE (random short and
+                        long factors, original_max_position_embeddings 16 of 256: attention factor
+                        sqrt(2)); its 12-token logits use the short factors
+        mistral_window  MistralForCausalLM with sliding_window 6
+      greedy.json: for 3 prompts of random ids (lengths 5, 9, 14), HF's 16 greedy tokens (its cached
+      `generate` loop, one step at a time, f32) and the top-2 logit margin at every step. The runs
+      go far past the windows; phi3's cross position 16, where HF's cached decoding switches from
+      the short to the long factors per step.
+
+  Regenerate only some of them with `--only NAME ...` (the others stay byte-identical).
+
   smollm2_greedy.json
       SmolLM2-135M-Instruct (the default GGUF, loaded by transformers with `gguf_file=`, f32):
       for 5 chat-templated prompts, the prompt ids, 24 greedy tokens and HF's top-2 logit margin
@@ -46,12 +66,20 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -90,7 +118,7 @@ def tiny_models() -> dict[str, torch.nn.Module]:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32,
     }
-    return {
+    models = {
         "llama": LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False)),
         "llama31": LlamaForCausalLM(
             LlamaConfig(**TINY, tie_word_embeddings=False, rope_parameters=rope_llama3)
@@ -99,6 +127,64 @@ def tiny_models() -> dict[str, torch.nn.Module]:
             MistralConfig(**TINY, tie_word_embeddings=False, sliding_window=None)
         ),
         "qwen2": Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True)),
+    }
+    return models | family_models()
+
+
+WINDOW, FAMILY_LEN, GREEDY_PROMPT_LENS, GREEDY_NEW = 6, 20, (5, 9, 14), 16
+# Soft-caps small enough to bind on these O(1..5) scores and logits.
+CAPS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=4.0)
+
+
+def family_models() -> dict[str, torch.nn.Module]:
+    """The issue-26 families, configured so that each of their features changes the logits."""
+    gemma = dict(TINY, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, **CAPS)
+    gemma3_rope = {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    }
+    half = TINY["head_dim"] // 2
+    rng = np.random.default_rng(26)
+    longrope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [round(float(x), 4) for x in 1.0 + rng.uniform(0, 2, half)],
+        "long_factor": [round(float(x), 4) for x in 2.0 + rng.uniform(0, 30, half)],
+    }
+    phi3 = {k: v for k, v in TINY.items() if k != "head_dim"}  # Phi-3: hidden / heads (16)
+    return {
+        "qwen3": Qwen3ForCausalLM(
+            Qwen3Config(**(TINY | {"head_dim": 32}), tie_word_embeddings=False)
+        ),
+        "gemma2": Gemma2ForCausalLM(
+            Gemma2Config(
+                **(gemma | {"num_hidden_layers": 3}),
+                sliding_window=WINDOW,
+                tie_word_embeddings=True,
+            )
+        ),
+        "gemma3": Gemma3ForCausalLM(
+            Gemma3TextConfig(
+                **(gemma | {"num_hidden_layers": 4}),
+                sliding_window=WINDOW,
+                layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+                rope_parameters=gemma3_rope,
+                tie_word_embeddings=True,
+            )
+        ),
+        "phi3": Phi3ForCausalLM(
+            Phi3Config(
+                **phi3,
+                original_max_position_embeddings=16,
+                rope_parameters=longrope,
+                sliding_window=None,
+                tie_word_embeddings=False,
+                pad_token_id=0,  # Phi3Config's default (32000) lies outside the tiny vocabulary
+            )
+        ),
+        "mistral_window": MistralForCausalLM(
+            MistralConfig(**TINY, tie_word_embeddings=False, sliding_window=WINDOW)
+        ),
     }
 
 
@@ -126,11 +212,40 @@ def write_tiny(name: str, model: torch.nn.Module, seed: int) -> None:
     model.save_pretrained(out, safe_serialization=True, max_shard_size=shard)
     for extra in out.glob("generation_config.json"):
         extra.unlink()
-    tokens = torch.randint(0, TINY["vocab_size"], (2, 12), generator=gen)
+    family = name in FAMILIES
+    # phi3: 12 tokens, within original_max_position_embeddings (16), where HF's full forward and
+    # jaxserve's per-position LongRoPE agree (short factors); its greedy runs cross into the long.
+    length = FAMILY_LEN if family and name != "phi3" else 12
+    tokens = torch.randint(0, TINY["vocab_size"], (2, length), generator=gen)
     logits = model(input_ids=tokens).logits.float().numpy()
     np.savez(out / "logits.npz", tokens=tokens.numpy().astype(np.int32), logits=logits)
+    if family:
+        write_greedy(out, model, gen)
     files = sorted(p.name for p in out.iterdir())
     print(f"{name}: {files}, logits {logits.shape} |max| {np.abs(logits).max():.2f}")
+
+
+FAMILIES = ("qwen3", "gemma2", "gemma3", "phi3", "mistral_window")
+
+
+@torch.no_grad()
+def write_greedy(out: Path, model: torch.nn.Module, gen: torch.Generator) -> None:
+    """HF's cached greedy decoding of random prompts -> greedy.json (tokens and top-2 margins)."""
+    records = []
+    for n in GREEDY_PROMPT_LENS:
+        ids = [int(t) for t in torch.randint(3, TINY["vocab_size"], (n,), generator=gen)]
+        tokens, margins, step_input, past = [], [], torch.tensor([ids]), None
+        for _ in range(GREEDY_NEW):
+            res = model(input_ids=step_input, past_key_values=past, use_cache=True)
+            logits, past = res.logits[0, -1].float(), res.past_key_values
+            top2 = torch.topk(logits, 2)
+            tokens.append(int(top2.indices[0]))
+            margins.append(float(top2.values[0] - top2.values[1]))
+            step_input = torch.tensor([[tokens[-1]]])
+        records.append({"prompt_token_ids": ids, "token_ids": tokens, "top2_margin": margins})
+        print(f"  greedy len {n}: min margin {min(margins):.4f}")
+    golden = {"new_tokens": GREEDY_NEW, "dtype": "float32", "prompts": records}
+    (out / "greedy.json").write_text(json.dumps(golden, indent=1) + "\n")
 
 
 def default_gguf() -> Path:
@@ -191,12 +306,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, default=None, help="SmolLM2 GGUF (default: fetch/cache)")
     ap.add_argument("--skip-smollm2", action="store_true", help="only the tiny checkpoints")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="regenerate only these goldens (tiny checkpoint names or 'smollm2'); the rest are "
+        "left as they are",
+    )
     args = ap.parse_args()
+    models = tiny_models()
+    if args.only and (unknown := set(args.only) - set(models) - {"smollm2"}):
+        ap.error(f"unknown golden(s) {sorted(unknown)}; known: {sorted(models)} and smollm2")
     torch.manual_seed(0)
     torch.set_num_threads(1)  # on a shared 2-core machine, 2 threads can be far slower
-    for seed, (name, model) in enumerate(tiny_models().items()):
-        write_tiny(name, model, seed)
-    if not args.skip_smollm2:
+    for seed, (name, model) in enumerate(models.items()):  # seeds follow the fixed order
+        if args.only is None or name in args.only:
+            write_tiny(name, model, seed)
+    if not args.skip_smollm2 and (args.only is None or "smollm2" in args.only):
         write_smollm2(args.gguf or default_gguf())
 
 

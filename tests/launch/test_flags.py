@@ -58,7 +58,7 @@ def test_set_flags_reach_the_engine(parsed):
         "--attention_impl=reference", "--seed=5", "--quantization=int4-rtn", "--slot_buckets=1,3",
         "--prefill_chunk_size=32", "--max_num_batched_tokens=64", "--decode_steps=2",
         "--batching=static", "--noasync_scheduling", "--enable_prefix_caching", "--warmup",
-        "--num_pages=40",
+        "--num_pages=40", "--tensor_parallel_size=2", "--data_parallel_size=3",
     )  # fmt: skip
     kw = engine_flags.llm_kwargs(fv)
     assert kw == {
@@ -82,6 +82,8 @@ def test_set_flags_reach_the_engine(parsed):
         "slot_buckets": (1, 3),
         "seed": 5,
         "warmup": True,
+        "tensor_parallel_size": 2,
+        "data_parallel_size": 3,
     }
     assert set(kw) == set(engine_flags.FLAG_NAMES)  # every field is reachable
     assert engine_flags.engine_config(fv) == EngineConfig(**kw)

@@ -13,6 +13,9 @@ from pallas_kernels.paged_attention import paged_attention_reference
 
 L, KVH, G, D, PS, P = 2, 2, 3, 16, 4, 64
 ragged = jax.jit(ragged_decode_attention, static_argnums=5)
+ragged_opts = jax.jit(
+    ragged_decode_attention, static_argnums=5, static_argnames=("softcap", "scale")
+)
 
 
 def case(kv_lens, w, seed=0, quantized=False):
@@ -69,3 +72,57 @@ def test_row_result_does_not_depend_on_other_rows():
     for i in range(4):
         alone = np.asarray(fn(q[i : i + 1], k, v, lens[i : i + 1], pt[i : i + 1], 32))
         np.testing.assert_array_equal(alone[0], full[i])
+
+
+@jax.jit
+def windowed_reference(q, k, v, kv_lens, pt, layer, ks, vs, window):
+    pos = jnp.maximum(kv_lens - 1, 0)[:, None]
+    return paged_attention_reference(
+        q[:, None], k, v, pos, kv_lens, pt, layer, ks, vs, window=window, softcap=2.0, scale=0.4
+    )[:, 0]
+
+
+def window_pages(kv_lens, window, ps=PS):
+    """Flat pages a windowed step needs: each row's pages from its window's first page on."""
+    first = [max(n - window, 0) // ps if window > 0 else 0 for n in kv_lens]
+    return sum(-(-n // ps) - a for n, a in zip(kv_lens, first))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("window", [1, 3, 4, 9, 31, 32, 100, 0, -2])
+def test_window_softcap_scale_match_reference(window, quantized):
+    """Windows of one token, under / at / over a page, equal to and beyond the longest row,
+    global; a binding cap (2.0) and a custom scale; F as tight as the windows allow."""
+    kv_lens = [5, 0, 16, 1, 9, 32, 30]
+    q, k, v, lens, pt, ks, vs = case(kv_lens, 8, seed=4, quantized=quantized)
+    q = q * 3  # logits of several units: the cap binds
+    want = windowed_reference(q, k, v, lens, pt, 1, ks, vs, jnp.int32(window))
+    for f in (window_pages(kv_lens, window), len(kv_lens) * 8):
+        got = ragged_opts(
+            q, k, v, lens, pt, f, 1, ks, vs, window=jnp.int32(window), softcap=2.0, scale=0.4
+        )
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_far_beyond_the_window_reads_only_the_window():
+    """A 120-token row with a 10-token window: 3 flat pages suffice, whatever sits before them."""
+    q, k, v, lens, pt, _, _ = case([120, 7], 30, seed=5)
+    f = window_pages([120, 7], 10)
+    assert f == 3 + 2
+    want = windowed_reference(q, k, v, lens, pt, 0, None, None, jnp.int32(10))
+    got = ragged_opts(q, k, v, lens, pt, f, 0, window=jnp.int32(10), softcap=2.0, scale=0.4)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    # NaN in the pages before row 0's window (its first 27 pages) changes nothing: never read
+    # (a masked but gathered NaN value would still poison P.V).
+    k2 = k.at[0, :, pt[0, :27]].set(jnp.nan)
+    v2 = v.at[0, :, pt[0, :27]].set(jnp.nan)
+    got2 = ragged_opts(q, k2, v2, lens, pt, f, 0, window=jnp.int32(10), softcap=2.0, scale=0.4)
+    np.testing.assert_array_equal(np.asarray(got2), np.asarray(got))
+
+
+def test_window_at_most_zero_is_global_bit_for_bit():
+    q, k, v, lens, pt, _, _ = case([13, 7, 30, 2], 8, seed=3)
+    plain = np.asarray(ragged(q, k, v, lens, pt, 32))
+    for w in (0, -1):
+        same = ragged_opts(q, k, v, lens, pt, 32, window=jnp.int32(w))
+        np.testing.assert_array_equal(np.asarray(same), plain)

@@ -99,3 +99,33 @@ def test_tied_lm_head_copy_is_accepted_only_if_equal(tmp_path):
     save_file(tensors, d / "model.safetensors")
     with pytest.raises(ValueError, match=r"lm_head\.weight differs from model\.embed_tokens"):
         hf.load_hf_dir(d)
+
+
+def test_fused_phi3_tensors_are_split_and_shape_checked(tmp_path):
+    """Phi-3's qkv_proj / gate_up_proj fill wq|wk|wv and w_gate|w_up row by row; a fused tensor
+    of the wrong size is named with the size the config implies."""
+    d = tmp_path / "phi3"
+    shutil.copytree(GOLDEN_DIR / "phi3", d)
+    tensors = load_file(d / "model.safetensors")
+    config, params = hf.load_hf_dir(d)
+    qkv = tensors["model.layers.1.self_attn.qkv_proj.weight"]  # [(H + 2 KVH) * Dh, D]
+    q, k = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    np.testing.assert_array_equal(np.asarray(params["layers"]["wk"][1]), qkv[q : q + k].T)
+    gate_up = tensors["model.layers.0.mlp.gate_up_proj.weight"]  # [2 I, D]
+    np.testing.assert_array_equal(
+        np.asarray(params["layers"]["w_up"][0]), gate_up[config.intermediate_size :].T
+    )
+    tensors["model.layers.0.self_attn.qkv_proj.weight"] = qkv[:-16]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(
+        ValueError, match=r"qkv_proj\.weight has shape \(112, 64\), expected \(128, 64\)"
+    ):
+        hf.load_hf_dir(d)
+
+
+def test_gemma_norm_names_map_to_the_sandwich_norms():
+    """Gemma's post_attention_layernorm is the attention output's norm (not the MLP input's)."""
+    names = hf.hf_tensor_map(hf.load_hf_config(GOLDEN_DIR / "gemma3"))
+    assert names["layers/mlp_norm"][0][0] == "model.layers.0.pre_feedforward_layernorm.weight"
+    assert names["layers/post_attn_norm"][0][0] == "model.layers.0.post_attention_layernorm.weight"
+    assert names["layers/q_norm"][0][3] == "model.layers.3.self_attn.q_norm.weight"

@@ -58,3 +58,66 @@ def pairwise_covered(cases, names):
 
 def np_seed(*parts) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(parts).encode()))
+
+
+def paged_from_dense(rng, kd, vd, ps, kv_cache_dtype="auto", model_dtype=jnp.float32, spare=3):
+    """The dense sequences kd, vd f32[L, KVH, B, S, D] laid into a pool of page size `ps` over a
+    permuted page table: (k, v, k_scale, v_scale, page_table i32[B, ceil(S / ps)]). The per-token
+    quantization is the same whatever ps, so pools of different page sizes hold the same values."""
+    kd, vd = np.asarray(kd, np.float32), np.asarray(vd, np.float32)
+    layers, kvh, b, s, d = kd.shape
+    w = -(-s // ps)
+    pages = b * w + spare
+    pt = np.asarray(permuted_page_table(rng, b, w, pages))
+
+    def lay(x):
+        x = np.pad(x, ((0, 0), (0, 0), (0, 0), (0, w * ps - s), (0, 0)))
+        pool = np.zeros((layers, kvh, pages, ps, d), np.float32)
+        pool[:, :, pt] = x.reshape(layers, kvh, b, w, ps, d)
+        return jnp.asarray(pool)
+
+    k, v = lay(kd), lay(vd)
+    if kv_cache_dtype == "auto":
+        return k.astype(model_dtype), v.astype(model_dtype), None, None, jnp.asarray(pt)
+    dt = kvc.storage_dtype(kv_cache_dtype, model_dtype)
+    kq, ks = kvc.quantize(k, dt)
+    vq, vs = kvc.quantize(v, dt)
+    return kq, vq, ks, vs, jnp.asarray(pt)
+
+
+def naive_attention(q, k, v, ks, vs, pt, positions, seq_lens, layer, window, softcap, scale):
+    """Loop-by-loop numpy definition of windowed, soft-capped paged attention (f64): q [B, T, H, D]
+    -> [B, T, H, D]. Key p is visible to query position t iff p <= t, p < seq_len and (window <= 0
+    or t - p < window); a query with no visible key gives zeros."""
+    q = np.asarray(q, np.float64)
+    b, t, h, d = q.shape
+    kvh = k.shape[1]
+    pt = np.asarray(pt)
+
+    def dense(pool, sc):  # (KVH, B, W * ps, D)
+        x = np.asarray(pool[layer].astype(jnp.float32), np.float64)[:, pt]
+        if sc is not None:
+            x = x * np.asarray(sc[layer], np.float64)[:, pt][..., None]
+        return x.reshape(kvh, b, -1, d)
+
+    kd, vd = dense(k, ks), dense(v, vs)
+    scale = d**-0.5 if scale is None else scale
+    out = np.zeros((b, t, h, d))
+    for bi in range(b):
+        for ti in range(t):
+            pos = int(positions[bi, ti])
+            keys = [
+                p
+                for p in range(kd.shape[2])
+                if p <= pos and p < int(seq_lens[bi]) and (window <= 0 or pos - p < window)
+            ]
+            if not keys:
+                continue
+            for hi in range(h):
+                kh = hi // (h // kvh)
+                s = kd[kh, bi, keys] @ q[bi, ti, hi] * scale
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
+                p = np.exp(s - s.max())
+                out[bi, ti, hi] = (p / p.sum()) @ vd[kh, bi, keys]
+    return out

@@ -43,7 +43,10 @@ def test_no_recompilation_after_warmup():
             stop_token_ids=[9],
         ),
         SamplingParams(temperature=0, prompt_logprobs=2, max_tokens=5, min_tokens=3),
-        SamplingParams(temperature=0.5, seed=1, max_tokens=1),
+        # per-slot logits processors (issue 25): fixed-shape arrays, no new program
+        SamplingParams(
+            temperature=0.5, seed=1, max_tokens=1, logit_bias={5: 2.0}, allowed_token_ids=[5, 6]
+        ),
     ]
     with CompileCounter() as counter:
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -61,6 +61,7 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -70,6 +71,8 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams fields this request sets (max_tokens and log-probs excepted)."""
@@ -89,6 +92,13 @@ class _SamplingRequest(_Request):
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop_token_ids:
             kw["stop_token_ids"] = list(self.stop_token_ids)
+        if self.logit_bias:
+            # OpenAI's and vLLM's server: each bias clamped to [-100, 100] (a bad key is a 400)
+            kw["logit_bias"] = {k: min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            kw["allowed_token_ids"] = list(self.allowed_token_ids)
+        if self.bad_words:
+            kw["bad_words"] = list(self.bad_words)
         return kw
 
 

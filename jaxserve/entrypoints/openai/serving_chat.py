@@ -70,16 +70,16 @@ def _logprobs(state, c: CompletionOutput, start: int, k: int) -> ChatLogprobs:
     content = []
     for tid, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
         s = token_str(state, tid)
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]  # Logprob values
         content.append(
             ChatTokenLogprob(
                 token=s,
-                logprob=entry.get(tid, float("-inf")),
+                logprob=entry[tid].logprob if tid in entry else float("-inf"),
                 bytes=list(s.encode()),
                 top_logprobs=[
                     TopLogprob(
                         token=token_str(state, t),
-                        logprob=v,
+                        logprob=v.logprob,
                         bytes=list(token_str(state, t).encode()),
                     )
                     for t, v in top

@@ -1,0 +1,192 @@
+"""How `LLM(...)`'s keyword arguments become an engine: vLLM's spellings, the KV budget, the mesh.
+
+vllm_settings(settings) -> (settings, VllmOptions)   max_num_seqs, block_size, dtype aliases;
+                                                     gpu_memory_utilization, tokenizer,
+                                                     generation_config
+generation_defaults(model, generation_config)        default sampling params of the model
+kv_budget_bytes / apply_memory_utilization           vLLM's KV budget on an accelerator
+resolve_num_pages(engine_config, model_config)       the KV pool's pages
+mesh_settings(mesh, settings)                        a user's mesh -> the parallel sizes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from jaxserve.config import EngineConfig
+from jaxserve.layers import kv_cache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmOptions:
+    """vLLM constructor options with no EngineConfig field of their own."""
+
+    gpu_memory_utilization: float | None = None
+    tokenizer: str | None = None
+    generation_config: str = "auto"
+
+
+# vLLM's name -> EngineConfig's, for options that mean the same thing
+SETTING_ALIASES = {"max_num_seqs": "num_slots", "block_size": "page_size"}
+# vLLM's dtype names -> jaxserve's. jaxserve computes in bfloat16 or float32; vLLM's "auto" keeps
+# a 16-bit checkpoint's dtype and downcasts float32 to the platform's preferred 16-bit dtype
+# (`_resolve_auto_dtype`), falling back to it for an unsupported float16: bfloat16 here.
+DTYPE_ALIASES = {
+    "auto": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "bfloat16",
+    "half": "bfloat16",
+}
+GENERATION_CONFIGS = ("auto", "vllm")
+# generation_config.json fields vLLM takes as default sampling parameters (get_diff_sampling_param)
+_GENERATION_FIELDS = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
+
+
+def vllm_settings(settings: dict) -> tuple[dict, VllmOptions]:
+    """LLM()'s keyword arguments with vLLM's spellings mapped to EngineConfig's fields
+    (max_num_seqs -> num_slots, block_size -> page_size, dtype="auto"/"half"/"float16"/"float"),
+    and the vLLM options that are not EngineConfig fields. ValueError naming a bad one."""
+    settings = dict(settings)
+    for alias, name in SETTING_ALIASES.items():
+        if alias in settings:
+            if name in settings:
+                raise ValueError(f"{alias} is vLLM's name for {name}: pass one of them, not both")
+            settings[name] = settings.pop(alias)
+    dtype = settings.get("dtype")
+    if isinstance(dtype, str) and dtype in DTYPE_ALIASES:
+        if dtype in ("float16", "half"):
+            logger.warning("dtype=%r: jaxserve has no float16 path; using bfloat16", dtype)
+        settings["dtype"] = DTYPE_ALIASES[dtype]
+    util = settings.pop("gpu_memory_utilization", None)
+    if util is not None and (
+        isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1
+    ):
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+    if util is not None and settings.get("kv_cache_memory") is not None:
+        raise ValueError("gpu_memory_utilization and kv_cache_memory both size the KV cache")
+    tokenizer = settings.pop("tokenizer", None)
+    if tokenizer is not None and not isinstance(tokenizer, str | os.PathLike):
+        raise ValueError(f"tokenizer must be a path, got {type(tokenizer).__name__}")
+    gen = settings.pop("generation_config", "auto")
+    if gen not in GENERATION_CONFIGS:
+        raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, got {gen!r}")
+    return settings, VllmOptions(
+        None if util is None else float(util),
+        None if tokenizer is None else os.fspath(tokenizer),
+        gen,
+    )
+
+
+def generation_defaults(model, generation_config: str) -> dict:
+    """vLLM's default sampling parameters from `<model dir>/generation_config.json`: the values
+    that differ from transformers' defaults (GenerationConfig.to_diff_dict) among vLLM's fields,
+    max_new_tokens as max_tokens; `eos_token_ids` (a key for LLM) from its eos_token_id. {} for
+    generation_config="vllm", a model without the file, or one without such values."""
+    if generation_config == "vllm" or not isinstance(model, str):
+        return {}
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    from transformers import GenerationConfig  # lazy, as the loaders
+
+    try:
+        diff = GenerationConfig.from_pretrained(model, local_files_only=True).to_diff_dict()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"generation_config: cannot read {path}: {e}") from e
+    out = {p: diff[p] for p in _GENERATION_FIELDS if diff.get(p) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    if out:
+        logger.warning(
+            "default sampling parameters come from the model's generation_config.json: %s "
+            "(generation_config='vllm' ignores them)",
+            out,
+        )
+    eos = diff.get("eos_token_id")
+    if eos is not None:
+        out["eos_token_ids"] = (eos,) if isinstance(eos, int) else tuple(eos)
+    return out
+
+
+def kv_budget_bytes(utilization: float, device_bytes: int, param_bytes: int, state_bytes: int):
+    """vLLM's KV budget: the fraction `utilization` of device memory, less the params and the
+    slot state. ValueError naming gpu_memory_utilization when nothing is left."""
+    budget = int(utilization * device_bytes) - param_bytes - state_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no KV cache memory: "
+            f"{utilization} x {device_bytes} bytes hold the params ({param_bytes}) and slot "
+            f"state ({state_bytes}) only"
+        )
+    return budget
+
+
+def apply_memory_utilization(requested: EngineConfig, config, params, utilization: float):
+    """kv_cache_memory from gpu_memory_utilization on an accelerator. On the CPU vLLM sizes the
+    KV cache by VLLM_CPU_KVCACHE_SPACE instead and ignores it; so does jaxserve (the default
+    num_pages apply)."""
+    import jax
+
+    from jaxserve.runner.memory import device_memory_bytes, state_bytes
+
+    if jax.local_devices()[0].platform == "cpu" or requested.num_pages is not None:
+        logger.info("gpu_memory_utilization ignored (CPU, or num_pages given)")
+        return requested
+    from jaxserve.runner.memory import bytes_on_device
+
+    # per device: the params are already on their shards; the pool is split over every device
+    devices = requested.tensor_parallel_size * requested.data_parallel_size
+    param_bytes = bytes_on_device(params, jax.local_devices()[0])
+    slot_state = state_bytes(config, requested.for_model(config), 0)["slot_state"]
+    budget = kv_budget_bytes(utilization, device_memory_bytes(), param_bytes, slot_state)
+    return dataclasses.replace(requested, kv_cache_memory=budget * devices)
+
+
+def resolve_num_pages(engine_config: EngineConfig, model_config) -> int:
+    """num_pages, else kv_cache_memory // page bytes, else enough for every slot at max_model_len."""
+    if engine_config.num_pages is not None:
+        return engine_config.num_pages
+    if engine_config.kv_cache_memory is not None:
+        c = model_config
+        per_token = kv_cache.bytes_per_token(
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            engine_config.kv_cache_dtype,
+            engine_config.dtype,
+        )
+        pages = engine_config.kv_cache_memory // (per_token * engine_config.page_size)
+        pages -= pages % engine_config.data_parallel_size  # an equal share per data shard
+        if pages < 1:
+            raise ValueError(
+                f"kv_cache_memory={engine_config.kv_cache_memory} bytes holds no page "
+                f"({per_token * engine_config.page_size} bytes per page)"
+            )
+        return int(pages)
+    return engine_config.num_slots * engine_config.max_pages_per_seq
+
+
+def mesh_settings(mesh, settings: dict) -> dict:
+    """`settings` with the parallel sizes of a user's mesh (ValueError if they disagree)."""
+    from jaxserve.parallel.mesh import mesh_sizes
+
+    d, t = mesh_sizes(mesh)
+    for name, size in (("data_parallel_size", d), ("tensor_parallel_size", t)):
+        if settings.get(name, size) != size:
+            raise ValueError(f"{name}={settings[name]} disagrees with the mesh's {size}")
+    return {**settings, "data_parallel_size": d, "tensor_parallel_size": t}

@@ -1,0 +1,151 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router and dropless top-k dispatch.
+
+    route(router_logits f32[N, E], k, norm_topk_prob) -> (weights f32[N, k], experts i32[N, k])
+    moe_mlp(x [N, D], router_logits [N, E], w_gate, w_up [E, D, I], w_down [E, I, D], k,
+            norm_topk_prob) -> [N, D] in x.dtype          the grouped path (`jax.lax.ragged_dot`)
+    moe_mlp_reference(...same...) -> [N, D]                 every expert densely on every token
+    expert_stack(w, dtype) -> [E, K, N] in dtype            a plain or quantized expert stack
+
+Routing, as Hugging Face computes it (transformers 5.24 `MixtralTopKRouter`, `Qwen3MoeTopKRouter`):
+the router logits x @ W_r are taken in the activation dtype, then a softmax in f32 over all E,
+then the top k by probability (descending), then for Mixtral always, for Qwen3-MoE when
+`norm_topk_prob`, the k probabilities are divided by their sum. Mixtral's "softmax over the chosen
+logits" is exactly that renormalized top-k, so the two families differ by `norm_topk_prob` alone.
+
+Dataflow of `moe_mlp` (N tokens, P = N * k (token, expert) pairs; every shape is fixed by N and
+k, and the routing enters only as traced arrays, so no routing can recompile it):
+
+    1. route                                      weights f32[N, k], experts i32[N, k]
+    2. order = stable argsort of the P flat expert ids: pairs sorted by expert   i32[P]
+       group_sizes = the pairs per expert (bincount, length E)                   i32[E]
+    3. xs = x[order // k]                         the pairs' token rows, by expert  [P, D]
+    4. h = silu(xs @G w_gate) * (xs @G w_up)      [P, I]    @G: `jax.lax.ragged_dot`, rows of
+       y = h @G w_down                            [P, D]    group e times expert e's matrix
+    5. unsort y to pair order                     [N, k, D], then out = sum_j weights[:, j] y[:, j]
+
+Dropless: every pair is computed (no capacity factor), so a padding row can never push a real
+token out of its expert.
+
+Cost of `ragged_dot` by backend (jax 0.11.2): for CUDA it lowers to `chlo.ragged_dot`, left to
+XLA's GPU compiler (tests/test_cuda_lowering.py checks the lowering; its GPU speed is unmeasured
+here). On CPU jax's generic lowering masks lhs per group and contracts over [E * K]: E times the
+active FLOPs. `experiments/moe_decode_step.py` measures that against the per-expert reference, a
+loop that skips unchosen experts, and a dense model of the same active parameters.
+
+Quantized experts (INT8 / FP8 / INT4 stacks, leading axes allowed): `expert_stack` dequantizes
+one layer's [E, K, N] stack to the activation dtype inside the step and `ragged_dot` multiplies
+that: exact to the stored weights, and simple. Its cost: per layer and step, the stack is read
+quantized (~1 byte per weight for INT8/FP8, ~0.56 for INT4-g64 with its f16 scales and mins),
+then a bf16 copy is written and read again (4 bytes per weight), so weight traffic is ~5x
+(INT8) to ~8x (INT4) what the quantized bytes alone would be, and all E experts are dequantized
+even when few were chosen. A fused grouped kernel (codes unpacked in registers, per-channel
+scales applied to its outputs, only the experts with rows) would save exactly that.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def route(router_logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """router_logits [N, E] -> (weights f32[N, k], experts i32[N, k]), experts by descending
+    probability (HF's torch.topk order; ties, which random weights never hit, may differ)."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # (N, E)
+    weights, experts = jax.lax.top_k(probs, k)  # (N, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def expert_stack(w, dtype) -> jax.Array:
+    """One layer's expert stack [E, K, N] (a plain array or a quantized-weight pytree with
+    `dequantize()`) as a plain array in `dtype`."""
+    if hasattr(w, "dequantize"):
+        return w.dequantize().astype(dtype)
+    return w.astype(dtype)
+
+
+def _check(x, router_logits, w_gate, w_up, w_down, k):
+    n, d = x.shape
+    e, _, i = w_gate.shape
+    want = {"router_logits": (n, e), "w_gate": (e, d, i), "w_up": (e, d, i), "w_down": (e, i, d)}
+    got = {
+        "router_logits": router_logits.shape,
+        "w_gate": w_gate.shape,
+        "w_up": w_up.shape,
+        "w_down": w_down.shape,
+    }
+    for name, shape in want.items():
+        if tuple(got[name]) != shape:
+            raise ValueError(f"moe_mlp: {name} has shape {tuple(got[name])}, expected {shape}")
+    if not 1 <= k <= e:
+        raise ValueError(f"moe_mlp: k={k} experts per token must be in [1, {e}]")
+
+
+def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """lhs [P, K] @G rhs [E, K, N] -> [P, N] (`jax.lax.ragged_dot`).
+
+    Under a mesh with Explicit axes (the CUDA lowering check's abstract H200, a sharded engine)
+    jax 0.11.2 cannot infer ragged_dot's output sharding and asks for one: the rows keep lhs's
+    row sharding and N is unsharded (the experts are replicated; no expert parallelism yet).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    out = None
+    if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
+        spec = jax.typeof(lhs).sharding.spec
+        out = jax.sharding.PartitionSpec(spec[0] if len(spec) else None, None)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, out_sharding=out)
+
+
+def moe_mlp(
+    x: jax.Array,
+    router_logits: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    k: int,
+    norm_topk_prob: bool,
+) -> jax.Array:
+    """The grouped path (see the module docstring): x [N, D] -> [N, D] in x.dtype.
+
+    w_gate, w_up [E, D, I] and w_down [E, I, D] are plain arrays in x.dtype (`expert_stack`).
+    k and norm_topk_prob are static.
+    """
+    _check(x, router_logits, w_gate, w_up, w_down, k)
+    n, d = x.shape
+    e = w_gate.shape[0]
+    weights, experts = route(router_logits, k, norm_topk_prob)  # (N, k)
+    flat = experts.reshape(n * k)  # (P,) pair p = token p // k, its (p % k)-th choice
+    order = jnp.argsort(flat, stable=True)  # (P,) pairs sorted by expert
+    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # (E,)
+    xs = jnp.take(x, order // k, axis=0)  # (P, D)
+    gate = _ragged_dot(xs, w_gate, group_sizes)  # (P, I)
+    up = _ragged_dot(xs, w_up, group_sizes)  # (P, I)
+    h = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up
+    y = _ragged_dot(h, w_down, group_sizes)  # (P, D), sorted by expert
+    y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # (P, D), pair order
+    y = y.reshape(n, k, d).astype(jnp.float32)  # (N, k, D)
+    return jnp.einsum("nk,nkd->nd", weights, y).astype(x.dtype)
+
+
+def moe_mlp_reference(
+    x: jax.Array,
+    router_logits: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    k: int,
+    norm_topk_prob: bool,
+) -> jax.Array:
+    """Pure-jnp reference: every expert's SwiGLU on every token, combined with the routing
+    weights (zero for the experts a token did not choose). E / k times the grouped FLOPs."""
+    _check(x, router_logits, w_gate, w_up, w_down, k)
+    e = w_gate.shape[0]
+    weights, experts = route(router_logits, k, norm_topk_prob)  # (N, k)
+    combine = jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(experts, e))  # (N, E) f32
+    gate = jnp.einsum("nd,edi->eni", x, w_gate)  # (E, N, I)
+    up = jnp.einsum("nd,edi->eni", x, w_up)
+    h = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up
+    y = jnp.einsum("eni,eid->end", h, w_down).astype(jnp.float32)  # (E, N, D)
+    return jnp.einsum("ne,end->nd", combine, y).astype(x.dtype)

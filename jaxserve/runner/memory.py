@@ -1,0 +1,101 @@
+"""Device memory: the budget checked before allocation, and the plan of what each device holds.
+
+    state_bytes(model_config, engine_config, num_pages)   KV pool and slot state bytes (totals)
+    device_memory_bytes()                                  the first local device's memory
+    check_memory(...)                                      ValueError before an allocation fails
+    bytes_on_device(tree, device)                          bytes of `tree`'s shards on `device`
+    memory_plan(runner) -> dict                            per device: params, KV pool, slot
+                                                           state, workspace; pages per data shard
+
+The plan is measured from the placed arrays themselves (their addressable shards), so the figures
+are what the partition rules did, not what they meant to do; it is logged at start-up and after
+warm-up, and returned by `LLM.stats()["memory"]`. The workspace is XLA's temporary buffer of the
+largest compiled decode and prefill programs (`memory_analysis()` of the warm-up's executables),
+None until warm-up has compiled them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.layers import kv_cache
+
+
+def state_bytes(model_config: ModelConfig, engine_config: EngineConfig, num_pages: int) -> dict:
+    """Device bytes of the KV pool and of the slot state (S slots, V vocab): the sampling state
+    holds i32 token counts and three bool masks per slot and vocabulary entry, and the fixed-size
+    logit_bias / bad_words arrays (about 2.6 KB)."""
+    c, e = model_config, engine_config
+    per_token = kv_cache.bytes_per_token(
+        c.num_layers, c.num_kv_heads, c.head_dim, e.kv_cache_dtype, e.dtype
+    )
+    slots = e.num_slots * (7 * c.vocab_size + 4 * e.max_pages_per_seq + 2688)
+    return {"kv_pool": num_pages * e.page_size * per_token, "slot_state": slots}
+
+
+def device_memory_bytes() -> int:
+    """Memory of the first local device: the allocator's limit on a GPU, physical RAM on the CPU."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(model_config: ModelConfig, engine_config: EngineConfig, num_pages: int) -> None:
+    """ValueError naming num_slots / num_pages when the pool and slot state cannot fit, instead of
+    an opaque allocation failure inside XLA."""
+    need = state_bytes(model_config, engine_config, num_pages)
+    have = device_memory_bytes()
+    if sum(need.values()) > have:
+        gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+        raise ValueError(
+            f"num_slots={engine_config.num_slots} and num_pages={num_pages} need "
+            f"{gib(need['kv_pool'])} of KV pages and {gib(need['slot_state'])} of slot state, "
+            f"more than the device's {gib(have)}: lower num_slots, num_pages or kv_cache_memory"
+        )
+
+
+def bytes_on_device(tree, device) -> int:
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            total += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+    return total
+
+
+def memory_plan(runner) -> dict:
+    """Per-device bytes (of the first local device; every device of a mesh holds the same share)
+    and the KV pages each data shard owns."""
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() or {}
+    return {
+        "devices": 1 if runner.mesh is None else runner.mesh.devices.size,
+        "tensor_parallel_size": runner.config.tensor_parallel_size,
+        "data_parallel_size": runner.config.data_parallel_size,
+        "params_bytes_per_device": bytes_on_device(runner.params, dev),
+        "kv_pool_bytes_per_device": bytes_on_device(runner.cache, dev),
+        "slot_state_bytes_per_device": bytes_on_device(runner.state, dev),
+        "workspace_bytes_per_device": runner.workspace_bytes,
+        "kv_pages_per_data_shard": runner.cache.num_pages // runner.data_shards,
+        "device_memory_bytes": stats.get("bytes_limit"),
+    }
+
+
+def describe(plan: dict) -> str:
+    """One log line of the plan."""
+
+    def gib(b):
+        if b is None:
+            return "? (after warm-up)"
+        return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
+
+    return (
+        f"memory per device ({plan['devices']} devices, TP {plan['tensor_parallel_size']} x DP "
+        f"{plan['data_parallel_size']}): params {gib(plan['params_bytes_per_device'])}, KV pool "
+        f"{gib(plan['kv_pool_bytes_per_device'])} ({plan['kv_pages_per_data_shard']} pages per "
+        f"data shard), slot state {gib(plan['slot_state_bytes_per_device'])}, workspace "
+        f"{gib(plan['workspace_bytes_per_device'])}"
+    )

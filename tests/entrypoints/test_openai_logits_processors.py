@@ -1,0 +1,44 @@
+"""OpenAI's `logit_bias` and vLLM's `allowed_token_ids` / `bad_words` request fields reach the
+sampler (issue 25), on the tiny dummy model's server. vLLM's server clamps each bias to [-100, 100]
+(`SamplingParams.from_optional`)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from serving_testing import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.url, api_key="none", max_retries=0)
+
+
+def test_logit_bias_and_allowed_token_ids(client):
+    r = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], temperature=0, max_tokens=4,
+        logit_bias={"77": 100}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert r.choices[0].token_ids == [77] * 4
+    r = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], temperature=1.0, seed=3, max_tokens=8,
+        extra_body={"allowed_token_ids": [9, 10, 11]},
+    )  # fmt: skip
+    assert set(r.choices[0].token_ids) <= {9, 10, 11}
+
+
+def test_bad_fields_are_400_naming_them(tiny_server):
+    base = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 2}
+    for extra, param in (
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"temperature": 2.5}, "temperature"),
+    ):
+        r = httpx.post(f"{tiny_server.url}/completions", json={**base, **extra}, timeout=60)
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+    # past the vocabulary (128) and bad_words without a tokenizer: the engine refuses them
+    for extra in ({"logit_bias": {"500": 1.0}}, {"bad_words": ["x"]}):
+        r = httpx.post(f"{tiny_server.url}/completions", json={**base, **extra}, timeout=60)
+        assert r.status_code == 400, (extra, r.text)

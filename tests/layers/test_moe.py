@@ -1,0 +1,174 @@
+"""The mixture-of-experts layer: the grouped (ragged_dot) path equals the per-expert dense
+reference, routing equals Hugging Face's per token (the golden routers), quantized expert stacks,
+and no recompilation across batches that route differently."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_testing import GOLDEN_DIR, load_golden_logits
+
+from jaxserve.bench.core import CompileCounter
+from jaxserve.layers import moe
+from jaxserve.loading import hf
+from jaxserve.models import llama
+from jaxserve.quant import int8, rtn
+
+grouped = jax.jit(moe.moe_mlp, static_argnums=(5, 6))
+reference = jax.jit(moe.moe_mlp_reference, static_argnums=(5, 6))
+
+
+def random_experts(seed, n, d, i, e, dtype=jnp.float32, skew=0.0):
+    """x [N, D], router logits [N, E], w_gate/w_up [E, D, I], w_down [E, I, D]. skew > 0 adds a
+    bias towards expert 0 (so some experts get no token and one gets most)."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (n, d))
+    logits = jax.random.normal(ks[1], (n, e)) - skew * jnp.arange(e)
+    wg = jax.random.normal(ks[2], (e, d, i)) / np.sqrt(d)
+    wu = jax.random.normal(ks[3], (e, d, i)) / np.sqrt(d)
+    wd = jax.random.normal(ks[4], (e, i, d)) / np.sqrt(i)
+    return tuple(a.astype(dtype) for a in (x, logits, wg, wu, wd))
+
+
+# N includes 1 (one decode row) and sizes where several experts get no pair.
+@pytest.mark.parametrize(
+    "n,e,k,norm,skew",
+    [
+        (1, 8, 2, True, 0.0),
+        (7, 8, 2, True, 0.0),
+        (33, 8, 2, True, 3.0),  # most pairs on experts 0 and 1, the rest nearly empty
+        (16, 16, 4, False, 0.0),
+        (5, 4, 4, False, 0.0),  # k == E: every expert on every token
+        (64, 32, 1, True, 0.0),
+    ],
+)
+def test_grouped_equals_dense_reference_f32(n, e, k, norm, skew):
+    args = random_experts(n * 100 + e, n, 32, 24, e, skew=skew)
+    got, want = grouped(*args, k, norm), reference(*args, k, norm)
+    # f32: only the accumulation order differs (measured max 1.2e-6 on O(1) outputs).
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_grouped_equals_dense_reference_bf16():
+    args = random_experts(3, 40, 64, 48, 8, dtype=jnp.bfloat16)
+    got = np.asarray(grouped(*args, 2, True), np.float32)
+    want = np.asarray(reference(*args, 2, True), np.float32)
+    # bf16 rounding of the intermediates in different orders: a few bf16 ulps of O(1) outputs.
+    np.testing.assert_allclose(got, want, atol=5e-2, rtol=0)
+    assert np.abs(got - want).mean() < 5e-3
+
+
+def test_route_matches_softmax_over_the_chosen_logits():
+    """Mixtral's definition (softmax over the top-k logits) == the renormalized top-k."""
+    logits = jax.random.normal(jax.random.key(0), (50, 8))
+    w, idx = moe.route(logits, 2, norm_topk_prob=True)
+    chosen = jnp.take_along_axis(logits, idx, axis=-1)
+    np.testing.assert_allclose(w, jax.nn.softmax(chosen, axis=-1), atol=1e-6)
+    w_raw, idx_raw = moe.route(logits, 2, norm_topk_prob=False)  # Qwen3-MoE's default
+    np.testing.assert_array_equal(idx_raw, idx)
+    np.testing.assert_allclose(
+        w_raw, jnp.take_along_axis(jax.nn.softmax(logits, -1), idx, axis=-1), atol=1e-7
+    )
+
+
+def _dense_attend(q, k, v, config):
+    """Full causal GQA attention (q [B, T, H, Dh], k/v [B, T, KVH, Dh]) for whole sequences."""
+    b, t, h, dh = q.shape
+    qg = q.reshape(b, t, config.num_kv_heads, config.q_per_kv, dh)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k) / np.sqrt(dh)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    o = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s, -1), v)
+    return o.reshape(b, t, h, dh), None
+
+
+def layer_params(params, config, li):
+    """Layer li's params without their stacked axis (MLP stacks by the row holding li)."""
+    rows = llama.mlp_rows(config)
+    out = {}
+    for name, w in params["layers"].items():
+        row = int(rows[name][li]) if name in rows else li
+        out[name] = w[row]
+    return out
+
+
+@functools.lru_cache
+def our_router_logits(name):
+    """{sparse layer: our f32 router logits [B*T, E]} for the golden tokens, layer by layer."""
+    config, params = hf.load_hf_dir(GOLDEN_DIR / name, "float32")
+    tokens, _ = load_golden_logits(name)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = params["embed"][tokens]
+    attend = functools.partial(_dense_attend, config=config)
+    out = {}
+    for li in range(config.num_layers):
+        lp = layer_params(params, config, li)
+        sparse = li in config.moe_layers
+        x, _, taps = llama.decoder_layer(lp, x, positions, attend, config, sparse=sparse)
+        if sparse:
+            out[li] = np.asarray(taps["mlp"].reshape(b * t, -1) @ lp["router"])
+    return config, out
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen3_moe_sparse2"])
+def test_routing_equals_hf_per_token(name):
+    golden = np.load(GOLDEN_DIR / name / "routing.npz")
+    config, logits = our_router_logits(name)
+    assert sorted(logits) == list(config.moe_layers)
+    k = config.num_experts_per_tok
+    for li, ours in logits.items():
+        # The router's inputs went through li attention layers: f32 accumulation order only.
+        np.testing.assert_allclose(ours, golden[f"logits_{li}"], atol=2e-5, rtol=0)
+        w, idx = (np.asarray(a) for a in moe.route(jnp.asarray(ours), k, config.norm_topk_prob))
+        np.testing.assert_array_equal(idx, golden[f"experts_{li}"])
+        np.testing.assert_allclose(w, golden[f"weights_{li}"], atol=1e-5)
+        # From HF's own logits, our router picks HF's experts with HF's weights exactly.
+        w, idx = moe.route(jnp.asarray(golden[f"logits_{li}"]), k, config.norm_topk_prob)
+        np.testing.assert_array_equal(idx, golden[f"experts_{li}"])
+        np.testing.assert_allclose(w, golden[f"weights_{li}"], atol=1e-6)
+        assert len(np.unique(idx)) > k  # the goldens route tokens to different experts
+
+
+@pytest.mark.parametrize(
+    "quantize",
+    [
+        int8.quantize_int8,
+        int8.quantize_fp8,
+        lambda w: rtn.quantize_int4_rtn(w, 32),
+    ],
+    ids=["int8", "fp8", "int4"],
+)
+def test_quantized_expert_stack_is_its_dequantized_weight(quantize):
+    x, logits, wg, wu, wd = random_experts(7, 12, 64, 32, 4)
+    q = [quantize(w) for w in (wg, wu, wd)]
+    stacks = [moe.expert_stack(w, jnp.float32) for w in q]
+    for w, s in zip(q, stacks):
+        np.testing.assert_array_equal(s, w.dequantize())
+    got = grouped(x, logits, *stacks, 2, True)
+    np.testing.assert_allclose(got, reference(x, logits, *stacks, 2, True), atol=1e-5)
+    assert np.abs(got - grouped(x, logits, wg, wu, wd, 2, True)).max() < 0.3  # near float
+
+
+def test_no_recompilation_across_routings():
+    """One compile per shape: routings that differ (balanced, all on one expert, experts left
+    empty) are traced arrays, never static."""
+    args = random_experts(0, 24, 32, 16, 8)
+    jax.block_until_ready(grouped(*args, 2, True))  # warm-up
+    x, _, wg, wu, wd = args
+    with CompileCounter() as counter:
+        for seed, skew in [(1, 0.0), (2, 5.0), (3, -5.0), (4, 50.0)]:
+            _, logits, *_ = random_experts(seed, 24, 32, 16, 8, skew=skew)
+            jax.block_until_ready(grouped(x, logits, wg, wu, wd, 2, True))
+    assert counter.count == 0
+
+
+def test_bad_shapes_are_named():
+    x, logits, wg, wu, wd = random_experts(0, 4, 32, 16, 8)
+    with pytest.raises(ValueError, match=r"w_down has shape \(8, 32, 16\), expected \(8, 16, 32\)"):
+        moe.moe_mlp(x, logits, wg, wu, jnp.swapaxes(wd, 1, 2), 2, True)
+    with pytest.raises(ValueError, match=r"k=9 experts per token must be in \[1, 8\]"):
+        moe.moe_mlp(x, logits, wg, wu, wd, 9, True)

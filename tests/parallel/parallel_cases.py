@@ -1,0 +1,251 @@
+"""Multi-device cases, run in a subprocess with N host CPU devices (`run_cases` in
+test_tensor_parallel.py): `python parallel_cases.py N CASE...` prints one JSON object with each
+case's result (or its error), so one jax start-up serves many cases.
+
+Every case compares a sharded run with the one-device run of the same model in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+if __name__ == "__main__":  # before jax is imported
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[1]}"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.layers import kv_cache as kvc  # noqa: E402
+from jaxserve.layers.attention import AttentionMetadata  # noqa: E402
+from jaxserve.loading import hf  # noqa: E402
+from jaxserve.models import llama  # noqa: E402
+from jaxserve.parallel import partition  # noqa: E402
+from jaxserve.parallel.mesh import make_mesh  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GOLDEN = os.path.join(HERE, "..", "golden")
+FAMILIES = ("llama", "mistral", "qwen2")
+PROMPTS = [[3, 17, 99, 5, 42, 8, 1], [250, 7], [11, 12, 13, 14, 15] * 5, [9] * 20, [4, 4, 5]]
+
+
+def _logits(params, config, tokens, mesh):
+    """Whole-window forward logits f32[B, T, V] over a paged cache, on `mesh` (None: 1 device)."""
+    b, t = tokens.shape
+    ps = 4
+    meta = AttentionMetadata.contiguous([t] * b, t, ps)
+    n_pages = b * -(-t // ps)
+
+    def run(params, tokens, meta):
+        cache = kvc.init(
+            config.num_layers,
+            config.num_kv_heads,
+            n_pages,
+            ps,
+            config.head_dim,
+            "auto",
+            jnp.float32,
+        )
+        hidden, _ = llama.forward(params, tokens, meta, cache, config)
+        return llama.compute_logits(params, hidden, config)
+
+    if mesh is None:
+        return np.asarray(jax.jit(run)(params, tokens, meta))
+    with jax.set_mesh(mesh):
+        return np.asarray(jax.jit(run)(params, tokens, meta))
+
+
+def case_logits(t: int) -> dict:
+    """Max |sharded - one-device| f32 logits of each tiny golden family at tensor parallel t."""
+    out = {}
+    for fam in FAMILIES:
+        config, params = hf.load_hf_dir(os.path.join(GOLDEN, fam), "float32")
+        tokens = jnp.asarray(np.load(os.path.join(GOLDEN, fam, "logits.npz"))["tokens"])
+        ref = _logits(params, config, tokens, None)
+        mesh = make_mesh(t, 1)
+        p2, c2 = partition.replicate_kv_heads(params, config, t)
+        p2 = partition.shard_params(p2, c2, mesh)
+        got = _logits(p2, c2, tokens, mesh)
+        out[fam] = float(np.max(np.abs(got - ref)))
+    return out
+
+
+def _greedy(llm, prompts, max_tokens=10):
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+_REFERENCE: dict = {}  # one-device greedy tokens per model (and quantization)
+# Settings that never change greedy tokens (f32: preemption, prefix caching and the pool size give
+# the same tokens, tests/runner and tests/core check that), so one reference serves them all.
+_SAME_TOKENS = ("tensor_parallel_size", "data_parallel_size", "num_pages", "enable_prefix_caching")
+
+
+def case_greedy(model: str, **settings) -> dict:
+    """Greedy tokens of the engine under `settings` (tensor/data parallel sizes, pages, prefix
+    caching) against the one-device engine's."""
+    base = dict(dtype="float32", num_slots=4, max_model_len=64, page_size=4)
+    if not os.path.isdir(model):
+        base["load_format"] = "dummy"
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    one = {k: v for k, v in settings.items() if k not in _SAME_TOKENS}
+    key = (model, tuple(sorted(one.items())))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _greedy(LLM(model, **base, **one), prompts)
+    llm = LLM(model, **base, **settings)
+    got = _greedy(llm, prompts)
+    stats = llm.engine.stats()
+    return {
+        "equal": got == _REFERENCE[key],
+        "num_preemptions": stats["num_preemptions"],
+        "num_cached_prefill_tokens": stats["num_cached_prefill_tokens"],
+    }
+
+
+def case_smollm2_gguf_native(t: int) -> dict:
+    """SmolLM2-135M imported from its GGUF's Q4 blocks (9 query heads, 3 KV heads) at TP t:
+    greedy tokens and log-probs against the one-device INT4 engine."""
+    kw = dict(quantization="gguf-native", num_slots=2, max_model_len=64, dtype="float32")
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompts = ["The capital of France is", "def fib(n):"]
+
+    def run(**extra):
+        outs = LLM(None, **kw, **extra).generate(prompts, sp, use_tqdm=False)  # the default GGUF
+        return [
+            (
+                list(o.outputs[0].token_ids),
+                [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+            )
+            for o in outs
+        ]
+
+    ref, got = run(), run(tensor_parallel_size=t)
+    return {
+        "equal": [a[0] for a in ref] == [b[0] for b in got],
+        "max_logprob_diff": max(abs(x - y) for a, b in zip(ref, got) for x, y in zip(a[1], b[1])),
+    }
+
+
+def case_int4_checkpoint(t: int, tmp: str = "/tmp") -> dict:
+    """An INT4-RTN (group 32) checkpoint of the tiny model served at TP t and on one device."""
+    import tempfile
+
+    from jaxserve.config import PRESETS
+    from jaxserve.loading import checkpoint, dummy
+    from jaxserve.quant import quantize_params
+
+    config = PRESETS["tiny"]
+    params = quantize_params(
+        dummy.dummy_params(config, "float32"), config, "int4-rtn", group_size=32
+    )
+    with tempfile.TemporaryDirectory(dir=tmp) as d:
+        recipe = {"quantization": "int4-rtn", "group_size": 32, "dtype": "float32"}
+        path = checkpoint.save_checkpoint(
+            os.path.join(d, "tiny-int4"), config, params, recipe=recipe
+        )
+        return case_greedy(str(path), tensor_parallel_size=t)
+
+
+def case_load_onto_shards(t: int) -> dict:
+    """Tensors read from a HF folder and from an orbax checkpoint land split on their devices
+    (each device holding 1/T of every split tensor), equal to the one-device load."""
+    import tempfile
+
+    from jaxserve.loading import checkpoint, load_model
+
+    mesh = make_mesh(t, 1)
+    src = os.path.join(GOLDEN, "llama")
+    ref = load_model(src, dtype="float32").params
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = checkpoint.save_checkpoint(os.path.join(d, "ck"), *hf.load_hf_dir(src, "float32"))
+        for kind, path in (("hf", src), ("orbax", str(ckpt))):
+            got = load_model(path, dtype="float32", mesh=mesh).params
+            wq = got["layers"]["wq"]
+            out[kind] = {
+                "equal": all(
+                    np.array_equal(np.asarray(a), np.asarray(b))
+                    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got))
+                ),
+                "wq_spec": str(wq.sharding.spec),
+                "wq_shard_fraction": wq.addressable_shards[0].data.size / wq.size,
+                "wo_spec": str(got["layers"]["wo"].sharding.spec),
+            }
+    return out
+
+
+def case_param_bytes(t: int) -> dict:
+    """Per-device bytes of the placed params vs total / T (norms excluded from both)."""
+    config, params = hf.load_hf_dir(os.path.join(GOLDEN, "llama"), "float32")
+    mesh = make_mesh(t, 1)
+    placed = partition.shard_params(params, config, mesh)
+    dev = jax.devices()[0]
+    total = per_device = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(placed)[0]:
+        if "norm" in jax.tree_util.keystr(path):
+            continue
+        total += x.nbytes
+        per_device += sum(s.data.nbytes for s in x.addressable_shards if s.device == dev)
+    return {"ratio": per_device / (total / t)}
+
+
+def case_no_recompile(**settings) -> dict:
+    """Compilations during generate after warm-up (must be 0)."""
+    from jaxserve.bench.core import CompileCounter
+
+    llm = LLM(
+        "tiny",
+        load_format="dummy",
+        dtype="float32",
+        num_slots=4,
+        max_model_len=32,
+        page_size=8,
+        warmup=True,
+        **settings,
+    )
+    with CompileCounter() as cc:
+        _greedy(llm, [p[:12] for p in PROMPTS] * 2, max_tokens=6)
+    return {"compilations": cc.count}
+
+
+CASES = {
+    "logits_tp2": lambda: case_logits(2),
+    "logits_tp4": lambda: case_logits(4),  # 4 heads, 2 KV heads: KV heads replicated
+    "greedy_tp2": lambda: case_greedy(os.path.join(GOLDEN, "qwen2"), tensor_parallel_size=2),
+    "greedy_tp4": lambda: case_greedy(os.path.join(GOLDEN, "mistral"), tensor_parallel_size=4),
+    "greedy_dp2": lambda: case_greedy("tiny", data_parallel_size=2),
+    "greedy_tp2_dp2": lambda: case_greedy(
+        os.path.join(GOLDEN, "llama31"), tensor_parallel_size=2, data_parallel_size=2
+    ),
+    # 8 pages of 4 tokens per shard: the long prompts preempt one another
+    "preempt_dp2": lambda: case_greedy("tiny", data_parallel_size=2, num_pages=16),
+    "prefix_cache_dp2": lambda: case_greedy(
+        "tiny", data_parallel_size=2, enable_prefix_caching=True
+    ),
+    "int4_rtn_tp2": lambda: case_int4_checkpoint(2),
+    "int8_tp4": lambda: case_greedy("tiny", tensor_parallel_size=4, quantization="int8"),
+    "smollm2_gguf_native_tp3": lambda: case_smollm2_gguf_native(3),
+    "load_onto_shards_tp2": lambda: case_load_onto_shards(2),
+    "param_bytes_tp2": lambda: case_param_bytes(2),
+    "param_bytes_tp4": lambda: case_param_bytes(4),
+    "no_recompile_tp2_dp2": lambda: case_no_recompile(tensor_parallel_size=2, data_parallel_size=2),
+}
+
+
+def main(names: list[str]) -> None:
+    results = {}
+    for name in names:
+        try:
+            results[name] = CASES[name]()
+        except Exception:  # reported per case, so one failure does not hide the others
+            results[name] = {"error": traceback.format_exc(limit=8)}
+    print("RESULTS " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[2:])

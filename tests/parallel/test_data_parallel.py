@@ -1,0 +1,34 @@
+"""Data parallelism (and TP x DP) on 4 host CPU devices (a subprocess): greedy tokens identical to
+one device, with preemption (a small pool per shard) and prefix caching inside the shards, and
+nothing compiling after warm-up."""
+
+from __future__ import annotations
+
+import pytest
+from parallel_testing import result, run_cases
+
+CASES = ["greedy_dp2", "greedy_tp2_dp2", "preempt_dp2", "prefix_cache_dp2", "no_recompile_tp2_dp2"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases(4, CASES)
+
+
+@pytest.mark.parametrize("name", ["greedy_dp2", "greedy_tp2_dp2"])
+def test_greedy_tokens_identical(results, name):
+    assert result(results, name)["equal"]
+
+
+def test_preemption_inside_a_shard(results):
+    r = result(results, "preempt_dp2")
+    assert r["equal"] and r["num_preemptions"] > 0
+
+
+def test_prefix_caching_inside_a_shard(results):
+    r = result(results, "prefix_cache_dp2")
+    assert r["equal"] and r["num_cached_prefill_tokens"] > 0
+
+
+def test_nothing_recompiles_after_warmup(results):
+    assert result(results, "no_recompile_tp2_dp2")["compilations"] == 0

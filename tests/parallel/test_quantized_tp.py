@@ -1,0 +1,27 @@
+"""Quantized weights under tensor parallelism, through the engine on 4 host CPU devices (a
+subprocess): an INT4-RTN checkpoint at TP 2, INT8 at TP 4 (above the 2 KV heads: replicated), and
+SmolLM2-135M's GGUF Q4 blocks imported natively at TP 3 (9 query heads, 3 KV heads), each equal to
+the one-device run of the same weights."""
+
+from __future__ import annotations
+
+import pytest
+from parallel_testing import result, run_cases
+
+CASES = ["int4_rtn_tp2", "int8_tp4", "smollm2_gguf_native_tp3"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases(4, CASES)
+
+
+@pytest.mark.parametrize("name", ["int4_rtn_tp2", "int8_tp4"])
+def test_greedy_tokens_identical(results, name):
+    assert result(results, name)["equal"]
+
+
+def test_smollm2_gguf_native_at_tp3(results):
+    r = result(results, "smollm2_gguf_native_tp3")
+    assert r["equal"]
+    assert r["max_logprob_diff"] < 1e-4  # f32; the row-parallel sums run in another order
