@@ -103,14 +103,17 @@ class Resolved:
         """The live-page buckets of a 'ragged' decode step over `rows` slots."""
         return pow2_buckets(min(self.max_flat, rows * self.max_pages), start=8)
 
-    def decode_shape(self, max_slot: int, pages: list[int]) -> DecodeShape:
-        """The decode program for rows whose highest slot is `max_slot`, holding `pages` pages."""
+    def decode_shape(self, max_slot: int, pages: list[int], live: int | None = None) -> DecodeShape:
+        """The decode program for rows whose highest slot is `max_slot`, holding `pages` pages.
+        `live`: the most pages one data shard's rows hold (default: all of `pages`, one shard);
+        each shard's program lists its own rows' pages."""
         rows = bucket_for(max_slot + 1, self.slot_buckets)
         if self.ragged:
+            live = sum(pages) if live is None else live
             flat = self.flat_buckets(rows)
-            if sum(pages) > flat[-1]:  # cannot happen: each row holds at most max_pages
-                raise ValueError(f"{sum(pages)} live pages exceed the step's {flat[-1]}")
-            return DecodeShape(rows, self.max_pages, bucket_for(sum(pages), flat))
+            if live > flat[-1]:  # cannot happen: each row holds at most max_pages
+                raise ValueError(f"{live} live pages exceed the step's {flat[-1]}")
+            return DecodeShape(rows, self.max_pages, bucket_for(live, flat))
         return DecodeShape(rows, self.width_for(max(pages)), 0)
 
     def prefill_shape(self, num_chunks: int, num_pages: int, prompt_logprobs: bool) -> PrefillShape:

@@ -76,6 +76,12 @@ def test_decode_shape_follows_the_rows_and_pages():
     assert cpu.decode_shape(20, [1] * 21) == DecodeShape(32, 32, 32)
     gpu = resolved("gpu", num_slots=32, max_model_len=512, page_size=16)
     assert gpu.decode_shape(2, [3, 5, 1]) == DecodeShape(32, 8, 0)  # width of the longest
+    # Data parallel: each shard's program lists its own rows' pages, so the bucket follows the
+    # fullest shard, not the sum over shards (which can exceed one shard's largest bucket).
+    shard = resolved("cpu", num_slots=2, max_model_len=32, page_size=8)  # one shard of 2 slots
+    assert shard.decode_shape(1, [4, 4, 1, 0], live=8) == DecodeShape(2, 4, 8)
+    with pytest.raises(ValueError, match="9 live pages exceed"):
+        shard.decode_shape(1, [4, 4, 1, 0])
 
 
 def test_step_shapes_counts():

@@ -182,10 +182,12 @@ class LLMEngine:
             return str(e)
         max_total = _max_total_len(len(ids), sp, max_len)
         need = pages_for(max_total - 1, self.config.page_size)
-        if need > self.num_pages:
+        pool = self.num_pages // self.config.data_parallel_size  # a request lives on one shard
+        if need > pool:
+            where = "the pool has" if pool == self.num_pages else "a data shard's pool has"
             return (
                 f"request can never fit: prompt ({len(ids)}) + max_tokens ({sp.max_tokens}) needs "
-                f"{need} KV pages, the pool has {self.num_pages}"
+                f"{need} KV pages, {where} {pool}"
             )
         try:
             make_slot_row(sp, list(ids), [], self.eos_token_ids, 0, max_len)

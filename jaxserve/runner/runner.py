@@ -289,7 +289,10 @@ class ModelRunner:
             # logprobs=0 too: the top entries give the sampled token's rank
             handle.decode_top = any(q.sampling_params.logprobs is not None for q in plan.decode)
             last = max(slot % self.slots_per_shard for slot in plan.decode_slots)  # in its shard
-            shape = r.decode_shape(last, [len(q.pages) for q in plan.decode])
+            live = [0] * self.data_shards  # each shard's program lists its own rows' pages
+            for slot, q in zip(plan.decode_slots, plan.decode):
+                live[slot // self.slots_per_shard] += len(q.pages)
+            shape = r.decode_shape(last, [len(q.pages) for q in plan.decode], max(live))
             handle.decode = self.generate(shape, handle.decode_top)
         if plan.prefill:
             handle.prefill_top = any(

@@ -107,6 +107,24 @@ def case_greedy(model: str, **settings) -> dict:
     }
 
 
+def case_never_fit_dp2() -> dict:
+    """A request needing more pages than one data shard holds (but fewer than the whole pool)
+    fails alone with a clear error: it would otherwise wait (or preempt) forever on its shard."""
+    llm = LLM(
+        "tiny",
+        load_format="dummy",
+        dtype="float32",
+        num_slots=4,
+        max_model_len=64,
+        page_size=4,
+        num_pages=20,
+        data_parallel_size=2,
+    )  # 10 pages per shard
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [5] * 40}], sp, use_tqdm=False)[0]  # 12 pages
+    return {"message": out.error, "finish_reason": out.outputs[0].finish_reason}
+
+
 def case_smollm2_gguf_native(t: int) -> dict:
     """SmolLM2-135M imported from its GGUF's Q4 blocks (9 query heads, 3 KV heads) at TP t:
     greedy tokens and log-probs against the one-device INT4 engine."""
@@ -222,8 +240,10 @@ CASES = {
     "greedy_tp2_dp2": lambda: case_greedy(
         os.path.join(GOLDEN, "llama31"), tensor_parallel_size=2, data_parallel_size=2
     ),
-    # 8 pages of 4 tokens per shard: the long prompts preempt one another
-    "preempt_dp2": lambda: case_greedy("tiny", data_parallel_size=2, num_pages=16),
+    # 10 pages of 4 tokens per shard: every request fits alone (the longest needs 9 pages), but
+    # two long ones on a shard preempt one another
+    "preempt_dp2": lambda: case_greedy("tiny", data_parallel_size=2, num_pages=20),
+    "never_fit_dp2": case_never_fit_dp2,
     "prefix_cache_dp2": lambda: case_greedy(
         "tiny", data_parallel_size=2, enable_prefix_caching=True
     ),

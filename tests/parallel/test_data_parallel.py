@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 from parallel_testing import result, run_cases
 
-CASES = ["greedy_dp2", "greedy_tp2_dp2", "preempt_dp2", "prefix_cache_dp2", "no_recompile_tp2_dp2"]
+CASES = [
+    "greedy_dp2",
+    "greedy_tp2_dp2",
+    "preempt_dp2",
+    "never_fit_dp2",
+    "prefix_cache_dp2",
+    "no_recompile_tp2_dp2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +30,12 @@ def test_greedy_tokens_identical(results, name):
 def test_preemption_inside_a_shard(results):
     r = result(results, "preempt_dp2")
     assert r["equal"] and r["num_preemptions"] > 0
+
+
+def test_a_request_larger_than_its_shard_fails_alone(results):
+    r = result(results, "never_fit_dp2")
+    assert r["finish_reason"] == "error"
+    assert "never fit" in r["message"] and "data shard's pool has 10" in r["message"]
 
 
 def test_prefix_caching_inside_a_shard(results):
