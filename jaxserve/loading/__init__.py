@@ -27,11 +27,14 @@ checkpoint <- this file. Loading imports `jaxserve.quant` (the packed layouts), 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
 from pathlib import Path
+
+import jax
 
 from jaxserve.config import DTYPES, LOAD_FORMATS, PRESETS, ModelConfig
 from jaxserve.loading import checkpoint, default_model, dummy, gguf_file, gguf_native, hf
@@ -67,7 +70,8 @@ def load_model(
     tensor_parallel_size: the TP the weights will run under; quantizing at load picks a group
     size that each device's slice of a row-parallel weight holds whole.
     mesh: a ('data', 'model') mesh: HF and GGUF float tensors, and a converted checkpoint's
-    arrays, are placed straight onto their shards as they are read (`parallel.partition`)."""
+    arrays, are placed straight onto their shards as they are read (`parallel.partition`);
+    weights built at load (quantized, GGUF-native, dummy) are built on the host (`_staging`)."""
     if not (model is None or isinstance(model, (str, os.PathLike, ModelConfig))):
         raise TypeError(
             f"model must be None, a str, a path or a ModelConfig, got {type(model).__name__}"
@@ -82,7 +86,8 @@ def load_model(
         )
     t0 = time.perf_counter()
     if load_format == "dummy":
-        loaded = _quantize(_load_dummy(model, dtype), quantization, tensor_parallel_size)
+        with _staging(mesh, quantization):
+            loaded = _quantize(_load_dummy(model, dtype), quantization, tensor_parallel_size)
     elif isinstance(model, ModelConfig):
         raise ValueError(f"a ModelConfig as model needs load_format='dummy', got {load_format!r}")
     elif quantization != GGUF_NATIVE and model is not None and checkpoint.is_checkpoint(model):
@@ -92,13 +97,33 @@ def load_model(
     else:
         if model is None or str(model) in DEFAULT_MODEL_NAMES:
             model = default_model.smollm2_gguf_path()
-        if quantization == GGUF_NATIVE:  # Q4_0/Q4_1/Q8_0 blocks straight into INT4/INT8
-            loaded = gguf_native.load_gguf_native(Path(model), dtype)
-        else:
-            loaded = _load_files(Path(model), dtype, None if quantization else mesh)
-            loaded = _quantize(loaded, quantization, tensor_parallel_size)
+        with _staging(mesh, quantization):
+            if quantization == GGUF_NATIVE:  # Q4_0/Q4_1/Q8_0 blocks straight into INT4/INT8
+                loaded = gguf_native.load_gguf_native(Path(model), dtype)
+            else:
+                loaded = _load_files(Path(model), dtype, None if quantization else mesh)
+                loaded = _quantize(loaded, quantization, tensor_parallel_size)
     log.info("loaded %s (%s) in %.1f s", loaded.source, dtype, time.perf_counter() - t0)
     return loaded
+
+
+def _staging(mesh, quantization: str | None):
+    """Where weights built at load time (quantized at load, imported from GGUF blocks, or dummy)
+    are computed on a mesh of several devices: the host's CPU device, so that no accelerator
+    holds a whole tensor; the runner then gives each device only its slice
+    (`parallel.partition.shard_params`). Calibrated methods (AWQ, GPTQ) run the model to
+    calibrate, which is too slow on the host: they stay on the default device (convert them
+    offline with `launch.convert` for a model larger than one device). One device: no change."""
+    if mesh is None or mesh.size == 1:
+        return contextlib.nullcontext()
+    if quantization in CALIBRATED_METHODS:
+        log.warning(
+            "%s calibrates at load on one device; for a model larger than one device convert it "
+            "offline (python -m jaxserve.launch.convert) and load the checkpoint onto the mesh",
+            quantization,
+        )
+        return contextlib.nullcontext()
+    return jax.default_device(jax.local_devices(backend="cpu")[0])
 
 
 def _load_dummy(model, dtype: str) -> LoadedModel:

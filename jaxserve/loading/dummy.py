@@ -31,9 +31,13 @@ def _init(key: jax.Array, config: ModelConfig, dtype: str) -> dict:
 
 
 def memory_limit_bytes() -> int:
-    """The memory the params may take: the default device's limit, else physical host memory."""
+    """The memory the params may take: the default device's limit (`jax.default_device` if set:
+    the host while staging for a mesh), else physical host memory."""
     host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    stats = jax.local_devices()[0].memory_stats() or {}
+    device = jax.config.jax_default_device
+    if not isinstance(device, jax.Device):
+        device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
     return min(host, int(stats.get("bytes_limit", host)))
 
 

@@ -125,6 +125,63 @@ def case_never_fit_dp2() -> dict:
     return {"message": out.error, "finish_reason": out.outputs[0].finish_reason}
 
 
+def case_logprobs_dp2() -> dict:
+    """Max |DP 2 - one device| of the f32 log-probs (sampled tokens' top 5 and every prompt
+    token's): the logits comparison of data parallelism, through the engine."""
+    sp = SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=1
+    )
+    prompts = [{"prompt_token_ids": p} for p in (PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[4])]
+
+    def run(**extra):
+        llm = LLM(
+            "tiny",
+            load_format="dummy",
+            dtype="float32",
+            num_slots=4,
+            max_model_len=64,
+            page_size=4,
+            **extra,
+        )
+        vals = []
+        for o in llm.generate(prompts, sp, use_tqdm=False):
+            for step in [*o.prompt_logprobs[1:], *o.outputs[0].logprobs]:
+                vals += sorted((t, lp.logprob) for t, lp in step.items())
+        return vals
+
+    ref, got = run(), run(data_parallel_size=2)
+    return {
+        "same_tokens": [t for t, _ in ref] == [t for t, _ in got],
+        "max_diff": max(abs(a[1] - b[1]) for a, b in zip(ref, got)),
+    }
+
+
+def case_staged_load(t: int) -> dict:
+    """Where weights built at load (quantized at load, GGUF-native, dummy) live when a mesh is
+    given: on the host's CPU device (device 0 here), not on the mesh's devices 1..t, which the
+    runner then gives each only its slice. The default device is a mesh device, as a GPU's is."""
+    from jaxserve.loading import load_model
+
+    host = jax.local_devices(backend="cpu")[0]
+    mesh = make_mesh(t, 1, devices=jax.devices()[1 : 1 + t])
+    out = {"host": str(host)}
+    jax.config.update("jax_default_device", jax.devices()[1])
+    try:
+        for name, kw in (
+            ("int4_rtn", dict(model="tiny", load_format="dummy", quantization="int4-rtn")),
+            ("int8", dict(model="tiny", load_format="dummy", quantization="int8")),
+            ("dummy", dict(model="tiny", load_format="dummy")),
+            ("gguf_native", dict(model=None, quantization="gguf-native")),
+            ("hf_int4_rtn", dict(model=os.path.join(GOLDEN, "llama"), quantization="int4-rtn")),
+        ):
+            loaded = load_model(**kw, dtype="float32", tensor_parallel_size=t, mesh=mesh)
+            devices = {d for x in jax.tree.leaves(loaded.params) for d in x.devices()}
+            out[name] = sorted(str(d) for d in devices)
+    finally:
+        jax.config.update("jax_default_device", None)
+    return out
+
+
 def case_smollm2_gguf_native(t: int) -> dict:
     """SmolLM2-135M imported from its GGUF's Q4 blocks (9 query heads, 3 KV heads) at TP t:
     greedy tokens and log-probs against the one-device INT4 engine."""
@@ -232,6 +289,7 @@ def case_no_recompile(**settings) -> dict:
 
 
 CASES = {
+    "logits_tp1": lambda: case_logits(1),  # the sharded code path on a 1-device mesh
     "logits_tp2": lambda: case_logits(2),
     "logits_tp4": lambda: case_logits(4),  # 4 heads, 2 KV heads: KV heads replicated
     "greedy_tp2": lambda: case_greedy(os.path.join(GOLDEN, "qwen2"), tensor_parallel_size=2),
@@ -247,6 +305,8 @@ CASES = {
     "prefix_cache_dp2": lambda: case_greedy(
         "tiny", data_parallel_size=2, enable_prefix_caching=True
     ),
+    "logprobs_dp2": case_logprobs_dp2,
+    "staged_load_tp2": lambda: case_staged_load(2),
     "int4_rtn_tp2": lambda: case_int4_checkpoint(2),
     "int8_tp4": lambda: case_greedy("tiny", tensor_parallel_size=4, quantization="int8"),
     "smollm2_gguf_native_tp3": lambda: case_smollm2_gguf_native(3),

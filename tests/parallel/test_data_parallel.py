@@ -10,6 +10,7 @@ from parallel_testing import result, run_cases
 CASES = [
     "greedy_dp2",
     "greedy_tp2_dp2",
+    "logprobs_dp2",
     "preempt_dp2",
     "never_fit_dp2",
     "prefix_cache_dp2",
@@ -25,6 +26,13 @@ def results():
 @pytest.mark.parametrize("name", ["greedy_dp2", "greedy_tp2_dp2"])
 def test_greedy_tokens_identical(results, name):
     assert result(results, name)["equal"]
+
+
+def test_logprobs_within_1e5_of_one_device(results):
+    """The logits check of data parallelism: every prompt token's log-prob and each sampled
+    token's top 5, f32, against one device."""
+    r = result(results, "logprobs_dp2")
+    assert r["same_tokens"] and r["max_diff"] < 1e-5
 
 
 def test_preemption_inside_a_shard(results):

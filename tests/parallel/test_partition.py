@@ -1,7 +1,7 @@
 """Tensor parallelism on 4 host CPU devices (a subprocess): f32 logits of the tiny Llama, Mistral
-and Qwen2 goldens within 1e-5 of one device at TP 2 and 4 (4 query heads, 2 KV heads: TP 4
-replicates the KV heads), greedy tokens identical through the engine, each device holding 1/T of
-the params."""
+and Qwen2 goldens within 1e-5 of one device at TP 1 (a 1-device mesh), 2 and 4 (4 query heads,
+2 KV heads: TP 4 replicates the KV heads), greedy tokens identical through the engine, each device
+holding 1/T of the params."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from jaxserve.config import PRESETS, EngineConfig
 from jaxserve.parallel.mesh import check_tensor_parallel, make_mesh
 
 CASES = [
+    "logits_tp1",
     "logits_tp2",
     "logits_tp4",
     "greedy_tp2",
@@ -27,7 +28,7 @@ def results():
     return run_cases(4, CASES)
 
 
-@pytest.mark.parametrize("name", ["logits_tp2", "logits_tp4"])
+@pytest.mark.parametrize("name", ["logits_tp1", "logits_tp2", "logits_tp4"])
 def test_logits_match_one_device(results, name):
     for family, err in result(results, name).items():
         assert err < 1e-5, (family, err)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from parallel_testing import result, run_cases
 
-CASES = ["int4_rtn_tp2", "int8_tp4", "smollm2_gguf_native_tp3"]
+CASES = ["int4_rtn_tp2", "int8_tp4", "smollm2_gguf_native_tp3", "staged_load_tp2"]
 
 
 @pytest.fixture(scope="module")
@@ -25,3 +25,12 @@ def test_smollm2_gguf_native_at_tp3(results):
     r = result(results, "smollm2_gguf_native_tp3")
     assert r["equal"]
     assert r["max_logprob_diff"] < 1e-4  # f32; the row-parallel sums run in another order
+
+
+def test_weights_built_at_load_stay_on_the_host_until_placed(results):
+    """Quantizing at load, GGUF-native import and dummy weights never build a whole tensor on a
+    mesh device (the default device here is one): they are built on the host, and each device
+    then receives only its slice."""
+    r = result(results, "staged_load_tp2")
+    for name in ("int4_rtn", "int8", "dummy", "gguf_native", "hf_int4_rtn"):
+        assert r[name] == [r["host"]], (name, r[name])
