@@ -125,8 +125,8 @@ def case_never_fit_dp2() -> dict:
     return {"message": out.error, "finish_reason": out.outputs[0].finish_reason}
 
 
-def case_logprobs_dp2() -> dict:
-    """Max |DP 2 - one device| of the f32 log-probs (sampled tokens' top 5 and every prompt
+def case_logprobs(model: str, **settings) -> dict:
+    """Max |sharded - one device| of the f32 log-probs (sampled tokens' top 5 and every prompt
     token's): the logits comparison of data parallelism, through the engine."""
     sp = SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=1
@@ -149,7 +149,7 @@ def case_logprobs_dp2() -> dict:
                 vals += sorted((t, lp.logprob) for t, lp in step.items())
         return vals
 
-    ref, got = run(), run(data_parallel_size=2)
+    ref, got = run(), run(**settings)
     return {
         "same_tokens": [t for t, _ in ref] == [t for t, _ in got],
         "max_diff": max(abs(a[1] - b[1]) for a, b in zip(ref, got)),
@@ -305,7 +305,9 @@ CASES = {
     "prefix_cache_dp2": lambda: case_greedy(
         "tiny", data_parallel_size=2, enable_prefix_caching=True
     ),
-    "logprobs_dp2": case_logprobs_dp2,
+    "logprobs_tp2_dp2": lambda: case_logprobs(
+        os.path.join(GOLDEN, "mistral"), tensor_parallel_size=2, data_parallel_size=2
+    ),
     "staged_load_tp2": lambda: case_staged_load(2),
     "int4_rtn_tp2": lambda: case_int4_checkpoint(2),
     "int8_tp4": lambda: case_greedy("tiny", tensor_parallel_size=4, quantization="int8"),

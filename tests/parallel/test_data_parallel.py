@@ -1,6 +1,7 @@
 """Data parallelism (and TP x DP) on 4 host CPU devices (a subprocess): greedy tokens identical to
-one device, with preemption (a small pool per shard) and prefix caching inside the shards, and
-nothing compiling after warm-up."""
+one device, f32 log-probs within 1e-5, preemption (a small pool per shard) and prefix caching
+inside the shards, a request larger than its shard failing alone, and nothing compiling after
+warm-up."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from parallel_testing import result, run_cases
 CASES = [
     "greedy_dp2",
     "greedy_tp2_dp2",
-    "logprobs_dp2",
+    "logprobs_tp2_dp2",
     "preempt_dp2",
     "never_fit_dp2",
     "prefix_cache_dp2",
@@ -29,9 +30,9 @@ def test_greedy_tokens_identical(results, name):
 
 
 def test_logprobs_within_1e5_of_one_device(results):
-    """The logits check of data parallelism: every prompt token's log-prob and each sampled
-    token's top 5, f32, against one device."""
-    r = result(results, "logprobs_dp2")
+    """The logits check of data parallelism (TP 2 x DP 2, the Mistral golden): every prompt
+    token's log-prob and each sampled token's top 5, f32, against one device."""
+    r = result(results, "logprobs_tp2_dp2")
     assert r["same_tokens"] and r["max_diff"] < 1e-5
 
 
