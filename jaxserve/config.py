@@ -191,6 +191,14 @@ class EngineConfig:
         "SamplingParams.seed samples with a seed drawn from it, so a run's sampled outputs "
         "repeat. Default: 0.",
     )
+    on_bad_request: str = _setting(
+        "output",
+        "What LLM.generate / chat do with a prompt or SamplingParams that cannot run: output = "
+        "its RequestOutput carries .error (finish_reason 'error') and the other prompts complete, "
+        "so a batch never dies of one prompt; raise = raise ValueError naming the prompt, before "
+        "anything runs, as vLLM does. Default: output.",
+        ("output", "raise"),
+    )
     warmup: bool = _setting(
         False,
         "Compile every step variant (each prefill and decode shape) while the engine is built, so "

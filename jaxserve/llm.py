@@ -23,8 +23,10 @@ instead of recomputing them (core/prefix_cache.py).
 
 A prompt is a str, {"prompt_token_ids": [...]} (works without a tokenizer) or {"prompt": str}.
 `sampling_params` is one SamplingParams (or dict) for all prompts or a list with one per prompt.
-A bad prompt or bad per-prompt parameters give that prompt an output with `error` set while the
-rest complete. An unknown constructor argument raises TypeError naming it, a bad value ValueError
+Where jaxserve deliberately differs from vLLM: a bad prompt or bad per-prompt parameters give
+that prompt an output with `error` set (finish_reason "error") while the rest complete, so a
+batch never dies of one prompt; vLLM raises instead. `LLM(..., on_bad_request="raise")` raises as
+vLLM does: ValueError("prompt i: ...") before anything runs. An unknown constructor argument raises TypeError naming it, a bad value ValueError
 naming the field (before the model loads, except a max_model_len beyond the model's).
 """
 
@@ -48,6 +50,7 @@ from jaxserve.engine_args import (
     resolve_num_pages,
     vllm_settings,
 )
+from jaxserve.entrypoints.chat_utils import render_chat
 from jaxserve.runner.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -153,21 +156,33 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation or a list of them."""
+        """Generates for one conversation (a list of {"role", "content"} dicts) or a list of them,
+        rendered by the tokenizer's chat template (or `chat_template`), as vLLM's `LLM.chat`:
+        `continue_final_message` continues the final (assistant) message instead of opening a
+        new turn (then add_generation_prompt must be False); `tools` are given to the template;
+        `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False}),
+        overriding the named options. A conversation the template rejects fails alone."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in convs:
             try:
-                text = self.tokenizer.apply_chat_template(
+                text, ids = render_chat(
+                    self.tokenizer,
                     conv,
-                    tokenize=False,
-                    add_generation_prompt=add_generation_prompt,
                     chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tools=tools,
+                    chat_template_kwargs=chat_template_kwargs,
                 )
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 prompts.append({"prompt": text, "prompt_token_ids": ids})
             except Exception as e:  # a malformed conversation fails alone
                 prompts.append(_BadPrompt(f"chat template failed: {e}"))
@@ -188,6 +203,8 @@ class LLM:
         index: dict[str, int] = {}
         pbar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
         t0, out_tokens = time.perf_counter(), 0
+        if self.engine_config.on_bad_request == "raise":  # vLLM: fail before anything runs
+            prompts = [self._checked(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         try:  # submission inside: if it raises, the requests already queued are aborted too
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 index[self._submit(prompt, sp, stream=False)] = i
@@ -217,6 +234,8 @@ class LLM:
         delta=False: cumulative text and token ids (vLLM's default); delta=True: only what is new.
         """
         sp = self._per_prompt_params(sampling_params, 1)[0]
+        if self.engine_config.on_bad_request == "raise":
+            prompt = self._checked(0, prompt, sp)
         rid = self._submit(prompt, sp, stream=True)
         seen: dict[int, tuple[int, int]] = {}  # child index -> (tokens, chars) already yielded
         try:
@@ -268,8 +287,17 @@ class LLM:
             f"got {type(sampling_params).__name__}"
         )
 
-    def _submit(self, prompt, sp, stream: bool) -> str:
-        rid = self.engine.next_request_id()
+    def _checked(self, i: int, prompt, sp) -> dict:
+        """Prompt i parsed and checked as the engine will (on_bad_request='raise'): ValueError
+        naming it and the problem, else {"prompt", "prompt_token_ids"} (tokenized once)."""
+        text, ids, sp, error = self._prepare(prompt, sp)
+        error = error or self.engine.validate(ids, sp)
+        if error is not None:
+            raise ValueError(f"prompt {i}: {error}")
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def _prepare(self, prompt, sp):
+        """(text, token ids, SamplingParams, error) of one prompt and its parameters."""
         try:
             text, ids, error = self._parse_prompt(prompt)
         except Exception as e:  # the last line of defence: one prompt fails alone
@@ -279,6 +307,11 @@ class LLM:
                 sp = SamplingParams.from_dict(sp)
             except ValueError as e:
                 error = f"invalid sampling parameters: {e}"
+        return text, ids, sp, error
+
+    def _submit(self, prompt, sp, stream: bool) -> str:
+        rid = self.engine.next_request_id()
+        text, ids, sp, error = self._prepare(prompt, sp)
         if error is not None:
             self._outbox.setdefault(rid, []).append(
                 RequestOutput.from_error(

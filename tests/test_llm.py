@@ -134,6 +134,29 @@ def test_bad_prompts_and_params_fail_alone(llm):
     assert all(o.outputs[0].finish_reason == "error" for o in outs if o.error)
 
 
+def test_on_bad_request_raise_fails_before_anything_runs():
+    """vLLM's behaviour behind a flag (vllm/entrypoints/llm.py raises from input processing):
+    a bad prompt or parameters raise ValueError naming the prompt's index, no request is left in
+    the engine, and the same LLM then runs a good batch."""
+    llm = make_llm(on_bad_request="raise")
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    good = {"prompt_token_ids": [5, 6, 7]}
+    cases = [
+        ([good, {"prompt_token_ids": [3] * 64}], sp, "prompt 1: .*max_model_len"),
+        ([{"prompt_token_ids": []}], sp, "prompt 0: prompt is empty"),
+        ([good, good], [sp, {"temperature": -1.0}], "prompt 1: invalid sampling.*temperature"),
+        ([good, "no tokenizer"], sp, "prompt 1: text prompts need a tokenizer"),
+    ]
+    for batch, params, match in cases:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(batch, params, use_tqdm=False)
+        assert not llm.engine.has_unfinished() and llm.engine.num_finished == 0
+    with pytest.raises(ValueError, match="prompt 0: .*max_model_len"):
+        next(llm.stream({"prompt_token_ids": [3] * 64}, sp))
+    out = llm.generate([good], sp, use_tqdm=False)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == 3
+
+
 def test_stream_and_iter_generate(llm):
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     final = llm.generate(ids([[4, 5, 6]]), sp, use_tqdm=False)[0]

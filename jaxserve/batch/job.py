@@ -41,6 +41,7 @@ from tqdm import tqdm
 from jaxserve.batch.errors import OutputError
 from jaxserve.batch.reader import InputRow
 from jaxserve.batch.summary import JobStats
+from jaxserve.entrypoints.chat_utils import render_chat
 
 log = logging.getLogger(__name__)
 
@@ -198,15 +199,7 @@ def render_prompt(
             "the model's tokenizer has no chat template, so this row cannot be rendered"
         )
 
-    def render():
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if not isinstance(text, str):
-            raise ValueError(f"the chat template gave a {type(text).__name__}, not a str")
-        if len(text) > max_chars:
-            raise ValueError(f"the rendered prompt has {len(text)} characters, over {max_chars}")
-        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    text, ids = bounded(render, timeout_s)
+    text, ids = bounded(lambda: render_chat(tokenizer, messages, max_chars=max_chars), timeout_s)
     return {"prompt": text, "prompt_token_ids": [int(t) for t in ids]}
 
 

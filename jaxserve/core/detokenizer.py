@@ -39,19 +39,21 @@ def find_stop(
 ) -> tuple[str, str] | None:
     """Looks for a stop string ending in the last `new_len` characters of `text`.
 
-    Returns (truncated text, the stop string) for the earliest match, or None. The text keeps the
-    stop string only when `include` (vLLM's include_stop_str_in_output).
+    Returns (truncated text, the stop string) for the match that completes first (the smallest
+    end: what would stop generation if the new characters arrived one at a time; on a tie the
+    one starting earlier), or None. The text keeps the stop string only when `include` (vLLM's
+    include_stop_str_in_output).
     """
-    best = None
+    best = None  # (end, start, stop)
     for stop in stops:
         begin = max(0, len(text) - new_len - len(stop) + 1)
         i = text.find(stop, begin)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, stop)
+        if i >= 0 and (best is None or (i + len(stop), i) < best[:2]):
+            best = (i + len(stop), i, stop)
     if best is None:
         return None
-    i, stop = best
-    return (text[: i + len(stop)] if include else text[:i]), stop
+    end, i, stop = best
+    return (text[:end] if include else text[:i]), stop
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -108,7 +108,7 @@ class LLMEngine:
         stream: bool = False,
         arrival_time: float | None = None,
     ) -> None:
-        """Queues one request; invalid input becomes an error output (see `_validate`)."""
+        """Queues one request; invalid input becomes an error output (see `validate`)."""
         now = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -119,7 +119,7 @@ class LLMEngine:
                 sampling_params = sampling_params.with_bad_words_ids(self.tokenizer)
             except ValueError as e:
                 error = str(e)
-        error = error or self._validate(prompt_token_ids, sampling_params)
+        error = error or self.validate(prompt_token_ids, sampling_params)
         if error is not None:
             logger.info("request %s rejected: %s", request_id, error)
             self._pending.append(
@@ -159,7 +159,7 @@ class LLMEngine:
         for child in children:
             self.scheduler.add(child)
 
-    def _validate(self, ids, sp) -> str | None:
+    def validate(self, ids, sp) -> str | None:
         """The reason this request cannot run, or None."""
         if not isinstance(sp, SamplingParams):
             return f"sampling_params must be a SamplingParams, got {type(sp).__name__}"

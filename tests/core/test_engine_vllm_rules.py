@@ -103,6 +103,25 @@ def test_stop_string_may_start_before_min_tokens_end():
     assert (out.text, out.stop_reason) == ("", "ef")
 
 
+class WordTokenizer(LetterTokenizer):
+    """As LetterTokenizer, but token 30 ('e') decodes to "efgh": one token, four characters."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return super().decode(ids, skip_special_tokens).replace("e", "efgh")
+
+
+def test_the_stop_string_completing_first_wins():
+    """One token's text ("efgh") completes two stop strings: "fg" completes at 'g', before
+    "efgh" does (though "efgh" starts earlier), so the text stops before "fg", whatever the order
+    of the list -- what the characters arriving one at a time would give."""
+    rule = lambda seq, seed: (seq[-1] + 1) % 26 + 26  # 'e' (30) first
+    for stops in (["efgh", "fg"], ["fg", "efgh"]):
+        engine = make_engine(rule=rule, tokenizer=WordTokenizer())
+        engine.add_request("r", None, [29], SamplingParams(temperature=0, max_tokens=8, stop=stops))
+        out = run_all(engine)["r"].outputs[0]
+        assert (out.text, out.stop_reason) == ("e", "fg"), stops
+
+
 def test_cumulative_logprob_only_with_logprobs_and_logprob_objects():
     """vLLM LogprobsProcessor: cumulative_logprob None unless logprobs is set; entries are
     {token_id: Logprob(logprob, rank, decoded_token)}."""

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.smollm2
 KW = dict(dtype="float32", num_slots=4, max_model_len=256)
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
+PARTIAL = CHAT + [{"role": "assistant", "content": "The three colors are"}]
 N = 12
 MC = [  # lm-eval multiple choice rows: context, choices (the " " delimiter goes before each)
     {"question": "The capital of France is", "choices": ["Paris", "London", "Rome"], "answer": 0},
@@ -56,6 +57,9 @@ def smol():
             CHAT, SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False
         )[0],
     }
+    continued = dict(add_generation_prompt=False, continue_final_message=True)
+    # vLLM's LLM.chat: a list of conversations in one call, each rendered with the same options
+    offline["continued"] = llm.chat([PARTIAL, PARTIAL[:1]], sp, use_tqdm=False, **continued)
     offline["mc"] = _loglikelihoods(llm)
     allm = AsyncLLM.from_llm(llm)
     server = ServerThread(build_app(allm, "smollm2"))
@@ -102,6 +106,32 @@ def test_chat_equals_llm_chat(smol, client):
         return "".join(c.choices[0].delta.content or "" for c in chunks)
 
     assert asyncio.run(stream()) == ref.text
+
+
+def test_continue_final_message_offline_and_served(smol, client):
+    """The partial assistant message is continued, not answered anew: the same tokens as a plain
+    generate from its rendered text, offline and through the server (vLLM's extra_body field)."""
+    cont, plain = smol[1]["continued"]
+    llm = smol[2]
+    assert cont.prompt.endswith("The three colors are") and cont.outputs[0].text
+    assert plain.prompt.endswith("Name three colors.")  # continues the user's message
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=PARTIAL,
+        temperature=0,
+        max_tokens=N,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert r.choices[0].message.content == cont.outputs[0].text
+    assert r.usage.prompt_tokens == len(cont.prompt_token_ids)
+    assert (
+        cont.prompt_token_ids == llm.tokenizer(cont.prompt, add_special_tokens=False)["input_ids"]
+    )
+    with pytest.raises(openai.BadRequestError, match="cannot both be true"):
+        client.chat.completions.create(
+            model="smollm2", messages=PARTIAL, max_tokens=2,
+            extra_body={"continue_final_message": True},
+        )  # fmt: skip
 
 
 def test_chat_logprobs(smol, client):

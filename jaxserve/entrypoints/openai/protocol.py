@@ -121,6 +121,8 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None  # given to the chat template (no tool-call parsing)
     chat_template_kwargs: dict[str, Any] | None = None
 
 

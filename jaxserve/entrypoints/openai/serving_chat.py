@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from jaxserve.core.outputs import CompletionOutput
+from jaxserve.entrypoints.chat_utils import render_chat
 from jaxserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -46,24 +47,36 @@ def _content(message) -> str | None:
 
 
 def apply_template(
-    state: ServingState, messages, add_generation_prompt: bool = True, kwargs=None
+    state: ServingState,
+    messages,
+    add_generation_prompt: bool = True,
+    kwargs=None,
+    continue_final_message: bool = False,
+    tools=None,
 ) -> tuple[str, list[int]]:
-    """(text, token ids) of a conversation; 400 when the model has no tokenizer or template."""
+    """(text, token ids) of a conversation (`render_chat`); 400 naming what is wrong."""
     tok = state.tokenizer
     if tok is None:
         raise APIError(400, "chat needs a tokenizer; this model has none", "messages")
+    if continue_final_message and add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true",
+            "continue_final_message",
+        )
     conv = [{**m.model_dump(exclude_none=True), "content": _content(m) or ""} for m in messages]
     try:
-        text = tok.apply_chat_template(
+        return render_chat(
+            tok,
             conv,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
             chat_template=state.chat_template,
-            **(kwargs or {}),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs=kwargs,
         )
     except Exception as e:  # a template error is the caller's conversation
         raise APIError(400, f"chat template failed: {e}", "messages") from None
-    return text, list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 def _logprobs(state, c: CompletionOutput, start: int, k: int) -> ChatLogprobs:
@@ -93,7 +106,12 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     """The response object, or (stream=True) an async iterator of SSE strings."""
     state.check_model(req.model)
     text, ids = apply_template(
-        state, req.messages, req.add_generation_prompt, req.chat_template_kwargs
+        state,
+        req.messages,
+        req.add_generation_prompt,
+        req.chat_template_kwargs,
+        req.continue_final_message,
+        req.tools,
     )
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

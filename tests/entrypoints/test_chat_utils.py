@@ -1,0 +1,64 @@
+"""`render_chat`, the one chat-template rule of LLM.chat, the server and the batch job, on the
+real SmolLM2 template: vLLM's `LLM.chat` options (vllm/entrypoints/llm.py `chat`, and the
+continue_final_message / add_generation_prompt check of vllm/entrypoints/chat_utils.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.entrypoints.chat_utils import render_chat
+
+pytestmark = pytest.mark.smollm2
+
+CONV = [{"role": "user", "content": "Name three colors."}]
+PARTIAL = CONV + [{"role": "assistant", "content": "Red, green and"}]
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_gguf_path):
+    from jaxserve.loading import gguf_file
+    from jaxserve.loading.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf_path, reader=gguf_file.open_gguf(smollm2_gguf_path))
+
+
+def test_generation_prompt_opens_an_assistant_turn(tok):
+    text, ids = render_chat(tok, CONV)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    closed, _ = render_chat(tok, CONV, add_generation_prompt=False)
+    assert text.startswith(closed) and not closed.endswith("assistant\n")
+
+
+def test_continue_final_message_leaves_the_last_turn_open(tok):
+    text, _ = render_chat(tok, PARTIAL, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nRed, green and")  # no <|im_end|> after it
+    closed, _ = render_chat(tok, PARTIAL, add_generation_prompt=False)
+    assert closed.rstrip().endswith("Red, green and<|im_end|>")
+    with pytest.raises(ValueError, match="cannot both be True"):
+        render_chat(tok, PARTIAL, continue_final_message=True)
+
+
+def test_chat_template_kwargs_are_variables_and_override_the_options(tok):
+    template = "{{ greeting }} {% for m in messages %}{{ m.content }}{% endfor %}"
+    template += "{% if add_generation_prompt %}|gen{% endif %}"
+    text, _ = render_chat(
+        tok, CONV, chat_template=template, chat_template_kwargs={"greeting": "Hi"}
+    )
+    assert text == "Hi Name three colors.|gen"
+    text, _ = render_chat(
+        tok,
+        CONV,
+        chat_template=template,
+        chat_template_kwargs={"greeting": "Hi", "add_generation_prompt": False},
+    )
+    assert text == "Hi Name three colors."
+    with pytest.raises(ValueError, match="may not set"):
+        render_chat(tok, CONV, chat_template_kwargs={"tokenize": True})
+
+
+def test_tools_reach_the_template(tok):
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    text, _ = render_chat(tok, CONV, chat_template=template, tools=tools)
+    assert text == "[get_weather]Name three colors."
