@@ -32,6 +32,14 @@ here). On CPU jax's generic lowering masks lhs per group and contracts over [E *
 active FLOPs. `experiments/moe_decode_step.py` measures that against the per-expert reference, a
 loop that skips unchosen experts, and a dense model of the same active parameters.
 
+Expert parallelism (tensor_parallel_size T > 1 dividing E): the expert stacks are split over E on
+the mesh's 'model' axis, so each device holds E/T experts (`parallel/partition.py`, role
+'expert'); the router, attention and dense layers keep their usual tensor-parallel rules. Inside
+`jax.shard_map`, every device routes all N tokens (replicated), runs `ragged_dot` on the sorted
+pairs of its own experts only, and a psum of the [N, D] partial outputs adds the devices' shares:
+one all-reduce per MoE layer, the same as a row-parallel dense MLP, and no all-to-all (tokens are
+replicated under TP anyway). T not dividing E keeps the experts replicated (logged).
+
 Quantized experts (INT8 / FP8 / INT4 stacks, leading axes allowed): `expert_stack` dequantizes
 one layer's [E, K, N] stack to the activation dtype inside the step and `ragged_dot` multiplies
 that: exact to the stored weights, and simple. Its cost: per layer and step, the stack is read
@@ -88,7 +96,8 @@ def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.A
 
     Under a mesh with Explicit axes (the CUDA lowering check's abstract H200, a sharded engine)
     jax 0.11.2 cannot infer ragged_dot's output sharding and asks for one: the rows keep lhs's
-    row sharding and N is unsharded (the experts are replicated; no expert parallelism yet).
+    row sharding and N is unsharded (under expert parallelism this runs inside the shard_map,
+    on one device's experts).
     """
     mesh = jax.sharding.get_abstract_mesh()
     out = None
@@ -111,22 +120,82 @@ def moe_mlp(
 
     w_gate, w_up [E, D, I] and w_down [E, I, D] are plain arrays in x.dtype (`expert_stack`).
     k and norm_topk_prob are static.
+
+    Expert parallelism: under a mesh whose 'model' axis has T > 1 devices dividing E (the
+    partition rules then split the expert stacks over E, `parallel/partition.py`), each device
+    runs only its E/T experts' pairs (`_expert_parallel`) and one all-reduce of [N, D] sums them.
     """
     _check(x, router_logits, w_gate, w_up, w_down, k)
-    n, d = x.shape
     e = w_gate.shape[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    t = mesh.shape["model"] if "model" in mesh.axis_names else 1
+    if t > 1 and e % t == 0:
+        return _expert_parallel(x, router_logits, w_gate, w_up, w_down, k, norm_topk_prob)
+    weights, order, group_sizes = _dispatch(router_logits, k, norm_topk_prob, e)
+    y = _experts(x, order, k, group_sizes, w_gate, w_up, w_down)  # (P, D), sorted by expert
+    return _combine(y, order, weights).astype(x.dtype)
+
+
+def _dispatch(router_logits, k: int, norm_topk_prob: bool, e: int):
+    """-> (weights f32[N, k], order i32[P]: pairs sorted by expert, group_sizes i32[E])."""
     weights, experts = route(router_logits, k, norm_topk_prob)  # (N, k)
-    flat = experts.reshape(n * k)  # (P,) pair p = token p // k, its (p % k)-th choice
+    flat = experts.reshape(-1)  # (P,) pair p = token p // k, its (p % k)-th choice
     order = jnp.argsort(flat, stable=True)  # (P,) pairs sorted by expert
     group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # (E,)
+    return weights, order, group_sizes
+
+
+def _experts(x, order, k: int, group_sizes, w_gate, w_up, w_down, shift=None):
+    """The SwiGLU of each pair's expert on its token: [P, D], rows sorted by expert. shift: the
+    first sorted row of these experts' pairs (expert parallelism: the rows are rotated so they
+    start at 0, and the rows past their groups come out as exact zeros)."""
     xs = jnp.take(x, order // k, axis=0)  # (P, D)
+    if shift is not None:
+        xs = jnp.roll(xs, -shift, axis=0)
     gate = _ragged_dot(xs, w_gate, group_sizes)  # (P, I)
     up = _ragged_dot(xs, w_up, group_sizes)  # (P, I)
     h = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up
-    y = _ragged_dot(h, w_down, group_sizes)  # (P, D), sorted by expert
+    y = _ragged_dot(h, w_down, group_sizes)  # (P, D)
+    if shift is None:
+        return y
+    mine = jnp.arange(y.shape[0]) < jnp.sum(group_sizes)
+    return jnp.roll(jnp.where(mine[:, None], y, jnp.zeros_like(y)), shift, axis=0)
+
+
+def _combine(y, order, weights) -> jax.Array:
+    """Sorted pair outputs [P, D] -> f32[N, D]: unsorted, weighted and summed over each token's k."""
+    n, k = weights.shape
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # (P, D), pair order
-    y = y.reshape(n, k, d).astype(jnp.float32)  # (N, k, D)
-    return jnp.einsum("nk,nkd->nd", weights, y).astype(x.dtype)
+    y = y.reshape(n, k, -1).astype(jnp.float32)  # (N, k, D)
+    return jnp.einsum("nk,nkd->nd", weights, y)
+
+
+def _expert_parallel(x, router_logits, w_gate, w_up, w_down, k: int, norm_topk_prob: bool):
+    """`moe_mlp` with the experts split over the 'model' axis: every device routes all tokens
+    (the router is replicated; cheap), takes the sorted pairs of its own E/T experts -- a
+    contiguous run, rotated to start at row 0 -- through its experts' `ragged_dot`, and the
+    per-device partial outputs (the other experts' pairs are exact zeros) are summed by one psum
+    of [N, D]. Only the experts' weights are split; tokens stay replicated (no all-to-all)."""
+    e = w_gate.shape[0]
+    P = jax.sharding.PartitionSpec
+
+    def local(x, router_logits, w_gate, w_up, w_down):
+        el = w_gate.shape[0]  # this device's experts: [m * el, (m + 1) * el)
+        first = jax.lax.axis_index("model") * el
+        weights, order, group_sizes = _dispatch(router_logits, k, norm_topk_prob, e)
+        starts = jnp.cumsum(group_sizes) - group_sizes  # (E,) first sorted row of each expert
+        mine = jax.lax.dynamic_slice_in_dim(group_sizes, first, el)  # (el,)
+        y = _experts(x, order, k, mine, w_gate, w_up, w_down, shift=starts[first])
+        return jax.lax.psum(_combine(y, order, weights), "model")
+
+    out = jax.shard_map(
+        local,
+        in_specs=(P(), P(), P("model"), P("model"), P("model")),
+        out_specs=P(),
+        axis_names={"model"},
+        check_vma=False,
+    )(x, router_logits, w_gate, w_up, w_down)
+    return out.astype(x.dtype)
 
 
 def moe_mlp_reference(

@@ -14,6 +14,8 @@ Roles (T = the 'model' axis size; every leading stacked-layer axis unsharded):
                 bq bk bv lm_head       [.., out]: out split; lm_head [D, V]: vocab split
     row         wo w_down              [.., in, out]: in split -> XLA adds the all-reduce
     vocab       embed [V, D]           rows split (a quantized table, stored [D, V]: columns)
+    expert      we_gate we_up we_down  [Ls, E, ..]: experts split (expert parallelism,
+                                       `layers/moe.py`); replicated when T does not divide E
     replicated  norms, and any param without a rule (a new family's extra tensors), logged
 
 Logits come out split over the vocabulary; sampling (a softmax, top-k/top-p over V) makes XLA
@@ -58,6 +60,9 @@ ROLES = {
     "w_down": "row",
     "lm_head": "column",
     "embed": "vocab",
+    "we_gate": "expert",  # [Ls, E, D, Im] split over E: expert parallelism (layers/moe.py)
+    "we_up": "expert",
+    "we_down": "expert",
 }
 
 
@@ -117,10 +122,18 @@ def _plain_spec(role: str, ndim: int, transposed: bool) -> P:
     return P(*spec)
 
 
+def _expert_spec(a) -> P:
+    """An expert stack leaf [Ls, E, ...] (plain, or a quantized weight's packed / scales / mins,
+    which carry the same leading axes): split over E."""
+    return P(None, AXIS, *([None] * (a.ndim - 2)))
+
+
 def _leaf_spec(name: str, w, role: str, t: int):
     """(the weight, its spec pytree) for one param under T-way tensor parallelism."""
     if role == "replicated":
         return w, jax.tree.map(lambda _: P(), w)
+    if role == "expert":
+        return w, jax.tree.map(_expert_spec, w)
     if is_quantized(w):
         qrole = "column" if role == "vocab" else role  # a quantized table is stored [D, V]
         if hasattr(w, "shards") and qrole == "column" and w.shards != t:
@@ -146,10 +159,16 @@ def param_specs(params: dict, config: ModelConfig, t: int) -> tuple[dict, dict]:
         )
     out_params, specs, unruled = {}, {}, []
 
+    experts_split = bool(config.num_experts) and config.num_experts % t == 0
+    if config.num_experts and not experts_split and t > 1:
+        logger.info("%d experts are not a multiple of T=%d: replicated", config.num_experts, t)
+
     def one(name, w):
         role = role_of(name) if t > 1 else "replicated"
         if role == "vocab" or name == "lm_head":
             role = role if vocab_split else "replicated"
+        if role == "expert" and not experts_split:
+            role = "replicated"
         if name not in ROLES and "norm" not in name:
             unruled.append(name)
         return _leaf_spec(name, w, role, t)
@@ -262,6 +281,10 @@ def load_spec(path: str, ndim: int, config: ModelConfig, t: int) -> P:
         role = "replicated"
     if name in ("embed", "lm_head") and config.vocab_size % t:
         role = "replicated"
+    if role == "expert":  # [Ls, E, ...], whether plain or a quantized weight's array
+        if config.num_experts % t:
+            return P()
+        return P(None, AXIS, *([None] * (ndim - 2)))
     quantized_array = len(parts) > (2 if parts[0] == "layers" else 1)
     if quantized_array and role == "vocab":  # a quantized table is stored [D, V]
         role = "column"

@@ -30,6 +30,7 @@ from jaxserve.parallel.mesh import make_mesh  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "..", "golden")
 FAMILIES = ("llama", "mistral", "qwen2")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_moe_sparse2")  # 8, 16 and 4 experts
 PROMPTS = [[3, 17, 99, 5, 42, 8, 1], [250, 7], [11, 12, 13, 14, 15] * 5, [9] * 20, [4, 4, 5]]
 
 
@@ -59,10 +60,10 @@ def _logits(params, config, tokens, mesh):
         return np.asarray(jax.jit(run)(params, tokens, meta))
 
 
-def case_logits(t: int) -> dict:
+def case_logits(t: int, families=FAMILIES) -> dict:
     """Max |sharded - one-device| f32 logits of each tiny golden family at tensor parallel t."""
     out = {}
-    for fam in FAMILIES:
+    for fam in families:
         config, params = hf.load_hf_dir(os.path.join(GOLDEN, fam), "float32")
         tokens = jnp.asarray(np.load(os.path.join(GOLDEN, fam, "logits.npz"))["tokens"])
         ref = _logits(params, config, tokens, None)
@@ -269,6 +270,25 @@ def case_param_bytes(t: int) -> dict:
     return {"ratio": per_device / (total / t)}
 
 
+def case_expert_split(t: int) -> dict:
+    """Where the expert stacks of the tiny Qwen3-MoE (16 experts) land at TP t, loaded straight
+    from its HF folder onto the mesh and then placed by the runner's rules: split over E."""
+    from jaxserve.loading import load_model
+
+    mesh = make_mesh(t, 1)
+    src = os.path.join(GOLDEN, "qwen3_moe")
+    loaded = load_model(src, dtype="float32", mesh=mesh)
+    placed = partition.shard_params(loaded.params, loaded.config, mesh)
+    out = {"loaded_spec": str(loaded.params["layers"]["we_gate"].sharding.spec)}
+    for name in ("we_gate", "we_up", "we_down"):
+        w = placed["layers"][name]
+        out[name] = {
+            "spec": str(w.sharding.spec),
+            "fraction": w.addressable_shards[0].data.size / w.size,
+        }
+    return out
+
+
 def case_no_recompile(**settings) -> dict:
     """Compilations during generate after warm-up (must be 0)."""
     from jaxserve.bench.core import CompileCounter
@@ -313,6 +333,15 @@ CASES = {
     "int8_tp4": lambda: case_greedy("tiny", tensor_parallel_size=4, quantization="int8"),
     "smollm2_gguf_native_tp3": lambda: case_smollm2_gguf_native(3),
     "load_onto_shards_tp2": lambda: case_load_onto_shards(2),
+    "moe_logits_tp2": lambda: case_logits(2, MOE_FAMILIES),
+    "moe_logits_tp4": lambda: case_logits(4, MOE_FAMILIES),  # sparse2's 4 experts: 1 each
+    "moe_expert_split_tp2": lambda: case_expert_split(2),
+    "moe_greedy_tp2": lambda: case_greedy(
+        os.path.join(GOLDEN, "qwen3_moe"), tensor_parallel_size=2
+    ),
+    "moe_int8_greedy_tp2": lambda: case_greedy(
+        os.path.join(GOLDEN, "mixtral"), tensor_parallel_size=2, quantization="int8"
+    ),
     "param_bytes_tp2": lambda: case_param_bytes(2),
     "param_bytes_tp4": lambda: case_param_bytes(4),
     "no_recompile_tp2_dp2": lambda: case_no_recompile(tensor_parallel_size=2, data_parallel_size=2),

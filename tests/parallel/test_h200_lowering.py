@@ -330,3 +330,19 @@ def test_gspmd_inserts_the_collectives_of_the_plain_weights():
 
 if __name__ == "__main__":
     print(json.dumps(_compiled_collectives()))
+
+
+def test_mixtral_experts_split_over_8_h200s():
+    """Expert parallelism (layers/moe.py): at TP 8 each H200 holds one of Mixtral's 8 experts,
+    and its grouped matmuls (`ragged_dot`, inside the shard_map over 'model') multiply that one
+    expert's [1, D, I] stacks; the partial outputs meet in an all-reduce."""
+    c, texts = lower_steps("mixtral-8x7b", None, 1, 8)
+    d, i = c.hidden_size, c.moe_intermediate_size or c.intermediate_size
+    for step, text in texts.items():
+        rhs = [
+            re.findall(r"tensor<([^>]*)>", line)[1]
+            for line in text.splitlines()
+            if "ragged_dot" in line and "tensor<" in line
+        ]
+        assert set(rhs) == {f"1x{d}x{i}xbf16", f"1x{i}x{d}xbf16"}, (step, rhs)
+        assert 'manual_axes={"model"}' in text and "all_reduce" in text, step
