@@ -4,10 +4,12 @@ r"""Decode step time per model family at real shapes on CPU, and a sliding windo
 Families: for each preset (real vocabulary, hidden size, heads, MLP / experts), one decode step of
 the engine's own `ModelRunner` (the CPU default: 'ragged' attention, weights [out, in]) with every
 slot active and `--ctx` tokens cached, bf16 dummy weights, at 8 and 32 slots. The weights of a
-whole 8B-47B model do not fit this VM's 23 GB, so each preset is timed at 1 and at 2 layers and the
-full model's step is extrapolated linearly: full = t(1) + (L - 1) * (t(2) - t(1)) (the embedding,
-final norm and lm_head are in t(1); every decoder layer of a family costs the same at a context
-inside its windows). Median of --reps, variants timed in one process.
+whole 8B-47B model do not fit this VM's 23 GB, so each preset is timed at 3 and at 4 layers and the
+full model's step is extrapolated linearly: full = t(3) + (L - 3) * (t(4) - t(3)) (the embedding,
+final norm and lm_head are in t(3); every decoder layer of a family costs the same at a context
+inside its windows). Fewer layers are not used: XLA compiles a layer scan of 1 or 2 steps
+differently (at 32 slots Llama-3-8B's 2-layer step took longer than its 3-layer one, twice).
+Median of --reps after two untimed calls, variants timed in one process.
 
 Window: the same layers (Mistral-7B's shapes, --window_layers layers) at a 4k context, every layer
 global vs every layer sliding with a 1k window: the ragged decode then gathers only the window's
@@ -92,7 +94,8 @@ def step_ms(c: ModelConfig, slots: int, ctx: int, reps: int) -> float:
         )
         return runner.generate(shape).tokens
 
-    jax.block_until_ready(gen())  # compile
+    for _ in range(2):  # compile, then one more: first touches of the fresh weights and pool
+        jax.block_until_ready(gen())
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -106,18 +109,18 @@ def families(reps: int) -> list[dict]:
     for name in _FAMILIES.value:
         full = ModelConfig.preset(name)
         for s in map(int, _SLOTS.value):
-            t1 = step_ms(with_layers(full, 1), s, _CTX.value, reps)
-            t2 = step_ms(with_layers(full, 2), s, _CTX.value, reps)
-            per_layer = t2 - t1
+            t3 = step_ms(with_layers(full, 3), s, _CTX.value, reps)
+            t4 = step_ms(with_layers(full, 4), s, _CTX.value, reps)
+            per_layer = t4 - t3
             row = {
                 "family": name,
                 "slots": s,
                 "ctx": _CTX.value,
                 "layers": full.num_layers,
-                "step_1_layer_ms": round(t1, 1),
-                "step_2_layers_ms": round(t2, 1),
+                "step_3_layers_ms": round(t3, 1),
+                "step_4_layers_ms": round(t4, 1),
                 "per_layer_ms": round(per_layer, 1),
-                "full_model_step_ms": round(t1 + (full.num_layers - 1) * per_layer, 1),
+                "full_model_step_ms": round(t3 + (full.num_layers - 3) * per_layer, 1),
             }
             print(json.dumps(row), flush=True)
             rows.append(row)

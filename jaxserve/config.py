@@ -191,6 +191,13 @@ class EngineConfig:
         "SamplingParams.seed samples with a seed drawn from it, so a run's sampled outputs "
         "repeat. Default: 0.",
     )
+    max_logprobs: int = _setting(
+        20,
+        "Most log-probs per position a request may ask for (SamplingParams.logprobs and "
+        "prompt_logprobs; their -1 asks for the whole vocabulary), vLLM's max_logprobs; -1 = the "
+        "whole vocabulary. It sizes the device's top-k, computed only in steps where some request "
+        "asks for log-probs. Default: 20.",
+    )
     on_bad_request: str = _setting(
         "output",
         "What LLM.generate / chat do with a prompt or SamplingParams that cannot run: output = "
@@ -266,6 +273,15 @@ class EngineConfig:
         check_int("max_model_len", minimum=2, optional=True)
         for f in ("num_pages", "kv_cache_memory", "max_num_batched_tokens", "prefill_chunk_size"):
             check_int(f, optional=True)
+        if (
+            not isinstance(self.max_logprobs, int)
+            or isinstance(self.max_logprobs, bool)
+            or self.max_logprobs < -1
+        ):
+            raise ValueError(
+                f"EngineConfig.max_logprobs must be an int >= -1 (-1: the whole vocabulary), got "
+                f"{self.max_logprobs!r}"
+            )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")
         for f in ("page_size", "prefill_chunk_size"):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.sampling_params import MAX_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,7 @@ class DecodeShape:
     rows: int  # slot row bucket: the step computes slots [0, rows)
     width: int  # page-table width (pages visible per row)
     num_flat: int  # 'ragged' attention's live-page bucket (0 for the other implementations)
+    num_top: int = MAX_LOGPROBS  # top log-probs per token (the engine's max_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,7 @@ class PrefillShape:
     rows: int  # chunk rows R of the [R, T] batch
     width: int  # page-table width
     prompt_logprobs: bool  # the variant that also scores every prompt token
+    num_top: int = MAX_LOGPROBS  # top log-probs per token (the engine's max_logprobs)
 
 
 def pow2_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -88,6 +91,7 @@ class Resolved:
     max_flat: int  # most page references a decode step can list ('ragged'; 0 otherwise)
     max_pages: int  # max_pages_per_seq
     chunk: int  # prefill chunk length T
+    num_top: int = MAX_LOGPROBS  # top log-probs per token: max_logprobs (-1: the vocabulary)
 
     @property
     def ragged(self) -> bool:
@@ -113,8 +117,8 @@ class Resolved:
             flat = self.flat_buckets(rows)
             if live > flat[-1]:  # cannot happen: each row holds at most max_pages
                 raise ValueError(f"{live} live pages exceed the step's {flat[-1]}")
-            return DecodeShape(rows, self.max_pages, bucket_for(live, flat))
-        return DecodeShape(rows, self.width_for(max(pages)), 0)
+            return DecodeShape(rows, self.max_pages, bucket_for(live, flat), self.num_top)
+        return DecodeShape(rows, self.width_for(max(pages)), 0, self.num_top)
 
     def prefill_shape(self, num_chunks: int, num_pages: int, prompt_logprobs: bool) -> PrefillShape:
         """The prefill program for `num_chunks` chunks whose longest sequence holds `num_pages`
@@ -122,31 +126,30 @@ class Resolved:
         rows = (
             self.prefill_rows[-1] if prompt_logprobs else bucket_for(num_chunks, self.prefill_rows)
         )
-        return PrefillShape(rows, self.width_for(num_pages), prompt_logprobs)
+        return PrefillShape(rows, self.width_for(num_pages), prompt_logprobs, self.num_top)
 
     def decode_shapes(self) -> list[DecodeShape]:
         """Every shape `decode_shape` can return."""
         if self.ragged:
             return [
-                DecodeShape(b, self.max_pages, f)
+                DecodeShape(b, self.max_pages, f, self.num_top)
                 for b in self.slot_buckets
                 for f in self.flat_buckets(b)
             ]
-        return [DecodeShape(b, w, 0) for b in self.slot_buckets for w in self.widths]
+        return [DecodeShape(b, w, 0, self.num_top) for b in self.slot_buckets for w in self.widths]
 
     def prefill_shapes(self) -> list[PrefillShape]:
         """Every shape `prefill_shape` can return."""
         out = []
         for w in self.widths:
-            out += [PrefillShape(r, w, False) for r in self.prefill_rows]
-            out.append(PrefillShape(self.prefill_rows[-1], w, True))
+            out += [PrefillShape(r, w, False, self.num_top) for r in self.prefill_rows]
+            out.append(PrefillShape(self.prefill_rows[-1], w, True, self.num_top))
         return out
 
 
 def resolve(engine_config: EngineConfig, model_config: ModelConfig, backend: str) -> Resolved:
     """The engine's choices on `backend` ('cpu', 'gpu', ...), from its filled EngineConfig."""
-    del model_config  # every choice so far depends on the backend and the engine's sizes only
-    c = engine_config
+    c, m = engine_config, model_config
     if not c.is_filled:
         raise ValueError("resolve needs a filled EngineConfig: call for_model(model_config) first")
     cpu = backend == "cpu"
@@ -172,4 +175,5 @@ def resolve(engine_config: EngineConfig, model_config: ModelConfig, backend: str
         max_flat=c.num_slots * max_pages if attention == "ragged" else 0,
         max_pages=max_pages,
         chunk=c.prefill_chunk_size,
+        num_top=m.vocab_size if c.max_logprobs == -1 else min(c.max_logprobs, m.vocab_size),
     )

@@ -455,16 +455,21 @@ def test_max_tokens_none_runs_to_max_model_len(llm):
 
 
 def test_logprob_objects_ranks_against_the_forward(llm):
-    """vLLM's Logprob(logprob, rank, decoded_token): top-k entries ranked 1..k; the sampled token
-    ranked 1 + the tokens at least as likely (vLLM's >= count); no tokenizer: decoded_token None;
+    """vLLM's Logprob(logprob, rank, decoded_token): top-k entries ranked 1..k; the sampled (and
+    each prompt) token ranked by the tokens at least as likely, itself included (vLLM's >= count),
+    over the whole vocabulary; no tokenizer: decoded_token None;
     cumulative_logprob their sum (None when logprobs are not asked for)."""
     p = list(range(3, 20))
-    sp = SamplingParams(temperature=2.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=3)
-    out = llm.generate(ids([p]), sp, use_tqdm=False)[0].outputs[0]
+    sp = SamplingParams(
+        temperature=2.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+    res = llm.generate(ids([p]), sp, use_tqdm=False)[0]
+    out = res.outputs[0]
     seq = p + out.token_ids
     logits = forward_logits(llm.engine.runner.params, llm.model_config, np.array([seq], np.int32))
     x = logits[0] - logits[0].max(-1, keepdims=True)
     logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    ranks = []
     for j, tok in enumerate(out.token_ids):
         row = logp[len(p) - 1 + j]
         entry = out.logprobs[j]
@@ -472,10 +477,16 @@ def test_logprob_objects_ranks_against_the_forward(llm):
         for r, tid in enumerate(order, start=1):
             if int(tid) != tok:
                 assert entry[int(tid)].rank == r and entry[int(tid)].decoded_token is None
-        want_rank = int((row >= row[tok] - 1e-5).sum())
-        # known when the sampled token is among the MAX_LOGPROBS (20) the device ranks, else None
-        assert entry[tok].rank == (want_rank if want_rank <= 20 else None)
+        # exact over the whole vocabulary, however unlikely (up to near-ties of the two f32 runs)
+        lo, hi = int((row >= row[tok] + 1e-5).sum()), int((row >= row[tok] - 1e-5).sum())
+        assert lo <= entry[tok].rank <= hi, (j, entry[tok].rank, lo, hi)
+        ranks.append(entry[tok].rank)
         assert entry[tok].logprob == pytest.approx(row[tok], abs=1e-4)
+    assert max(ranks) > 20, ranks  # beyond the device's top 20: still a rank, not None
+    for q, entry in enumerate(res.prompt_logprobs[1:], start=1):  # entry q scores prompt token q
+        row, tok = logp[q - 1], p[q]
+        lo, hi = int((row >= row[tok] + 1e-5).sum()), int((row >= row[tok] - 1e-5).sum())
+        assert lo <= entry[tok].rank <= hi, (q, entry[tok].rank, lo, hi)
     chosen = [entry[t].logprob for entry, t in zip(out.logprobs, out.token_ids)]
     assert out.cumulative_logprob == pytest.approx(sum(chosen), abs=1e-4)
     greedy = SamplingParams(temperature=0, max_tokens=3, logprobs=0)
@@ -485,6 +496,21 @@ def test_logprob_objects_ranks_against_the_forward(llm):
     plain = llm.generate(ids([p]), SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]
     assert plain.cumulative_logprob is None and plain.logprobs is None
     assert plain.finished()
+
+
+def test_max_logprobs_minus_one_gives_the_whole_vocabulary():
+    """vLLM's max_logprobs=-1 with logprobs=-1 (and prompt_logprobs=-1): every token of the
+    vocabulary at every position, ranked 1..V, summing to probability 1."""
+    llm = make_llm(max_logprobs=-1)
+    sp = SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    out = llm.generate(ids([[5, 6, 7]]), sp, use_tqdm=False)[0]
+    v = llm.model_config.vocab_size
+    for entry in [*out.prompt_logprobs[1:], *out.outputs[0].logprobs]:
+        assert len(entry) == v
+        assert sorted(lp.rank for lp in entry.values()) == list(range(1, v + 1))
+        assert sum(np.exp(lp.logprob) for lp in entry.values()) == pytest.approx(1.0, abs=1e-4)
+    refused = make_llm().generate(ids([[5, 6]]), sp, use_tqdm=False)[0]
+    assert "max allowed: 20" in refused.error
 
 
 def test_logit_bias_and_allowed_token_ids(llm):

@@ -177,7 +177,7 @@ class LLMEngine:
         if sp.stop and self.tokenizer is None:
             return "stop strings need a tokenizer; this model has none (use stop_token_ids)"
         try:
-            sp.verify(len(ids), max_len, vocab)
+            sp.verify(len(ids), max_len, vocab, self.config.max_logprobs)
         except ValueError as e:
             return str(e)
         max_total = _max_total_len(len(ids), sp, max_len)
@@ -267,7 +267,11 @@ class LLMEngine:
                     raise RuntimeError(f"slot {slot} produced no token at decode step {j}")
                 top = None
                 if result.decode_top_ids is not None:
-                    top = (result.decode_top_ids[slot, j], result.decode_top_logprobs[slot, j])
+                    top = (
+                        result.decode_top_ids[slot, j],
+                        result.decode_top_logprobs[slot, j],
+                        None if result.decode_ranks is None else result.decode_ranks[slot, j],
+                    )
                 lp = float(result.decode_logprobs[slot, j])
                 self._append(req, int(result.decode_tokens[slot, j]), lp, top, now)
                 if req.status.finished:
@@ -288,7 +292,11 @@ class LLMEngine:
             if sampled:
                 top = None
                 if result.prefill_top_ids is not None:
-                    top = (result.prefill_top_ids[i], result.prefill_top_logprobs[i])
+                    top = (
+                        result.prefill_top_ids[i],
+                        result.prefill_top_logprobs[i],
+                        None if result.prefill_ranks is None else result.prefill_ranks[i],
+                    )
                 lp = float(result.prefill_logprobs[i])
                 self._append(req, int(result.prefill_tokens[i]), lp, top, now)
                 touched[req.group_id] = self._groups[req.group_id]

@@ -45,11 +45,15 @@ def _decoded(tokenizer, token_id: int) -> str | None:
 def logprob_entry(token: int, logprob: float, top, k: int, tokenizer) -> dict[int, Logprob]:
     """vLLM's dict for one position: the chosen `token` first, then the top-k (ranks 1..k).
 
-    top: (ids, logprobs) of the device's best MAX_LOGPROBS, best first, or None. The chosen
-    token's rank is 1 + the tokens at least as likely (vLLM's >= count), when it is among them.
+    top: (ids, logprobs[, rank]) of the device's best MAX_LOGPROBS, best first, or None. The
+    chosen token's rank is the number of tokens at least as likely, itself included (vLLM's >=
+    count): the device's exact count over the vocabulary when given, else counted in the top
+    entries (None when the token is not among them).
     """
     rank = None
-    if top is not None and len(top[1]):
+    if top is not None and len(top) > 2 and top[2] is not None:
+        rank = int(top[2])
+    elif top is not None and len(top[1]):
         top_lps = [float(x) for x in top[1]]
         if logprob >= top_lps[-1] or token in (int(t) for t in top[0]):
             rank = sum(lp >= logprob for lp in top_lps)
@@ -72,7 +76,8 @@ def add_prompt_logprobs(
         if p + 1 >= n_prompt:
             break
         target = req.prompt_token_ids[p + 1]
-        top = (result.prompt_top_ids[row, t], result.prompt_top_logprobs[row, t])
+        rank = None if result.prompt_ranks is None else result.prompt_ranks[row, t]
+        top = (result.prompt_top_ids[row, t], result.prompt_top_logprobs[row, t], rank)
         entry = logprob_entry(target, float(result.prompt_logprobs[row, t]), top, k, tokenizer)
         req.prompt_logprobs.append(entry)
 

@@ -4,8 +4,9 @@ Log-probs are dicts `{token_id: Logprob(logprob, rank, decoded_token)}` per posi
 `SampleLogprobs` / `PromptLogprobs`): for a generated token, the chosen token plus the top-n
 (`SamplingParams.logprobs`); for a prompt token, the prompt token plus the top-n
 (`prompt_logprobs`, first entry None). A top-n entry's rank is its place (1 = most likely); the
-chosen token's rank is 1 + the tokens more likely than it (vLLM counts ties as above it), known
-when it is among the MAX_LOGPROBS most likely, else None. decoded_token is the token's text alone
+chosen token's rank is the number of tokens at least as likely, itself included (vLLM's count:
+ties rank after), counted by the device over the whole vocabulary, so it is exact however
+unlikely the token. decoded_token is the token's text alone
 (None without a tokenizer). Log-probs are of the raw model distribution. `cumulative_logprob` is
 None unless log-probs were requested, as in vLLM.
 """

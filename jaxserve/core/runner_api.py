@@ -27,13 +27,16 @@ class StepResult:
     decode_logprobs: np.ndarray | None = None  # f32[S, k]
     decode_top_ids: np.ndarray | None = None  # i32[S, k, K] (only when some slot asked)
     decode_top_logprobs: np.ndarray | None = None  # f32[S, k, K]
+    decode_ranks: np.ndarray | None = None  # i32[S, k] the tokens' vLLM ranks (with the tops)
     prefill_tokens: np.ndarray | None = None  # i32[R]
     prefill_logprobs: np.ndarray | None = None  # f32[R]
     prefill_top_ids: np.ndarray | None = None  # i32[R, K]
     prefill_top_logprobs: np.ndarray | None = None  # f32[R, K]
+    prefill_ranks: np.ndarray | None = None  # i32[R]
     prompt_logprobs: np.ndarray | None = None  # f32[R, T]
     prompt_top_ids: np.ndarray | None = None  # i32[R, T, K]
     prompt_top_logprobs: np.ndarray | None = None  # f32[R, T, K]
+    prompt_ranks: np.ndarray | None = None  # i32[R, T]
 
 
 class Runner(Protocol):

@@ -60,7 +60,7 @@ class SamplingParams:
     top_k: 0 or -1 switch it off. stop: str or list of str (normalized to a tuple).
     max_tokens: None = up to max_model_len (prompt included), as in vLLM.
     logprobs / prompt_logprobs: top-n log-probs per generated / prompt token; -1 = the whole
-    vocabulary; True = 1. The engine refuses more than MAX_LOGPROBS (vLLM's max_logprobs).
+    vocabulary; True = 1. The engine refuses more than its max_logprobs (default MAX_LOGPROBS).
     seed: None or -1 lets the engine draw one at submission; child i of n gets seed + i.
     logit_bias: {token_id: bias} added to the logits; allowed_token_ids: only these may be
     sampled; bad_words: words never completed (the last token of each is banned once the tokens
@@ -212,9 +212,12 @@ class SamplingParams:
         object.__setattr__(out, "_bad_words_token_ids", _tokenize_bad_words(self, tokenizer))
         return out
 
-    def verify(self, prompt_len: int, max_model_len: int, vocab_size: int) -> None:
+    def verify(
+        self, prompt_len: int, max_model_len: int, vocab_size: int, max_logprobs: int = MAX_LOGPROBS
+    ) -> None:
         """The checks that need the engine (vLLM's `SamplingParams.verify` and input processor):
-        log-probs against MAX_LOGPROBS (-1 = the vocabulary), min_tokens against the room left
+        log-probs against the engine's max_logprobs (-1 = the vocabulary, for either), min_tokens
+        against the room left
         when max_tokens is None, token ids of logit_bias / allowed_token_ids / bad_words against
         the vocabulary. ValueError naming the field."""
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
@@ -222,10 +225,11 @@ class SamplingParams:
             if k is None:
                 continue
             k = vocab_size if k == -1 else k
-            if k > MAX_LOGPROBS:
+            limit = vocab_size if max_logprobs == -1 else max_logprobs
+            if k > limit:
                 raise ValueError(
                     f"{name}: requested {what} logprobs of {k}, which is greater than max "
-                    f"allowed: {MAX_LOGPROBS}"
+                    f"allowed: {limit}"
                 )
         if self.max_tokens is None and self.min_tokens > max_model_len - prompt_len:
             raise ValueError(

@@ -71,7 +71,7 @@ def generate(
             num_steps=num_steps,
         )
 
-    out_spec = steps.DecodeOutput(*([P(None, DATA)] * 5))  # [k, D*B, ...]
+    out_spec = steps.DecodeOutput(*([P(None, DATA)] * 6))  # [k, D*B, ...]
     return _shard_map(
         local,
         (P(), cache_specs(cache), state_specs(state), P()),
@@ -101,8 +101,8 @@ def prefill(
         )
 
     rows = P(DATA)
-    prompt = steps.PromptLogprobs(rows, rows, rows) if shape.prompt_logprobs else None
-    out_spec = steps.PrefillOutput(rows, rows, rows, rows, prompt)
+    prompt = steps.PromptLogprobs(rows, rows, rows, rows) if shape.prompt_logprobs else None
+    out_spec = steps.PrefillOutput(rows, rows, rows, rows, rows, prompt)
     return _shard_map(
         local,
         (P(), cache_specs(cache), state_specs(state), jax.tree.map(lambda _: rows, batch), P()),

@@ -56,17 +56,26 @@ class StepHandle:
             d = self.decode
             out.update(decode_tokens=d.tokens, decode_valid=d.valid, decode_logprobs=d.logprobs)
             if self.decode_top:
-                out.update(decode_top_ids=d.top_ids, decode_top_logprobs=d.top_logprobs)
+                out.update(
+                    decode_top_ids=d.top_ids,
+                    decode_top_logprobs=d.top_logprobs,
+                    decode_ranks=d.ranks,
+                )
         if self.prefill is not None:
             p = self.prefill
             out.update(prefill_tokens=p.tokens, prefill_logprobs=p.logprobs)
             if self.prefill_top:
-                out.update(prefill_top_ids=p.top_ids, prefill_top_logprobs=p.top_logprobs)
+                out.update(
+                    prefill_top_ids=p.top_ids,
+                    prefill_top_logprobs=p.top_logprobs,
+                    prefill_ranks=p.ranks,
+                )
             if p.prompt is not None:
                 out.update(
                     prompt_logprobs=p.prompt.logprobs,
                     prompt_top_ids=p.prompt.top_ids,
                     prompt_top_logprobs=p.prompt.top_logprobs,
+                    prompt_ranks=p.prompt.ranks,
                 )
         return out
 
@@ -324,7 +333,7 @@ class ModelRunner:
             return StepResult()
         host = _to_host(arrays)  # the step's one device->host transfer
         self.num_d2h_transfers += 1
-        for name in ("tokens", "valid", "logprobs"):
+        for name in ("tokens", "valid", "logprobs", "ranks"):
             if "decode_" + name in host:  # scan stacks steps first: (k, S) -> (S, k)
                 host["decode_" + name] = np.asarray(host["decode_" + name]).T
         for name in ("top_ids", "top_logprobs"):

@@ -37,7 +37,6 @@ from jaxserve.core.sampling_params import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
 )
 from jaxserve.core.slot_row import SlotRow
 
@@ -74,6 +73,7 @@ class SampleOutput:
     logprobs: jax.Array  # f32[S]; raw log_softmax of the chosen token
     top_ids: jax.Array  # i32[S, K]; K = num_top_logprobs, best first
     top_logprobs: jax.Array  # f32[S, K]
+    ranks: jax.Array  # i32[S]; vLLM's rank of the chosen token: #tokens with logprob >= its own
 
 
 def init_state(num_slots: int, vocab_size: int) -> SamplingState:
@@ -278,12 +278,15 @@ def sample(
 ) -> SampleOutput:
     """One token per slot. logits f32[S, V]; num_generated i32[S] (tokens generated so far).
 
-    num_top_logprobs (static, <= MAX_LOGPROBS) sizes top_ids/top_logprobs [S, K]; 0 gives [S, 0].
+    num_top_logprobs (static, 0..V: the engine's max_logprobs) sizes top_ids/top_logprobs [S, K];
+    0 gives [S, 0].
     want_top (bool[], may be traced): False skips the top-K search (its outputs are then zeros),
     so a step where no request asked for logprobs does not pay for it.
     """
-    if not 0 <= num_top_logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"num_top_logprobs must be in [0, {MAX_LOGPROBS}], got {num_top_logprobs}")
+    if not 0 <= num_top_logprobs <= logits.shape[-1]:
+        raise ValueError(
+            f"num_top_logprobs must be in [0, V={logits.shape[-1]}], got {num_top_logprobs}"
+        )
     logits = logits.astype(jnp.float32)
     s = logits.shape[0]
     lse = jax.nn.logsumexp(logits, axis=-1)  # (S,)
@@ -315,28 +318,43 @@ def sample(
 
     def top():
         top_logits, top_ids = jax.lax.top_k(logits, k)
-        return top_logits - lse[:, None], top_ids.astype(jnp.int32)
+        ranks = _ranks(logits - lse[:, None], chosen)
+        return top_logits - lse[:, None], top_ids.astype(jnp.int32), ranks
 
-    top_logprobs, top_ids = jax.lax.cond(
+    top_logprobs, top_ids, ranks = jax.lax.cond(
         jnp.asarray(want_top),
         top,
-        lambda: (jnp.zeros((s, k), jnp.float32), jnp.zeros((s, k), jnp.int32)),
+        lambda: (
+            jnp.zeros((s, k), jnp.float32),
+            jnp.zeros((s, k), jnp.int32),
+            jnp.zeros((s,), jnp.int32),
+        ),
     )
-    return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+    return SampleOutput(
+        tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs, ranks=ranks
+    )
+
+
+def _ranks(logprobs: jax.Array, chosen: jax.Array) -> jax.Array:
+    """vLLM's rank (`batched_count_greater_than`): the tokens whose log-prob is >= the chosen
+    one's, itself included, so ties rank after. logprobs f32[N, V], chosen f32[N] -> i32[N]."""
+    return jnp.sum(logprobs >= chosen[:, None], axis=-1).astype(jnp.int32)
 
 
 def token_logprobs(
     logits: jax.Array, target_ids: jax.Array, k: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Prompt log-probs: logits f32[T, V], target_ids i32[T] -> (lp f32[T], top_ids i32[T, K],
-    top_lp f32[T, K]).
+    top_lp f32[T, K], ranks i32[T]).
 
-    lp[t] = log_softmax(logits[t])[target_ids[t]]; a padded target (-1) gives lp 0. k is static.
+    lp[t] = log_softmax(logits[t])[target_ids[t]]; a padded target (-1) gives lp 0 and rank 0.
+    ranks: vLLM's rank of each target (`_ranks`). k is static.
     """
-    if not 0 <= k <= MAX_LOGPROBS:
-        raise ValueError(f"k must be in [0, {MAX_LOGPROBS}], got {k}")
+    if not 0 <= k <= logits.shape[-1]:
+        raise ValueError(f"k must be in [0, V={logits.shape[-1]}], got {k}")
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (T, V)
     valid = target_ids >= 0
     lp = jnp.take_along_axis(logprobs, jnp.where(valid, target_ids, 0)[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logprobs, k)
-    return jnp.where(valid, lp, 0.0), top_ids.astype(jnp.int32), top_lp
+    ranks = jnp.where(valid, _ranks(logprobs, lp), 0)
+    return jnp.where(valid, lp, 0.0), top_ids.astype(jnp.int32), top_lp, ranks

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxserve.config import ModelConfig
-from jaxserve.core.sampling_params import MAX_LOGPROBS
 from jaxserve.layers import kv_cache
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import llama
@@ -49,13 +48,14 @@ class SlotState:
 
 @struct.dataclass
 class DecodeOutput:
-    """One `generate` call's results (k = num_steps, B = shape.rows, K = MAX_LOGPROBS)."""
+    """One `generate` call's results (k = num_steps, B = shape.rows, K = shape.num_top)."""
 
     tokens: jax.Array  # i32[k, B]
     valid: jax.Array  # bool[k, B]  the row produced a token at that step
     logprobs: jax.Array  # f32[k, B]
     top_ids: jax.Array  # i32[k, B, K]  zeros unless want_top
     top_logprobs: jax.Array  # f32[k, B, K]
+    ranks: jax.Array  # i32[k, B]  the token's vLLM rank (0 unless want_top)
 
 
 @struct.dataclass
@@ -65,6 +65,7 @@ class PromptLogprobs:
     logprobs: jax.Array  # f32[R, T]  of the next prompt token (0 where there is none)
     top_ids: jax.Array  # i32[R, T, K]
     top_logprobs: jax.Array  # f32[R, T, K]
+    ranks: jax.Array  # i32[R, T]  the next prompt token's vLLM rank (0 where there is none)
 
 
 @struct.dataclass
@@ -75,6 +76,7 @@ class PrefillOutput:
     logprobs: jax.Array  # f32[R]
     top_ids: jax.Array  # i32[R, K]  zeros unless want_top
     top_logprobs: jax.Array  # f32[R, K]
+    ranks: jax.Array  # i32[R]  the sampled token's vLLM rank (0 unless want_top)
     prompt: PromptLogprobs | None  # only in the shape.prompt_logprobs variant
 
 
@@ -202,7 +204,7 @@ def generate(
         alive, tokens, meta = _decode_inputs(st, pt, shape.num_flat, cache.page_size, window_flat)
         hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)
         logits = pin_replicated(llama.compute_logits(params, hidden[:, 0], config, impl))  # (B, V)
-        out = sampling.sample(logits, st.sampling, st.num_generated, MAX_LOGPROBS, want_top)
+        out = sampling.sample(logits, st.sampling, st.num_generated, shape.num_top, want_top)
         tok = jnp.where(alive, out.tokens, st.last_token)
         inc = alive.astype(jnp.int32)
         st = st.replace(
@@ -211,7 +213,9 @@ def generate(
             num_generated=st.num_generated + inc,
             sampling=sampling.update_counts(st.sampling, tok, alive),
         )
-        return (cache, st), DecodeOutput(tok, alive, out.logprobs, out.top_ids, out.top_logprobs)
+        return (cache, st), DecodeOutput(
+            tok, alive, out.logprobs, out.top_ids, out.top_logprobs, out.ranks
+        )
 
     (cache, sub), out = jax.lax.scan(step, (cache, sub), None, length=num_steps)
     return pin_cache(cache), pin_slots(_set_rows(state, sub)), out
@@ -234,7 +238,7 @@ def _prefill_inputs(state: SlotState, batch: PrefillBatch, width: int, ps: int):
     )
 
 
-def _prefill_advance(state: SlotState, batch: PrefillBatch, logits, want_top):
+def _prefill_advance(state: SlotState, batch: PrefillBatch, logits, want_top, num_top: int):
     """Samples (or installs) the token of each row completing a prefill; logits f32[R, V] of the
     rows' last tokens. Sets seq_len, activates the finished slots. Returns (state, SampleOutput
     with the installed tokens)."""
@@ -242,7 +246,7 @@ def _prefill_advance(state: SlotState, batch: PrefillBatch, logits, want_top):
     slot = jnp.minimum(batch.slots, s - 1)
     row_valid = batch.length > 0  # (R,)
     sub = jax.tree.map(lambda x: x[slot], state.sampling)  # the rows' sampling state (R, ...)
-    out = sampling.sample(logits, sub, state.num_generated[slot], MAX_LOGPROBS, want_top)
+    out = sampling.sample(logits, sub, state.num_generated[slot], num_top, want_top)
     finishing = row_valid & batch.is_last
     sampled = finishing & (batch.forced < 0)
     tok = jnp.where(batch.forced >= 0, batch.forced, out.tokens)
@@ -285,18 +289,21 @@ def prefill(
     hidden, cache = llama.forward(params, batch.tokens, meta, cache, config, impl)  # (R, T, D)
     last = hidden[jnp.arange(r), jnp.maximum(batch.length - 1, 0)]  # each row's last token (R, D)
     logits = pin_replicated(llama.compute_logits(params, last, config, impl))  # (R, V)
-    state, out = _prefill_advance(state, batch, logits, want_top)
+    state, out = _prefill_advance(state, batch, logits, want_top, shape.num_top)
     prompt = None
     if shape.prompt_logprobs:
         all_logits = llama.compute_logits(params, hidden, config, impl)  # (R, T, V)
-        lp, top_ids, top_lp = sampling.token_logprobs(
-            all_logits.reshape(r * t, -1), batch.targets.reshape(r * t), MAX_LOGPROBS
+        lp, top_ids, top_lp, ranks = sampling.token_logprobs(
+            all_logits.reshape(r * t, -1), batch.targets.reshape(r * t), shape.num_top
         )
         prompt = PromptLogprobs(
-            lp.reshape(r, t), top_ids.reshape(r, t, -1), top_lp.reshape(r, t, -1)
+            lp.reshape(r, t),
+            top_ids.reshape(r, t, -1),
+            top_lp.reshape(r, t, -1),
+            ranks.reshape(r, t),
         )
     return (
         pin_cache(cache),
         pin_slots(state),
-        PrefillOutput(out.tokens, out.logprobs, out.top_ids, out.top_logprobs, prompt),
+        PrefillOutput(out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.ranks, prompt),
     )

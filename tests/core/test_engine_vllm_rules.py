@@ -31,7 +31,7 @@ class LetterTokenizer:
         return "".join("" if (t == EOS and skip_special_tokens) else chr(97 + t % 26) for t in ids)
 
 
-def make_engine(rule=default_rule, tokenizer=None, max_model_len=64, num_slots=4):
+def make_engine(rule=default_rule, tokenizer=None, max_model_len=64, num_slots=4, **settings):
     mc = dataclasses.replace(ModelConfig.preset("tiny"), vocab_size=VOCAB, eos_token_ids=(EOS,))
     ec = EngineConfig(
         num_slots=num_slots,
@@ -41,6 +41,7 @@ def make_engine(rule=default_rule, tokenizer=None, max_model_len=64, num_slots=4
         dtype="float32",
         max_num_batched_tokens=16,
         prefill_chunk_size=8,
+        **settings,
     )
     runner = FakeRunner(num_slots, 128, 4, 1, rule, 2, 8, None)
     return LLMEngine(runner, mc, ec, 128, tokenizer=tokenizer, seed=0)
@@ -152,3 +153,17 @@ def test_logprobs_past_max_logprobs_fail_alone(field, value):
     outs = run_all(engine)
     assert f"{field}: requested" in outs["bad"].error and "max allowed: 20" in outs["bad"].error
     assert outs["ok"].error is None and len(outs["ok"].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "max_logprobs, ok",
+    [(20, [True, False, False]), (40, [True, True, False]), (-1, [True, True, True])],
+)
+def test_max_logprobs_is_the_engines_setting(max_logprobs, ok):
+    """vLLM's LLM(max_logprobs=...): the limit of logprobs / prompt_logprobs; -1 = the whole
+    vocabulary, which logprobs=-1 asks for."""
+    engine = make_engine(max_logprobs=max_logprobs)
+    for i, k in enumerate((20, 30, -1)):
+        engine.add_request(f"r{i}", None, [5, 6], SamplingParams(max_tokens=1, logprobs=k))
+    outs = run_all(engine)
+    assert [outs[f"r{i}"].error is None for i in range(3)] == ok

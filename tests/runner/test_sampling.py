@@ -47,11 +47,19 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
     order = np.argsort(-raw, axis=-1, kind="stable")[:, :K]
     np.testing.assert_array_equal(out.top_ids, order)
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(raw, order, -1), atol=1e-5)
+    # greedy picks a most likely token: rank 1, except row 4's tie, where vLLM's >= count gives 2
+    np.testing.assert_array_equal(out.ranks, [2 if i == 4 else 1 for i in range(S)])
+    # a sampled (hot) token's rank counts the whole vocabulary, beyond the top K
+    hot = state.replace(temperature=jnp.full((S,), 2.0), key_data=state.key_data + 1)
+    sampled = SAMPLE(logits, hot, jnp.zeros((S,), jnp.int32), K)
+    chosen = raw[np.arange(S), np.asarray(sampled.tokens)]
+    np.testing.assert_array_equal(sampled.ranks, (raw >= chosen[:, None] - 1e-6).sum(-1))
+    assert np.asarray(sampled.ranks).max() > K
     no_top = functools.partial(sampling.sample, num_top_logprobs=0)
     empty = jax.eval_shape(no_top, logits, state, jnp.zeros((S,), jnp.int32))
     assert empty.top_ids.shape == (S, 0) and empty.top_logprobs.shape == (S, 0)
     with pytest.raises(ValueError, match="num_top_logprobs"):
-        sampling.sample(logits, state, jnp.zeros((S,), jnp.int32), 21)
+        sampling.sample(logits, state, jnp.zeros((S,), jnp.int32), V + 1)
 
 
 def test_penalties_hand_computed():
@@ -247,15 +255,20 @@ def test_seed_changes_tokens_and_repeats_exactly():
 def test_token_logprobs():
     logits = jax.random.normal(jax.random.key(2), (6, 30)) * 2
     targets = jnp.array([0, 5, 29, 3, -1, 7], jnp.int32)
-    lp, top_ids, top_lp = jax.jit(sampling.token_logprobs, static_argnums=2)(logits, targets, 3)
+    fn = jax.jit(sampling.token_logprobs, static_argnums=2)
+    lp, top_ids, top_lp, ranks = fn(logits, targets, 3)
     raw = _log_softmax(logits)
     want = raw[np.arange(6), np.maximum(np.asarray(targets), 0)]
+    # vLLM's rank: the tokens at least as likely, itself included; padding (-1) 0
+    want_ranks = (raw >= want[:, None] - 1e-6).sum(-1)
+    want_ranks[4] = 0
     want[4] = 0.0
     np.testing.assert_allclose(lp, want, atol=1e-5)
+    np.testing.assert_array_equal(ranks, want_ranks)
     np.testing.assert_array_equal(top_ids, np.argsort(-raw, -1, kind="stable")[:, :3])
     np.testing.assert_allclose(top_lp, np.sort(raw, -1)[:, ::-1][:, :3], atol=1e-5)
     with pytest.raises(ValueError, match="k must be"):
-        sampling.token_logprobs(logits, targets, 21)
+        sampling.token_logprobs(logits, targets, 31)
 
 
 def test_no_recompilation_for_new_parameter_values():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 from collections.abc import AsyncIterator
 
 from jaxserve.core.outputs import RequestOutput
@@ -160,7 +161,7 @@ async def generate_all(
             elif isinstance(item, Exception):
                 raise APIError(500, f"engine error: {item}", type="internal_error")
             elif item.error is not None:
-                raise APIError(400, item.error, "prompt" if "prompt" in item.error else None)
+                raise APIError(400, item.error, _param_of(item.error))
             else:
                 if item.finished:
                     state.metrics.observe(item)
@@ -204,3 +205,12 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
     except APIError as e:
         yield sse(ErrorResponse.model_validate(e.body()).model_dump_json())
     yield "data: [DONE]\n\n"
+
+
+def _param_of(error: str) -> str | None:
+    """The request field an engine error names ("logprobs: requested ..." -> "logprobs"), else
+    "prompt" for the prompt's own errors."""
+    m = re.match(r"(\w+): ", error)
+    if m and m.group(1) in ("logprobs", "prompt_logprobs", "min_tokens", "logit_bias"):
+        return m.group(1)
+    return "prompt" if "prompt" in error else None
