@@ -37,62 +37,9 @@ from jaxserve.quant import with_matmul_impl
 from jaxserve.resolve import DecodeShape, PrefillShape, Resolved, resolve
 from jaxserve.runner import data_parallel, input_batch, memory, steps
 from jaxserve.runner.memory import check_memory, device_memory_bytes, state_bytes  # noqa: F401
-
-
-@dataclasses.dataclass
-class StepHandle:
-    """A dispatched step's device outputs, not yet on the host."""
-
-    decode: steps.DecodeOutput | None = None
-    decode_top: bool = False  # some decoding request asked for top log-probs
-    prefill: steps.PrefillOutput | None = None
-    prefill_top: bool = False
-    prefill_rows: list[int] | None = None  # packed row of each plan.prefill[i]
-
-    def arrays(self) -> dict[str, jax.Array]:
-        """The arrays to bring back, under StepResult's field names."""
-        out = {}
-        if self.decode is not None:
-            d = self.decode
-            out.update(decode_tokens=d.tokens, decode_valid=d.valid, decode_logprobs=d.logprobs)
-            if self.decode_top:
-                out.update(
-                    decode_top_ids=d.top_ids,
-                    decode_top_logprobs=d.top_logprobs,
-                    decode_ranks=d.ranks,
-                )
-        if self.prefill is not None:
-            p = self.prefill
-            out.update(prefill_tokens=p.tokens, prefill_logprobs=p.logprobs)
-            if self.prefill_top:
-                out.update(
-                    prefill_top_ids=p.top_ids,
-                    prefill_top_logprobs=p.top_logprobs,
-                    prefill_ranks=p.ranks,
-                )
-            if p.prompt is not None:
-                out.update(
-                    prompt_logprobs=p.prompt.logprobs,
-                    prompt_top_ids=p.prompt.top_ids,
-                    prompt_top_logprobs=p.prompt.top_logprobs,
-                    prompt_ranks=p.prompt.ranks,
-                )
-        return out
-
+from jaxserve.runner.step_handle import StepHandle, fetch_outputs
 
 logger = logging.getLogger(__name__)
-
-
-def _to_host(arrays: dict[str, jax.Array]) -> dict:
-    """Device arrays -> numpy. Arrays spanning other processes' devices (a multi-host mesh) are
-    gathered: every process runs the same steps, so every process calls this collective."""
-    if all(x.is_fully_addressable for x in arrays.values()):
-        return jax.device_get(arrays)
-    from jax.experimental import multihost_utils
-
-    return {
-        k: np.asarray(v) for k, v in multihost_utils.process_allgather(arrays, tiled=True).items()
-    }
 
 
 def _shard_buckets(buckets: tuple[int, ...], d: int) -> tuple[int, ...]:
@@ -328,34 +275,10 @@ class ModelRunner:
 
     def fetch(self, handle: StepHandle) -> StepResult:
         """Waits for a dispatched step and brings its outputs to the host in one transfer."""
-        arrays = handle.arrays()
-        if not arrays:
-            return StepResult()
-        host = _to_host(arrays)  # the step's one device->host transfer
-        self.num_d2h_transfers += 1
-        for name in ("tokens", "valid", "logprobs", "ranks"):
-            if "decode_" + name in host:  # scan stacks steps first: (k, S) -> (S, k)
-                host["decode_" + name] = np.asarray(host["decode_" + name]).T
-        for name in ("top_ids", "top_logprobs"):
-            if "decode_" + name in host:
-                host["decode_" + name] = np.asarray(host["decode_" + name]).transpose(1, 0, 2)
-        if self.data_shards > 1:
-            self._to_global_rows(host, handle)
+        host = fetch_outputs(handle, self.data_shards, self.slots_per_shard)
+        if host:
+            self.num_d2h_transfers += 1  # the step's one device->host transfer
         return StepResult(**host)
-
-    def _to_global_rows(self, host: dict, handle: StepHandle) -> None:
-        """Data-parallel outputs in the engine's indexing: decode rows [D*B] (the first B slots
-        of each shard) -> global slots [S]; prefill rows [D*R] -> plan.prefill's order."""
-        d, per = self.data_shards, self.slots_per_shard
-        for name, x in host.items():
-            x = np.asarray(x)
-            if name.startswith("decode_"):
-                b = x.shape[0] // d
-                full = np.zeros((d, per, *x.shape[1:]), x.dtype)
-                full[:, :b] = x.reshape(d, b, *x.shape[1:])
-                host[name] = full.reshape(d * per, *x.shape[1:])
-            else:  # prefill_* and prompt_*: rows of the packed blocks
-                host[name] = x[handle.prefill_rows]
 
     def warmup(self) -> float:
         """Compiles every step shape (`Resolved.decode_shapes` / `prefill_shapes`) and the slot
