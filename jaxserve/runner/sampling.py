@@ -11,7 +11,7 @@ Every per-request number (temperature, top-k, seeds, ...) is an array, so nothin
       -> repetition penalty on prompt | generated tokens (positive / rp, negative * rp)
       -> frequency (* count) and presence (* [count > 0]) penalties on generated tokens
       -> greedy slots (temperature 0): argmax                       (ties: lowest id)
-      -> others: / temperature -> top-k -> top-p -> min-p -> jax.random.categorical
+      -> others: / temperature -> min-p -> top-k -> top-p -> jax.random.categorical
 
 The key of slot s is fold_in(wrap_key_data(key_data[s]), num_generated[s]): a slot's token depends
 only on its own logits row, parameters, seed and step, never on other slots or its index.
@@ -221,12 +221,17 @@ def _largest_key_rows(holds, num_rows: int) -> jax.Array:
 
 
 def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Masks (-inf) all but the k best, then all but the smallest set with cumulative prob >= p.
+    """Masks (-inf) all but the k best, then all but the tokens vLLM's top-p keeps.
 
     logits f32[S, V] (already temperature-scaled); top_k i32[S] (0 = off); top_p f32[S] (1 = off).
-    Top-p applies to the top-k-renormalized distribution. Both cuts are threshold values found by
+    vLLM's rules (`v1/sample/ops/topk_topp_sampler.py`, the same as HF's warpers): top-k keeps
+    every token at or above the k-th largest logit (ties with it too); top-p then works on the
+    top-k-renormalized distribution sorted ascending (a stable sort: among equal logits the lower
+    id comes first) and drops each token whose cumulative probability is <= 1 - p, so a token is
+    kept iff the tokens after it hold less than p, and of a run of tied logits at the cut only as
+    many are kept as the mass needs (the higher ids). The cuts are threshold values found by
     bisection on the ordered bits (no sort: 2 x 32 passes over [S, V], about 10x faster than
-    jnp.sort on CPU), so tokens tied with the last kept one are kept too (as in vLLM).
+    jnp.sort on CPU), then the tied run at the top-p cut is split by a cumulative count.
     """
     s, v = logits.shape
     keys = _ordered_key(logits)  # (S, V)
@@ -242,14 +247,28 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
         return jnp.sum(jnp.where(keys >= t[:, None], probs, 0.0), axis=-1) >= top_p
 
     p_cut = jnp.where(top_p < 1.0, _largest_key_rows(enough_mass, s), 0)  # (S,); 0 keeps all
-    cut = jnp.maximum(k_cut, p_cut)  # (S,)
-    return jnp.where(keys >= cut[:, None], logits, -jnp.inf)
+    # The run tied at p_cut, in id order: tied token j is followed (ascending, stable) by the
+    # n - 1 - j tied ones of higher id and by every larger token; kept iff those hold < p.
+    tied = keys == p_cut[:, None]  # (S, V)
+    n_tied = jnp.sum(tied, axis=-1, keepdims=True)  # (S, 1)
+    after_in_run = n_tied - jnp.cumsum(tied, axis=-1)  # (S, V): tied tokens of higher id
+    mass_above = jnp.sum(jnp.where(keys > p_cut[:, None], probs, 0.0), axis=-1, keepdims=True)
+    tied_kept = tied & (mass_above + after_in_run * probs < top_p[:, None])
+    # p_cut >= k_cut (the top-k set holds all the mass), so the top-p set lies inside the top-k set
+    top_p_set = (keys > p_cut[:, None]) | tied_kept
+    keep = jnp.where(top_p[:, None] < 1.0, top_p_set, keys >= k_cut[:, None])
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def _sample_random(logits: jax.Array, state: SamplingState, num_generated: jax.Array) -> jax.Array:
-    """Temperature, top-k, top-p, min-p, then a categorical draw per slot. f32[S, V] -> i32[S]."""
+    """vLLM v1's order: temperature, min-p, top-k, top-p, then a categorical draw per slot.
+    f32[S, V] -> i32[S]."""
     temperature = jnp.where(state.temperature > 0, state.temperature, 1.0)
     logits = logits / temperature[:, None]
+    # min-p (vLLM applies it before top-k/top-p): keep p_i >= min_p * p_max, i.e.
+    # logit_i >= logit_max + log(min_p).
+    max_logit = jnp.max(logits, axis=-1, keepdims=True)
+    logits = jnp.where(logits >= max_logit + jnp.log(state.min_p)[:, None], logits, -jnp.inf)
     sampling = state.temperature > 0
     needs_cut = jnp.any(sampling & ((state.top_k > 0) | (state.top_p < 1.0)))
     logits = jax.lax.cond(
@@ -258,9 +277,6 @@ def _sample_random(logits: jax.Array, state: SamplingState, num_generated: jax.A
         lambda x: x,
         logits,
     )
-    # min-p: keep p_i >= min_p * p_max, i.e. logit_i >= logit_max + log(min_p).
-    max_logit = jnp.max(logits, axis=-1, keepdims=True)
-    logits = jnp.where(logits >= max_logit + jnp.log(state.min_p)[:, None], logits, -jnp.inf)
 
     def draw(key_data, step, row):
         key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)

@@ -172,6 +172,14 @@ def test_min_p_keeps_tokens_above_fraction_of_max():
     _check(_draw(temperature=1.0, min_p=0.3), _renorm(PROBS * (PROBS >= 0.09)))
 
 
+def test_min_p_comes_before_top_p_as_in_vllm():
+    """vLLM v1 applies min-p (an argmax-invariant logits processor) before top-k/top-p: min_p 0.3
+    keeps the first five (mass 0.87), renormalized 0.345, 0.230, 0.172, ... (cumulative 0.345,
+    0.575, 0.747), so top_p 0.7 keeps three. Top-p first (on the raw cumulative 0.30, 0.50,
+    0.65, 0.77) would keep four."""
+    _check(_draw(temperature=1.0, min_p=0.3, top_p=0.7), _renorm(PROBS * (np.arange(8) < 3)))
+
+
 def test_key_contract_fold_in_seed_and_step():
     """token = categorical(fold_in(key(seed), num_generated), logits / T), nothing else."""
     logits = jax.random.normal(jax.random.key(1), (S, V))
@@ -299,17 +307,21 @@ def test_no_recompilation_for_new_parameter_values():
 
 
 def _top_k_top_p_reference(x, k, p):
-    """numpy: keep x >= the k-th largest value, then the smallest threshold set of mass >= p."""
-    keep = np.ones(len(x), bool)
+    """numpy, vLLM's `apply_top_k_top_p` line by line (v1/sample/ops/topk_topp_sampler.py) with a
+    stable ascending sort: keep x >= the k-th largest value; then over the sorted, renormalized
+    probabilities drop every token whose cumulative sum is <= 1 - p, the last one always kept."""
+    order = np.argsort(x, kind="stable")  # ascending
+    xs = x[order].copy()
     if 0 < k < len(x):
-        keep = x >= np.sort(x)[::-1][k - 1]
+        xs[xs < xs[len(x) - k]] = -np.inf
     if p < 1.0:
-        probs = np.where(keep, np.exp(x - x.max()), 0.0)
+        probs = np.exp(xs - xs.max())
         probs /= probs.sum()
-        for t in np.unique(x[keep])[::-1]:  # distinct values, largest first
-            if probs[x >= t].sum() >= p:
-                keep &= x >= t
-                break
+        drop = np.cumsum(probs) <= 1 - p
+        drop[-1] = False
+        xs[drop] = -np.inf
+    keep = np.empty(len(x), bool)
+    keep[order] = np.isfinite(xs)
     return keep
 
 
