@@ -54,10 +54,13 @@ class AsyncLLM:
 
         llm = LLM(model, **settings)
         self._init(llm.engine, llm.tokenizer)
+        self.default_sampling_params = llm.default_sampling_params
 
     @classmethod
     def from_llm(cls, llm) -> AsyncLLM:
-        return cls.from_engine(llm.engine, llm.tokenizer)
+        self = cls.from_engine(llm.engine, llm.tokenizer)
+        self.default_sampling_params = llm.default_sampling_params  # generation_config.json's
+        return self
 
     @classmethod
     def from_engine(cls, engine, tokenizer=None) -> AsyncLLM:
@@ -66,6 +69,7 @@ class AsyncLLM:
         return self
 
     def _init(self, engine, tokenizer) -> None:
+        self.default_sampling_params = None  # SamplingParams from the model's generation_config
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_config = engine.model_config

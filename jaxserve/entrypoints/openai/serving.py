@@ -65,6 +65,17 @@ class ServingState:
     def vocab_size(self) -> int:
         return self.async_llm.model_config.vocab_size
 
+    @property
+    def generation_defaults(self) -> dict:
+        """vLLM's server defaults from the model's generation_config.json (`LLM`'s
+        generation_config="auto"): the values of its five sampler fields that a request leaving
+        them unset gets."""
+        sp = getattr(self.async_llm, "default_sampling_params", None)
+        if sp is None:
+            return {}
+        base = SamplingParams()
+        return {f: getattr(sp, f) for f in GENERATION_FIELDS if getattr(sp, f) != getattr(base, f)}
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
@@ -105,6 +116,8 @@ def make_sampling_params(state: ServingState, req, **fields) -> SamplingParams:
     if req.n > state.max_n:
         raise APIError(400, f"n must be at most {state.max_n}, got {req.n}", "n")
     kw = {**req.sampling_kwargs(), **fields}
+    for name, value in state.generation_defaults.items():  # vLLM: only where the request is silent
+        kw.setdefault(name, value)
     if kw.get("stop") and state.tokenizer is None:
         raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", "stop")
     try:
@@ -205,6 +218,11 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
     except APIError as e:
         yield sse(ErrorResponse.model_validate(e.body()).model_dump_json())
     yield "data: [DONE]\n\n"
+
+
+# vLLM's server applies generation_config.json to these when a request leaves them unset
+# (`_DEFAULT_SAMPLING_PARAMS` in vllm/entrypoints/openai/protocol.py).
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _param_of(error: str) -> str | None:
