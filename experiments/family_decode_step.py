@@ -23,6 +23,7 @@ Name the CPU beside every figure (NOTES.md): these VMs vary between sessions.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import platform
 import time
@@ -68,7 +69,17 @@ def with_layers(c: ModelConfig, n: int) -> ModelConfig:
 
 
 def step_ms(c: ModelConfig, slots: int, ctx: int, reps: int) -> float:
-    """Median ms of one decode step of all `slots` slots, `ctx` tokens cached in each."""
+    """Median ms of one decode step of all `slots` slots, `ctx` tokens cached in each (the
+    engine's buffers and compiled programs are dropped afterwards: without that, the 2026-12-01
+    run grew to 24 GB and was OOM-killed at gemma3-12b)."""
+    try:
+        return _step_ms(c, slots, ctx, reps)
+    finally:
+        gc.collect()
+        jax.clear_caches()
+
+
+def _step_ms(c: ModelConfig, slots: int, ctx: int, reps: int) -> float:
     width = -(-(ctx + 2) // PS)
     pool = slots * width
     ec = EngineConfig(
