@@ -135,15 +135,7 @@ def case_logprobs(model: str, **settings) -> dict:
     prompts = [{"prompt_token_ids": p} for p in (PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[4])]
 
     def run(**extra):
-        llm = LLM(
-            "tiny",
-            load_format="dummy",
-            dtype="float32",
-            num_slots=4,
-            max_model_len=64,
-            page_size=4,
-            **extra,
-        )
+        llm = LLM(model, dtype="float32", num_slots=4, max_model_len=64, page_size=4, **extra)
         vals = []
         for o in llm.generate(prompts, sp, use_tqdm=False):
             for step in [*o.prompt_logprobs[1:], *o.outputs[0].logprobs]:
