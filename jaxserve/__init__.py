@@ -11,11 +11,13 @@ can be imported without loading jax.
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "AsyncLLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "EngineConfig",
     "ModelConfig",
     "RequestOutput",

@@ -10,6 +10,11 @@
                                                         retire (slot and pages freed at once)
                        -> outputs of finished requests (and snapshots of streamed ones)
 
+Structured outputs (`structured_outputs.py`): a constrained request's grammar is compiled when it
+is added; each plan carries the packed next-token masks of its constrained sampling rows, computed
+on the host once the previous tokens are known. So while a constrained request runs, the next step
+is planned after this one's tokens are read (no async scheduling for those steps).
+
 Tokens become text, log-probs and stop decisions in `output_processor.py`. The runner is anything
 implementing `runner_api.Runner` (`dispatch(plan)`, `fetch(handle) -> StepResult`, its decode row
 buckets, transfer counters): `ModelRunner` on the device, or `jaxserve.testing.fake_runner`, a
@@ -40,6 +45,7 @@ from jaxserve.core.runner_api import Runner, StepResult
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import SchedulerOutput
 from jaxserve.core.slot_row import make_slot_row
+from jaxserve.core.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,9 @@ class LLMEngine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
+        self.structured = StructuredOutputManager(
+            tokenizer, model_config.vocab_size, self.eos_token_ids
+        )
         self._groups: dict[str, RequestGroup] = {}
         self._pending: list[RequestOutput] = []  # error outputs, delivered by the next step()
         self._inflight = None  # (plan, device handle) dispatched but not yet fetched
@@ -120,6 +129,12 @@ class LLMEngine:
             except ValueError as e:
                 error = str(e)
         error = error or self.validate(prompt_token_ids, sampling_params)
+        grammar = None
+        if error is None and sampling_params.structured_outputs is not None:
+            try:  # a schema, regex or grammar that does not compile is this request's error
+                grammar = self.structured.compile(sampling_params.structured_outputs)
+            except ValueError as e:
+                error = str(e)
         if error is not None:
             logger.info("request %s rejected: %s", request_id, error)
             self._pending.append(
@@ -143,6 +158,7 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     max_total_len=max_total,
                     arrival_time=now,
+                    grammar=None if grammar is None else grammar if i == 0 else grammar.copy(),
                 )
             )
         detoks = [
@@ -176,6 +192,11 @@ class LLMEngine:
             )
         if sp.stop and self.tokenizer is None:
             return "stop strings need a tokenizer; this model has none (use stop_token_ids)"
+        if sp.structured_outputs is not None and self.config.decode_steps > 1:
+            return (
+                "structured_outputs need decode_steps=1 (each token's mask depends on the one "
+                f"before it); this engine runs decode_steps={self.config.decode_steps}"
+            )
         try:
             sp.verify(len(ids), max_len, vocab, self.config.max_logprobs)
         except ValueError as e:
@@ -223,7 +244,26 @@ class LLMEngine:
             return None
         if plan.has_work:
             self._record_occupancy()
+            self._grammar_masks(plan)
         return plan, self.runner.dispatch(plan)
+
+    def _grammar_masks(self, plan: SchedulerOutput) -> None:
+        """The next-token bitmask of every constrained row that samples in this plan (decode rows
+        and prompt-completing chunks), computed by llguidance on the host."""
+        rows = {}
+        for req, slot in zip(plan.decode, plan.decode_slots):
+            if req.grammar is not None:
+                rows[slot] = req.grammar
+        for chunk, forced in zip(plan.prefill, plan.forced):
+            if chunk.is_last and not forced and chunk.request.grammar is not None:
+                rows[chunk.request.slot] = chunk.request.grammar
+        if rows:
+            plan.grammar_bitmask = self.structured.fill_bitmask(rows, self.config.num_slots)
+            plan.grammar_rows = np.zeros((self.config.num_slots,), bool)
+            plan.grammar_rows[list(rows)] = True
+
+    def _constrained_running(self) -> bool:
+        return any(r.grammar is not None for r in self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns finished outputs (and snapshots of streamed requests).
@@ -240,7 +280,13 @@ class LLMEngine:
             return outputs
         plan, handle = self._inflight
         self._inflight = None
-        if self.config.async_scheduling and self.scheduler.has_unfinished():
+        # A grammar's next mask needs the token in flight: while a constrained request runs, the
+        # next step is planned after this one's tokens are read (the scheduler would skip it).
+        if (
+            self.config.async_scheduling
+            and self.scheduler.has_unfinished()
+            and not self._constrained_running()
+        ):
             self._inflight = self._schedule_and_dispatch()
         result = self.runner.fetch(handle)
         touched = self._update(plan, result)
@@ -307,7 +353,16 @@ class LLMEngine:
         """One generated token into `req`; retires it (slot and pages freed) if it stopped."""
         self.num_generation_tokens += 1
         detok = self._groups[req.group_id].detokenizers[req.index]
+        accepted = req.grammar is None or req.grammar.accept(token)
         status = append_token(req, token, logprob, top, now, detok)
+        if status is None and not accepted:  # the mask allowed it, so this is a bug: say so
+            logger.error(
+                "request %s: token %d breaks its grammar (%s); aborted",
+                req.request_id,
+                token,
+                req.grammar.error,
+            )
+            status = RequestStatus.FINISHED_ABORTED
         if status is not None:
             self.scheduler.finish(req, status)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from jaxserve.core.sampling_params import SamplingParams
 
@@ -72,6 +73,8 @@ class Request:
     block_uids: list[int] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0
     leader: Request | None = dataclasses.field(default=None, repr=False)
+    # structured outputs: the request's `structured_outputs.Grammar` (None = unconstrained)
+    grammar: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.core.structured_outputs import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # most top-n logprobs per token (vLLM's default max_logprobs)
@@ -64,7 +66,8 @@ class SamplingParams:
     seed: None or -1 lets the engine draw one at submission; child i of n gets seed + i.
     logit_bias: {token_id: bias} added to the logits; allowed_token_ids: only these may be
     sampled; bad_words: words never completed (the last token of each is banned once the tokens
-    before it were generated). Keyword arguments only; an unknown or invalid one raises
+    before it were generated). structured_outputs: a `StructuredOutputsParams` (or a dict of its
+    fields) the output must follow (`core/structured_outputs.py`). Keyword arguments only; an unknown or invalid one raises
     ValueError naming it. Frozen: `clone()` or `dataclasses.replace` give changed copies.
     """
 
@@ -90,6 +93,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = dataclasses.field(default=None, hash=False)
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] | None = None
+    # a JSON schema / regex / choice / grammar the output must follow (or a dict of those fields)
+    structured_outputs: StructuredOutputsParams | None = dataclasses.field(default=None, hash=False)
     # bad_words as token sequences, set by the engine with its tokenizer (`with_bad_words_ids`)
     _bad_words_token_ids: tuple[tuple[int, ...], ...] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
@@ -119,6 +124,8 @@ class SamplingParams:
         set_("allowed_token_ids", _token_ids("allowed_token_ids", self.allowed_token_ids))
         set_("logit_bias", _logit_bias(self.logit_bias))
         set_("bad_words", _bad_words(self.bad_words))
+        if self.structured_outputs is not None:
+            set_("structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
 
         if not (1 <= self.n <= MAX_N):
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")

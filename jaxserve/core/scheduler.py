@@ -49,6 +49,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import numpy as np
+
 from jaxserve.config import EngineConfig
 from jaxserve.core.admission import AdmissionPolicy, ContinuousAdmission, StaticAdmission
 from jaxserve.core.page_allocator import PageAllocator, pages_for
@@ -83,6 +85,11 @@ class SchedulerOutput:
     decode_slots: list[int] = dataclasses.field(default_factory=list)  # slot of each decode[i]
     decode_steps: list[int] = dataclasses.field(default_factory=list)  # tokens each decode[i] makes
     forced: list[bool] = dataclasses.field(default_factory=list)  # prefill[i] installs a token
+    # Set by the engine once the plan is made: the packed allowed-token mask of each slot that
+    # samples under a grammar (`core/structured_outputs.py`), i32[num_slots, ceil(V / 32)], and
+    # those slots' flags bool[num_slots]; None when no sampling row is constrained.
+    grammar_bitmask: np.ndarray | None = None
+    grammar_rows: np.ndarray | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -223,6 +230,8 @@ class Scheduler:
             )
             if steps < 1:
                 continue  # reaches its length limit with a step in flight; retired on its return
+            if req.grammar is not None and req.num_pending_tokens:
+                continue  # its grammar's next mask needs the token still in flight
             if self._grow(req, req.num_computed_tokens + steps, plan, self_preempt=True):
                 plan.decode.append(req)
 

@@ -238,6 +238,9 @@ class ModelRunner:
         for slot, pages in plan.page_updates.items():
             self._set_pages(slot, pages)
         self._flush()
+        if plan.grammar_bitmask is not None:
+            self.state = steps.set_grammar(self.state, plan.grammar_bitmask, plan.grammar_rows)
+            self.num_h2d_transfers += 1
 
         handle = StepHandle()
         r = self.resolved
@@ -298,6 +301,9 @@ class ModelRunner:
         self.state = steps.insert(self.state, np.int32(0), row, np.int32(0), np.int32(0))
         pad = np.full((s,), s, np.int32)
         self.state = steps.move(self.state, pad, pad)  # every row padding: nothing moves
+        words = -(-self.model_config.vocab_size // 32)
+        no_grammar = np.zeros((s,), bool)
+        self.state = steps.set_grammar(self.state, np.full((s, words), -1, np.int32), no_grammar)
         decode, prefill = r.decode_shapes(), r.prefill_shapes()
         for shape in decode:
             self.generate(shape)

@@ -4,6 +4,8 @@ Every per-request number (temperature, top-k, seeds, ...) is an array, so nothin
 `sample` follows vLLM's order:
 
     logits f32[S, V]
+      -> structured outputs: tokens the slot's grammar forbids -> -inf (constrained slots only;
+         the log-probs are those of this masked distribution, as vLLM's)
       -> allowed_token_ids: every other token -> -inf
       -> bad_words: the last token of a word whose other tokens were just generated -> -inf
       -> logit_bias: + bias[token]
@@ -65,6 +67,8 @@ class SamplingState:
     bad_words: jax.Array  # i32[S, NW, W]; token sequences right-aligned, -1 padded
     recent_tokens: jax.Array  # i32[S, W - 1]; last generated tokens, newest last, -2 padded
     has_processors: jax.Array  # bool[S]; the slot uses allowed_token_ids, bad_words or logit_bias
+    grammar_mask: jax.Array  # i32[S, ceil(V / 32)]; bit t % 32 of word t // 32: token t allowed
+    constrained: jax.Array  # bool[S]; grammar_mask holds this step's mask of the slot
 
 
 @struct.dataclass
@@ -102,6 +106,8 @@ def init_state(num_slots: int, vocab_size: int) -> SamplingState:
         bad_words=jnp.full((s, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, jnp.int32),
         recent_tokens=jnp.full((s, MAX_BAD_WORD_TOKENS - 1), -2, jnp.int32),
         has_processors=jnp.zeros((s,), bool),
+        grammar_mask=jnp.full((s, -(-v // 32)), -1, jnp.int32),
+        constrained=jnp.zeros((s,), bool),
     )
 
 
@@ -156,7 +162,23 @@ def set_slot(state: SamplingState, slot: jax.Array, row: SlotRow) -> SamplingSta
         has_processors=state.has_processors.at[slot].set(
             (allowed[0] >= 0) | (bias_ids[0] >= 0) | (bad_words[0, -1] >= 0)
         ),
+        constrained=state.constrained.at[slot].set(False),  # until the engine sends its mask
     )
+
+
+def set_grammar_masks(state: SamplingState, bitmask: jax.Array, rows: jax.Array) -> SamplingState:
+    """This step's packed grammar masks i32[S, ceil(V / 32)] and which slots they constrain
+    bool[S] (`core/structured_outputs.py` fills them on the host)."""
+    return state.replace(grammar_mask=bitmask, constrained=rows)
+
+
+def apply_grammar_mask(logits: jax.Array, state: SamplingState) -> jax.Array:
+    """-inf on every token a constrained slot's mask forbids. f32[S, V] -> f32[S, V]."""
+    s, v = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = jnp.right_shift(state.grammar_mask[:, :, None], shifts) & 1  # (S, W, 32)
+    allowed = bits.reshape(s, -1)[:, :v] != 0
+    return jnp.where(state.constrained[:, None] & ~allowed, -jnp.inf, logits)
 
 
 def update_counts(state: SamplingState, tokens: jax.Array, active: jax.Array) -> SamplingState:
@@ -305,6 +327,11 @@ def sample(
         )
     logits = logits.astype(jnp.float32)
     s = logits.shape[0]
+    logits = jax.lax.cond(
+        jnp.any(state.constrained),
+        lambda: apply_grammar_mask(logits, state),
+        lambda: logits,
+    )
     lse = jax.nn.logsumexp(logits, axis=-1)  # (S,)
     neutral = (
         jnp.all(state.repetition_penalty == 1.0)

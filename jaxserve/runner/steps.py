@@ -2,6 +2,7 @@
 
     insert(state, slot, row, ...)     one request's sampling row and counters into slot `slot`
     sync(state, page_table, active)   the host's page table and decode mask
+    set_grammar(state, bitmask, rows) the step's structured-output masks (constrained slots only)
     move(state, src, dst)             slot rows src[i] -> dst[i] (the scheduler packing requests)
     generate(params, cache, state, want_top; shape: DecodeShape)
                                       every active slot among the first shape.rows advances
@@ -118,6 +119,14 @@ def insert(state: SlotState, slot, row, num_generated, max_total_len) -> SlotSta
 def sync(state: SlotState, page_table, active) -> SlotState:
     """Installs the host's page table i32[S, max_pages] and decode mask bool[S]."""
     return pin_slots(state.replace(page_table=page_table, active=active))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def set_grammar(state: SlotState, bitmask, rows) -> SlotState:
+    """Installs this step's grammar masks i32[S, ceil(V / 32)] and constrained slots bool[S]."""
+    return pin_slots(
+        state.replace(sampling=sampling.set_grammar_masks(state.sampling, bitmask, rows))
+    )
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -34,6 +34,10 @@ BAD_ROWS = {
     "top_p_above_one": (b'{"id": "p2", "prompt": "x", "top_p": 1.5}', ["line 2", "top_p"]),
     "bad_messages": (b'{"id": "c", "messages": [{"role": "user"}]}', ["line 2", "content"]),
     "bad_token_ids": (b'{"id": "c2", "prompt_token_ids": [1, -2]}', ["line 2", "prompt_token_ids"]),
+    "two_constraints": (
+        b'{"id": "so", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}',
+        ["line 2", "structured_outputs", "exactly one"],
+    ),
 }
 
 
@@ -137,3 +141,19 @@ def test_format_detection_and_missing_file(tmp_path):
         read_input(str(sniff), input_format="csv")
     forced = read_input(str(text), input_format="jsonl")
     assert "malformed JSON" in forced[0].error
+
+
+def test_structured_outputs_row(tmp_path):
+    """A row's structured_outputs object becomes its StructuredOutputsParams, and the constraint
+    is part of the fingerprint (a changed schema is redone on resume)."""
+    from jaxserve import StructuredOutputsParams
+
+    lines = [
+        b'{"id": "a", "prompt": "x", "structured_outputs": {"json": {"type": "object"}}}',
+        b'{"id": "b", "prompt": "x", "structured_outputs": {"json": {"type": "array"}}}',
+        b'{"id": "c", "prompt": "x", "structured_outputs": {"choice": ["y", "n"]}}',
+    ]
+    a, b, c = read_input(write(tmp_path, lines))
+    assert a.error is None and a.sampling.structured_outputs.json == {"type": "object"}
+    assert c.sampling.structured_outputs == StructuredOutputsParams(choice=("y", "n"))
+    assert len({a.fingerprint, b.fingerprint, c.fingerprint}) == 3

@@ -20,6 +20,13 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 PARTIAL = CHAT + [{"role": "assistant", "content": "The three colors are"}]
 N = 12
+JSON_CHAT = [{"role": "user", "content": "Give a person as JSON."}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 MC = [  # lm-eval multiple choice rows: context, choices (the " " delimiter goes before each)
     {"question": "The capital of France is", "choices": ["Paris", "London", "Rome"], "answer": 0},
     {"question": "Two plus two equals", "choices": ["four", "seven"], "answer": 0},
@@ -61,6 +68,8 @@ def smol():
     # vLLM's LLM.chat: a list of conversations in one call, each rendered with the same options
     offline["continued"] = llm.chat([PARTIAL, PARTIAL[:1]], sp, use_tqdm=False, **continued)
     offline["mc"] = _loglikelihoods(llm)
+    so = SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": SCHEMA})
+    offline["json"] = llm.chat(JSON_CHAT, so, use_tqdm=False)[0]
     allm = AsyncLLM.from_llm(llm)
     server = ServerThread(build_app(allm, "smollm2"))
     yield server, offline, llm
@@ -240,3 +249,45 @@ def test_lm_eval_local_chat_completions(smol, tmp_path, monkeypatch):
     )
     sample = results["samples"]["tiny_gen"][0]
     assert sample["resps"][0][0] == offline["chat"].outputs[0].text
+
+
+def test_structured_outputs_served_as_offline(smol, client):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs extra:
+    the served JSON equals LLM.chat's with the same constraint and validates; a stream joins to
+    it; a choice is one of its choices; bad constraints are 400s naming the field."""
+    import json
+
+    import jsonschema
+
+    ref = smol[1]["json"].outputs[0]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    kw = dict(model="smollm2", messages=JSON_CHAT, temperature=0, max_tokens=64)
+    r = client.chat.completions.create(response_format=fmt, **kw)
+    assert r.choices[0].message.content == ref.text
+    jsonschema.validate(json.loads(ref.text), SCHEMA)
+    stream = client.chat.completions.create(response_format=fmt, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == ref.text
+    yes_no = [
+        {"role": "user", "content": 'Is the sky blue? Answer as JSON like {"answer": "yes"}.'}
+    ]
+    r = client.chat.completions.create(
+        response_format={"type": "json_object"}, **{**kw, "messages": yes_no}
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(
+        model="smollm2",
+        prompt="The best fruit is",
+        max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["apple", "pear"]}},
+    )
+    assert r.choices[0].text in ("apple", "pear")
+    bad = [
+        ({"extra_body": {"structured_outputs": {"regex": "[a-"}}}, "structured_outputs"),
+        ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}}, "structured_outputs"),
+    ]  # fmt: skip
+    for extra, param in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**kw, **extra)
+        assert e.value.body["param"] == param, e.value.body

@@ -10,6 +10,7 @@ from model_testing import forward_logits
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.core import CompileCounter
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.scheduler import SchedulerOutput
 from jaxserve.layers.linear import TransposedWeight
 from jaxserve.loading.dummy import dummy_params
 from jaxserve.runner.runner import ModelRunner
@@ -58,6 +59,15 @@ def test_no_recompilation_after_warmup():
             SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(24)
         ]
         outs += llm.generate(many, sps, use_tqdm=False)
+        # a step's structured-output masks (tests/test_structured_outputs.py runs them end to end
+        # on SmolLM2, whose tokenizer they need): installed by a program the warm-up compiled
+        runner, s = llm.engine.runner, llm.engine.config.num_slots
+        words = -(-llm.engine.model_config.vocab_size // 32)
+        plan = SchedulerOutput(
+            grammar_bitmask=np.zeros((s, words), np.int32), grammar_rows=np.ones((s,), bool)
+        )
+        runner.fetch(runner.dispatch(plan))
+        assert bool(np.asarray(runner.state.sampling.constrained).all())
     assert all(o.error is None for o in outs)
     assert counter.count == 0
     assert llm.engine.runner.slot_buckets == (8, 16, 32)

@@ -338,3 +338,40 @@ def test_top_k_top_p_mask_matches_reference_with_ties_and_inf():
     for r in range(s):
         want = _top_k_top_p_reference(x[r].astype(np.float64), int(top_k[r]), float(top_p[r]))
         np.testing.assert_array_equal(got[r], want & np.isfinite(x[r]), err_msg=f"row {r}")
+
+
+def test_grammar_mask_matches_llguidance_reference_and_spares_unconstrained_rows():
+    """The device's unpacking of the packed [S, ceil(V/32)] bitmask against llguidance's own
+    numpy `apply_token_bitmask_inplace`; unconstrained rows keep every logit; greedy and sampled
+    tokens of constrained rows are allowed ones; log-probs are of the masked distribution."""
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    v = 70  # not a multiple of 32: the last word is partial
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(S, v)).astype(np.float32) * 3
+    words = rng.integers(-(2**31), 2**31, size=(S, -(-v // 32)), dtype=np.int64).astype(np.int32)
+    words[2] = 0
+    words[2, 1] = 1 << 5  # row 2 allows token 37 only
+    constrained = np.array([True, True, True, False, True, False, True, True])
+    state = sampling.init_state(S, v)
+    state = sampling.set_grammar_masks(state, jnp.asarray(words), jnp.asarray(constrained))
+    got = np.asarray(sampling.apply_grammar_mask(jnp.asarray(logits), state))
+    want = logits.copy()
+    apply_token_bitmask_inplace(want, words)
+    want[~constrained] = logits[~constrained]
+    np.testing.assert_array_equal(got, want)
+
+    allowed = np.isfinite(want)
+    greedy = SAMPLE(jnp.asarray(logits), state, jnp.zeros((S,), jnp.int32), K)
+    np.testing.assert_array_equal(greedy.tokens, np.argmax(want, -1))
+    assert int(greedy.tokens[2]) == 37 and float(greedy.logprobs[2]) == 0.0  # the only choice
+    lp = _log_softmax(want)[np.arange(S), np.asarray(greedy.tokens)]
+    np.testing.assert_allclose(greedy.logprobs, lp, rtol=1e-5)
+    hot = state.replace(temperature=jnp.full((S,), 1.5), key_data=state.key_data + 3)
+    for step in range(4):
+        out = SAMPLE(jnp.asarray(logits), hot, jnp.full((S,), step, jnp.int32), K)
+        assert allowed[np.arange(S), np.asarray(out.tokens)].all()
+    # set_slot (a new request in the slot) switches the slot's mask off
+    row = make_slot_row(SamplingParams(), [1], [], (), 0, 8)
+    fresh = sampling.set_slot(state, jnp.int32(2), row)
+    assert not bool(fresh.constrained[2]) and bool(fresh.constrained[1])

@@ -44,6 +44,20 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
@@ -71,6 +85,33 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json / regex / choice / grammar
+
+    @property
+    def structured_field(self) -> str:
+        """The field a structured-output error names: the one this request used."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def structured_outputs_kwargs(self) -> dict[str, Any] | None:
+        """SamplingParams.structured_outputs from `structured_outputs` or `response_format` (as
+        vLLM's server: json_object -> any JSON object, json_schema -> its schema)."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise ValueError(
+                "structured_outputs: give either response_format or structured_outputs, not both"
+            )
+        if self.structured_outputs is not None:
+            return dict(self.structured_outputs)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"json_object": True}
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ValueError(
+                "structured_outputs: response_format json_schema needs json_schema.schema"
+            )
+        return {"json": fmt.json_schema.schema_}
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams fields this request sets (max_tokens and log-probs excepted)."""
@@ -97,6 +138,9 @@ class _SamplingRequest(_Request):
             kw["allowed_token_ids"] = list(self.allowed_token_ids)
         if self.bad_words:
             kw["bad_words"] = list(self.bad_words)
+        structured = self.structured_outputs_kwargs()
+        if structured is not None:
+            kw["structured_outputs"] = structured
         return kw
 
 

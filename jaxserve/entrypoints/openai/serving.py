@@ -111,11 +111,19 @@ def check_prompt(state: ServingState, ids: list[int], max_tokens: int | None, de
     return max_tokens
 
 
+def clamp_logprob(logprob: float) -> float:
+    """vLLM's server clamps log-probs at -9999.0: a masked token's -inf is not valid JSON."""
+    return max(logprob, -9999.0)
+
+
 def make_sampling_params(state: ServingState, req, **fields) -> SamplingParams:
     """SamplingParams of a request (its sampling fields plus `fields`); 400 naming a bad one."""
     if req.n > state.max_n:
         raise APIError(400, f"n must be at most {state.max_n}, got {req.n}", "n")
-    kw = {**req.sampling_kwargs(), **fields}
+    try:
+        kw = {**req.sampling_kwargs(), **fields}
+    except ValueError as e:
+        raise APIError(400, str(e), req.structured_field) from None
     for name, value in state.generation_defaults.items():  # vLLM: only where the request is silent
         kw.setdefault(name, value)
     if kw.get("stop") and state.tokenizer is None:
@@ -124,6 +132,8 @@ def make_sampling_params(state: ServingState, req, **fields) -> SamplingParams:
         return SamplingParams(**kw)
     except ValueError as e:
         word = str(e).split(" ", 1)[0]
+        if word.startswith("structured_outputs"):
+            raise APIError(400, str(e), req.structured_field) from None
         raise APIError(400, str(e), word if word in _SAMPLING_FIELDS else None) from None
 
 
@@ -228,7 +238,13 @@ GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penal
 def _param_of(error: str) -> str | None:
     """The request field an engine error names ("logprobs: requested ..." -> "logprobs"), else
     "prompt" for the prompt's own errors."""
-    m = re.match(r"(\w+): ", error)
-    if m and m.group(1) in ("logprobs", "prompt_logprobs", "min_tokens", "logit_bias"):
+    m = re.match(r"(\w+)[:.]", error)
+    if m and m.group(1) in (
+        "logprobs",
+        "prompt_logprobs",
+        "min_tokens",
+        "logit_bias",
+        "structured_outputs",
+    ):
         return m.group(1)
     return "prompt" if "prompt" in error else None

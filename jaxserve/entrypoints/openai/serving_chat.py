@@ -30,6 +30,7 @@ from jaxserve.entrypoints.openai.serving import (
     APIError,
     ServingState,
     check_prompt,
+    clamp_logprob,
     deadline,
     generate_all,
     make_sampling_params,
@@ -87,12 +88,12 @@ def _logprobs(state, c: CompletionOutput, start: int, k: int) -> ChatLogprobs:
         content.append(
             ChatTokenLogprob(
                 token=s,
-                logprob=entry[tid].logprob if tid in entry else float("-inf"),
+                logprob=clamp_logprob(entry[tid].logprob if tid in entry else float("-inf")),
                 bytes=list(s.encode()),
                 top_logprobs=[
                     TopLogprob(
                         token=token_str(state, t),
-                        logprob=v.logprob,
+                        logprob=clamp_logprob(v.logprob),
                         bytes=list(token_str(state, t).encode()),
                     )
                     for t, v in top

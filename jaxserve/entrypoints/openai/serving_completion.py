@@ -26,6 +26,7 @@ from jaxserve.entrypoints.openai.serving import (
     APIError,
     ServingState,
     check_prompt,
+    clamp_logprob,
     deadline,
     generate_all,
     make_sampling_params,
@@ -84,9 +85,11 @@ class _Choices:
                 lp.token_logprobs.append(None)
                 lp.top_logprobs.append(None)
                 continue
-            lp.token_logprobs.append(entry[tid].logprob if tid in entry else None)
+            lp.token_logprobs.append(clamp_logprob(entry[tid].logprob) if tid in entry else None)
             # vLLM's table: the token itself plus the top `logprobs` (what lm-eval expects)
-            lp.top_logprobs.append({token_str(self.state, t): v.logprob for t, v in entry.items()})
+            lp.top_logprobs.append(
+                {token_str(self.state, t): clamp_logprob(v.logprob) for t, v in entry.items()}
+            )
         return lp
 
     def generated(self, c: CompletionOutput, tok0: int, chr0: int, offset: int):
