@@ -3,8 +3,14 @@
     open_gguf(path)                      -> GGUFReader (memory-mapped; ~4 s to parse SmolLM2's vocab)
     config_from_gguf(reader)             -> ModelConfig from the `{arch}.*` metadata keys
     read_config(path, reader)            -> the same, its errors as ModelLoadError naming the file
+    gguf_sources(reader, config)         -> {param path: [(ReaderTensor, fused rows | None)]}
     gguf_tensor_map(reader, config)      -> {param path: [ReaderTensor per layer] or [one tensor]}
+    tensor_param(path, tensor, rows, config) -> one layer's param array (numpy, f32)
     load_gguf_params(reader, config, dtype) -> params pytree (dequantized, un-permuted, transposed)
+
+Architectures: llama, qwen2 here; qwen3, gemma2, gemma3, phi3, qwen3moe in `gguf_archs.py` (their
+metadata keys, q/k norms, Gemma's sandwich and (1 + w) norms, phi3's fused tensors and LongRoPE
+factors, qwen3moe's router and 3-D expert tensors).
 
 Name map (GGUF shapes are listed innermost-first, so a linear weight's GGUF shape [in, out] is
 already our `[in, out]`; the numpy view and the dequantized array are [out, in]):
@@ -27,6 +33,8 @@ already our `[in, out]`; the numpy view and the dequantized array are [out, in])
                                   (`rope_type: llama3`) scaling: inv_freq = base_inv / rope_freqs
 
 `{arch}.rope.scaling.type` 'linear' (with `rope.scaling.factor`) is read too; YaRN is refused.
+Stored [out, in] like torch's nn.Linear, linears are transposed to our [in, out]
+(`gguf_archs.param_kind`).
 
 llama.cpp's converter permutes the rows of llama's q/k projections so that each head's rotary
 pairs are interleaved (GPT-J layout); our RoPE uses Hugging Face's rotate-half layout, so
@@ -50,6 +58,7 @@ import numpy as np
 from gguf.quants import dequantize
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.loading import gguf_archs
 from jaxserve.loading.loaded import ModelLoadError
 from jaxserve.loading.params import flat_shapes, np_dtype, to_device
 from jaxserve.model_config import MAX_SIZES, check_positive_number, check_size
@@ -62,26 +71,9 @@ SUPPORTED_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}
     | {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", *gguf_archs.ARCHS)  # qwen3 gemma2 gemma3 phi3 qwen3moe
 
-LAYER_NAMES = {
-    "attn_norm": "attn_norm.weight",
-    "wq": "attn_q.weight",
-    "wk": "attn_k.weight",
-    "wv": "attn_v.weight",
-    "bq": "attn_q.bias",
-    "bk": "attn_k.bias",
-    "bv": "attn_v.bias",
-    "wo": "attn_output.weight",
-    "mlp_norm": "ffn_norm.weight",
-    "w_gate": "ffn_gate.weight",
-    "w_up": "ffn_up.weight",
-    "w_down": "ffn_down.weight",
-}
-# Stored [out, in] like torch's nn.Linear: transposed to our [in, out].
-LINEAR_PATHS = frozenset(
-    {f"layers/{k}" for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")} | {"lm_head"}
-)
+LAYER_NAMES = gguf_archs.LAYER_NAMES
 GLOBAL_NAMES = {
     "embed": "token_embd.weight",
     "final_norm": "output_norm.weight",
@@ -122,13 +114,15 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
             f"unknown architecture: GGUF general.architecture {arch!r}; supported: {SUPPORTED_ARCHS}"
         )
     names = {t.name for t in reader.tensors}
-    rope_scaling = _rope_scaling(reader, arch)
 
     def req(key):
         v = field(reader, f"{arch}.{key}")
         if v is None:
             raise ValueError(f"GGUF metadata key {arch}.{key} is missing")
         return v
+
+    def get(key, default=None):  # for gguf_archs: default None = required
+        return req(key) if default is None else field(reader, f"{arch}.{key}", default)
 
     def size(key, field_name, default=None):
         v = req(key) if default is None else field(reader, f"{arch}.{key}", default)
@@ -157,6 +151,15 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
         )
     heads = size("attention.head_count", "num_heads")
     hidden = size("embedding_length", "hidden_size")
+    head_dim = size("attention.key_length", "head_dim", max(hidden // heads, 1))
+    rot = field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise ValueError(
+            f"GGUF metadata key {arch}.rope.dimension_count={rot!r} != head_dim {head_dim}: "
+            "partial rotary embeddings are not supported"
+        )
+    max_pos = size("context_length", "max_position_embeddings", 4096)
+    rope_scaling = _rope_scaling(reader, arch, max_pos)
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = field(reader, f"{arch}.vocab_size")
     if vocab is None and embd is not None and len(embd.shape) == 2:
@@ -171,33 +174,46 @@ def config_from_gguf(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
     vocab = check_size("GGUF vocab size", vocab, MAX_SIZES["vocab_size"])
     eos, bos = token_id("eos_token_id"), token_id("bos_token_id")
     return ModelConfig(
-        architecture=arch,
+        architecture=gguf_archs.ARCHS.get(arch, arch),
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=size("feed_forward_length", "intermediate_size"),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=size("attention.head_count_kv", "num_kv_heads", heads),
-        head_dim=size("attention.key_length", "head_dim", max(hidden // heads, 1)),
+        head_dim=head_dim,
         rope_theta=number("rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
         rms_norm_eps=number("attention.layer_norm_rms_epsilon"),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        max_position_embeddings=size("context_length", "max_position_embeddings", 4096),
+        max_position_embeddings=max_pos,
         bos_token_id=bos,
         eos_token_ids=() if eos is None else (eos,),
         name=name or str(field(reader, "general.name", "")),
+        **gguf_archs.family_fields(get, arch, names, num_layers, hidden, heads, head_dim),
     )
 
 
 ROPE_FREQS = "rope_freqs.weight"  # not a param: read into the config (`_rope_scaling`)
+CONFIG_TENSORS = (ROPE_FREQS, *gguf_archs.ROPE_FACTORS)
 
 
-def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> RopeScaling | None:
-    """RoPE scaling from `rope_freqs.weight` (llama3 divisors) or `{arch}.rope.scaling.*`."""
+def _rope_scaling(reader: gguf.GGUFReader, arch: str, max_pos: int) -> RopeScaling | None:
+    """RoPE scaling from `rope_freqs.weight` (llama3 divisors), phi3's `rope_factors_*` (LongRoPE)
+    or `{arch}.rope.scaling.*`."""
+    by_name = {t.name: t for t in reader.tensors if t.name in CONFIG_TENSORS}
+    if arch == "phi3":
+        scaling = gguf_archs.longrope(
+            lambda key, default=None: field(reader, f"{arch}.{key}", default),
+            by_name,
+            dequantize_tensor,
+            max_pos,
+        )
+        if scaling is not None:
+            return scaling
     kind = field(reader, f"{arch}.rope.scaling.type", "none")
-    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    freqs = by_name.get(ROPE_FREQS)
     if freqs is not None:
         if kind not in ("none", "llama3") or len(freqs.shape) != 1:
             raise ValueError(
@@ -217,8 +233,9 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str) -> RopeScaling | None:
     raise ValueError(f"GGUF {arch}.rope.scaling.type {kind!r} is not supported (none, linear)")
 
 
-def gguf_tensor_map(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, list]:
-    """{param path: [ReaderTensor for layer 0..L-1]} for layer params, [one tensor] for the rest.
+def gguf_sources(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, list]:
+    """{param path: [(ReaderTensor, rows) per stacked layer]} ([one pair] for the rest); rows is
+    the slice of a fused tensor's rows holding the param (phi3's attn_qkv / ffn_up), else None.
 
     Raises ValueError naming any missing or unexpected tensor, or one whose GGUF shape differs
     from what the config implies. Tensor types are not checked here (the INT4 importer reads
@@ -229,28 +246,51 @@ def gguf_tensor_map(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, l
     wanted = set()
     for path, shape in flat_shapes(config).items():
         if path.startswith("layers/"):
-            suffix = LAYER_NAMES[path.removeprefix("layers/")]
-            names = [f"blk.{i}.{suffix}" for i in range(config.num_layers)]
+            param = path.removeprefix("layers/")
+            sources = [
+                gguf_archs.layer_source(config, param, i, by_name)
+                for i in gguf_archs.layer_indices(config, param)
+            ]
             one = shape[1:]
         else:
-            names, one = [GLOBAL_NAMES[path]], shape
-        # GGUF lists dims innermost-first: our [in, out] linears match it as is; embed is [D, V].
-        want = list(one[::-1]) if path == "embed" else list(one)
-        tensors = []
-        for n in names:
+            sources, one = [(GLOBAL_NAMES[path], None, 0)], shape
+        # GGUF lists dims innermost-first (the numpy shape reversed): our [in, out] linears
+        # match it as is; embed is [D, V]; a fused tensor holds `total` rows.
+        np_shape = list(gguf_archs.numpy_shape(path, one))
+        pairs = []
+        for n, rows, total in sources:
             wanted.add(n)
             t = by_name.get(n)
             if t is None:
                 raise ValueError(f"GGUF is missing tensor {n} (for {path})")
             got = [int(d) for d in t.shape]
+            want = (np_shape if rows is None else [total, *np_shape[1:]])[::-1]
             if got != want:
                 raise ValueError(f"GGUF tensor {n} has shape {got}, expected {want} (for {path})")
-            tensors.append(t)
-        out[path] = tensors
-    extra = sorted(set(by_name) - wanted - {ROPE_FREQS})
+            pairs.append((t, rows))
+        out[path] = pairs
+    extra = sorted(set(by_name) - wanted - set(CONFIG_TENSORS))
     if extra:
         raise ValueError(f"GGUF has unexpected tensor(s) {extra[:8]} (of {len(extra)})")
     return out
+
+
+def gguf_tensor_map(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, list]:
+    """{param path: [ReaderTensor for each stacked layer]} ([one tensor] for the rest): the
+    tensors of `gguf_sources` (checked the same way), without their fused-row slices."""
+    return {p: [t for t, _ in pairs] for p, pairs in gguf_sources(reader, config).items()}
+
+
+def tensor_param(path: str, t, rows: slice | None, config: ModelConfig) -> np.ndarray:
+    """One GGUF tensor (one layer) -> its param array: dequantized, the param's rows of a fused
+    tensor, llama q/k un-permuted, Gemma's (1 + w) norms shifted back, transposed to [in, out]."""
+    x = dequantize_tensor(t)  # numpy order: [out, in] for linears, [E, out, in] for experts
+    if rows is not None:
+        x = x[rows]
+    heads = unpermute_heads(path, config)
+    if heads is not None:
+        x = unpermute_rows(x, heads)
+    return gguf_archs.to_param(path, x, config)
 
 
 def unpermute_heads(path: str, config: ModelConfig) -> int | None:
@@ -286,20 +326,15 @@ def dequantize_tensor(t) -> np.ndarray:
 def load_gguf_params(
     reader: gguf.GGUFReader, config: ModelConfig, dtype: str = "float32", mesh=None
 ) -> dict:
-    """Dequantizes every mapped tensor, un-permutes llama q/k, transposes linears to [in, out]."""
+    """Every mapped tensor through `tensor_param` (dequantized, fused rows split, llama q/k
+    un-permuted, Gemma norms shifted, linears transposed to [in, out]), stacked per layer."""
     np_dtype(dtype)  # validate before the slow part
     shapes = flat_shapes(config)
     flat = {}
-    for path, tensors in gguf_tensor_map(reader, config).items():
-        heads = unpermute_heads(path, config)
-        linear = path in LINEAR_PATHS
+    for path, pairs in gguf_sources(reader, config).items():
         arr = np.empty(shapes[path], np.float32) if path.startswith("layers/") else None
-        for i, t in enumerate(tensors):
-            x = dequantize_tensor(t)  # numpy order: [out, in] for linears
-            if heads is not None:
-                x = unpermute_rows(x, heads)
-            if linear:
-                x = x.T
+        for i, (t, rows) in enumerate(pairs):
+            x = tensor_param(path, t, rows, config)
             if arr is None:
                 arr = np.ascontiguousarray(x)
             else:

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.loading import gguf_file
+from jaxserve.loading import gguf_archs, gguf_file
 from jaxserve.loading.loaded import LoadedModel, ModelLoadError
 from jaxserve.loading.params import flat_shapes, np_dtype, to_device
 from jaxserve.loading.tokenizer import load_tokenizer
@@ -117,11 +117,13 @@ def tensor_rows_cols(t) -> tuple[int, int]:
     return int(t.shape[1]), int(t.shape[0])
 
 
-def import_linear(tensors: list, heads: int | None, stacked: bool, shards: int = 1):
+def import_linear(tensors: list, heads: int | None, stacked: bool, shards: int = 1, rows=None):
     """GGUF tensors of one linear param (one per layer) -> Int4Weight / Int8Weight [(L,) in, out].
 
     heads: undo llama.cpp's q/k row permutation with this many heads (None: not permuted).
     shards: the INT4 weight's column blocks (ignored for Q8_0); N must be a multiple of 8*shards.
+    rows: per tensor, the slice of its rows (output features) holding the param (a fused tensor,
+    phi3's attn_qkv / ffn_up) or None; whole block rows move, so the values stay GGUF's.
     """
     types = {t.tensor_type for t in tensors}
     if len(types) != 1:
@@ -132,15 +134,21 @@ def import_linear(tensors: list, heads: int | None, stacked: bool, shards: int =
             f"GGUF tensor {tensors[0].name} has type {Q(qtype).name}, which cannot be imported "
             f"natively; supported: {[t.name for t in NATIVE_TYPES]}"
         )
-    fix = (lambda a: gguf_file.unpermute_rows(a, heads)) if heads is not None else (lambda a: a)
+    unpermute = (lambda a: gguf_file.unpermute_rows(a, heads)) if heads is not None else None
     parts = []
-    for t in tensors:
-        rows, cols = tensor_rows_cols(t)  # (out, in)
+    for i, t in enumerate(tensors):
+        sel = None if rows is None else rows[i]
+
+        def fix(a, sel=sel):
+            a = a if sel is None else a[sel]
+            return a if unpermute is None else unpermute(a)
+
+        rows_, cols = tensor_rows_cols(t)  # (out, in)
         if qtype == Q.Q8_0:
-            q, d = q8_0_to_int8(t.data, rows, cols)
+            q, d = q8_0_to_int8(t.data, rows_, cols)
             parts.append((fix(q).T, fix(d).T))  # (in, out), (in/32, out)
         else:
-            codes, d, m = q4_to_codes(t.data, qtype, rows, cols)
+            codes, d, m = q4_to_codes(t.data, qtype, rows_, cols)
             parts.append((fix(codes).T, fix(d).T, fix(m).T))
     arrays = [np.stack(a) if stacked else a[0] for a in zip(*parts)]
     if qtype == Q.Q8_0:
@@ -158,27 +166,22 @@ def import_gguf_params(
     Int8Weight (g=32); everything else float."""
     shards_of = _shards_of(shards, config)
     dt = np_dtype(dtype)
-    shapes = flat_shapes(config)
     floats, quantized = {}, {}
-    for path, tensors in gguf_file.gguf_tensor_map(reader, config).items():
+    for path, pairs in gguf_file.gguf_sources(reader, config).items():
+        tensors, rows = [t for t, _ in pairs], [r for _, r in pairs]
         stacked = path.startswith("layers/")
-        is_linear = path != "embed" and len(shapes[path]) - int(stacked) == 2
+        # 2-D linears (not the MoE router, kept float; 3-D expert stacks import as floats)
+        is_linear = gguf_archs.param_kind(path) == "linear" and path != "layers/router"
         if (is_linear or _native_embed(path, tensors, config, shards_of(path))) and (
             tensors[0].tensor_type in NATIVE_TYPES
         ):
             heads = gguf_file.unpermute_heads(path, config)
             try:
-                quantized[path] = import_linear(tensors, heads, stacked, shards_of(path))
+                quantized[path] = import_linear(tensors, heads, stacked, shards_of(path), rows)
             except ValueError as e:
                 raise ValueError(f"GGUF weight {path}: {e}") from e
             continue
-        heads = gguf_file.unpermute_heads(path, config)
-        arrs = []
-        for t in tensors:
-            x = gguf_file.dequantize_tensor(t)
-            if heads is not None:
-                x = gguf_file.unpermute_rows(x, heads)
-            arrs.append(x.T if is_linear else x)
+        arrs = [gguf_file.tensor_param(path, t, r, config) for t, r in pairs]
         floats[path] = (np.stack(arrs) if stacked else arrs[0]).astype(dt)
     params = to_device({**floats, **quantized}, config)  # nests and checks every shape
     log.info(
