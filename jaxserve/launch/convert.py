@@ -7,7 +7,9 @@ Dataflow: load_model(--model, float32) -> [calibration tokens from --calib_sourc
 stdlib's pydoc topics), tokenized with the model's tokenizer, for int4-awq / int4-gptq] ->
 quantize_params(method, group_size, calib) -> float leaves (embeddings, norms) cast to --dtype ->
 save_checkpoint(--output) with the config, the recipe (method, group size, calibration) and the
-tokenizer files.
+tokenizer files. Before loading, it logs what to expect from the options chosen
+(`jaxserve.quant.expectations`: the measured SmolLM2 perplexity change of the closest measured
+configuration, its cost, and the recipe measured within +5% when these options miss it).
 `LLM(model="checkpoints/<name>")` or `--model checkpoints/<name>` then serves it.
 
 --model, --dtype and --quantization are the shared launcher flags (`launch/flags.py`).
@@ -27,7 +29,7 @@ from jaxserve.launch import flags as shared_flags
 from jaxserve.loading import load_model
 from jaxserve.loading.checkpoint import save_checkpoint
 from jaxserve.quant import METHODS as REGISTRY
-from jaxserve.quant import calibration, quantize_params, refine
+from jaxserve.quant import calibration, expectations, quantize_params, refine
 
 FLAGS = flags.FLAGS
 log = logging.getLogger("jaxserve.convert")
@@ -103,6 +105,11 @@ def convert(
     if Path(output).exists():
         raise ValueError(f"--output {output} already exists")
     calibration.describe_sources(calib_sources)  # an unknown source fails before the model loads
+    if method is not None:  # the measured quality of these options (or "not measured"), up front
+        for line in expectations.describe(
+            method, group_size, act_order, refine_steps, calib_tokens, calib_seqlen, calib_sources
+        ).splitlines():
+            log.info("%s", line)
     loaded = load_model(model, dtype="float32")
     params = loaded.params
     recipe = {"quantization": method, "dtype": dtype, "source": loaded.source}
