@@ -165,10 +165,10 @@ def test_engine_rules_no_tokenizer_and_multi_step_decode():
     token's mask depends on the one before it). Both are the request's error, not a crash."""
     from jaxserve import LLM
 
-    tiny = LLM("tiny", load_format="dummy", dtype="float32", num_slots=2, max_model_len=32)
+    kw = dict(load_format="dummy", dtype="float32", num_slots=2, max_model_len=32)
     sp = SamplingParams(temperature=0, max_tokens=4, structured_outputs={"regex": "a+"})
-    out = tiny.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)[0]
+    prompt = {"prompt_token_ids": [1, 2, 3]}
+    out = LLM("tiny", **kw).generate([prompt], sp, use_tqdm=False)[0]
     assert out.error == "structured_outputs need a tokenizer; this model has none"
-    multi = LLM(**{**KW, "num_slots": 2, "max_model_len": 128, "decode_steps": 2})
-    out = multi.generate(["Hi"], sp, use_tqdm=False)[0]
+    out = LLM("tiny", decode_steps=2, **kw).generate([prompt], sp, use_tqdm=False)[0]
     assert "decode_steps=1" in out.error
