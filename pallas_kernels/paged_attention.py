@@ -43,21 +43,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.lowering import KernelCheck
 from pallas_kernels.paged_common import (
-    KV_DTYPES,
     MASK_VALUE,
-    MODEL_HEADS,
-    WINDOW_MODEL_HEADS,
     check_attention_options,
     check_kv_inputs,
+    lowering_pools,
     next_pow2,
-    pool_structs,
+    paged_pallas_call,
     soft_cap,
     window_start,
 )
@@ -162,90 +158,8 @@ def decode_plan(batch: int, num_kv_heads: int, width: int, page_size: int, cfg: 
     return pages_per_block, splits, pages_per_split
 
 
-def _decode_call(
-    q,
-    k_pages,
-    v_pages,
-    seq_lens,
-    page_table,
-    layer,
-    k_scale,
-    v_scale,
-    window,
-    softcap,
-    scale,
-    cfg,
-    interpret,
-):
-    """pallas_call wrapper: q [B, H, D] -> [B, H, D]."""
-    b, h, d = q.shape
-    n_layers, kvh, n_pages, ps, _ = k_pages.shape
-    g = h // kvh
-    gp = max(cfg.min_group_rows, next_pow2(g))
-    ppb, splits, pps = decode_plan(b, kvh, page_table.shape[1], ps, cfg)
-    # A window's tiles start at its first page, not at a tile boundary: one more tile of columns.
-    wp = splits * pps + ppb
-    pt = jnp.pad(page_table, ((0, 0), (0, wp - page_table.shape[1])))  # (B, Wp)
-    qg = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # (B, KVH, Gp, D)
-    rows = n_layers * kvh * n_pages
-    kf = k_pages.reshape(rows, ps, d)  # (L * KVH * P, ps, D): a bitcast, not a copy
-    vf = v_pages.reshape(rows, ps, d)
-    quantized = k_scale is not None
-    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-    in_specs = [
-        whole((2,)),
-        whole((b,)),
-        whole((b, wp)),
-        pl.BlockSpec((None, None, gp, d), lambda i, j, s: (i, j, 0, 0)),
-        whole((rows, ps, d)),
-        whole((rows, ps, d)),
-    ]
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
-    args = [scalars.reshape(2), seq_lens, pt, qg, kf, vf]
-    if quantized:
-        in_specs += [whole((rows, ps)), whole((rows, ps))]
-        args += [k_scale.reshape(rows, ps), v_scale.reshape(rows, ps)]
-    kernel = functools.partial(
-        _decode_kernel,
-        page_size=ps,
-        pages_per_block=ppb,
-        pages_per_split=pps,
-        num_splits=splits,
-        num_kv_heads=kvh,
-        num_pages=n_pages,
-        quantized=quantized,
-        sm_scale=1.0 / float(np.sqrt(d)) if scale is None else float(scale),
-        softcap=None if softcap is None else float(softcap),
-    )
-    o, m, l = pl.pallas_call(
-        kernel,
-        grid=(b, kvh, splits),
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, None, gp, d), lambda i, j, s: (i, j, s, 0, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda i, j, s: (i, j, s, 0)),
-            pl.BlockSpec((None, None, None, gp), lambda i, j, s: (i, j, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kvh, splits, gp, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, splits, gp), jnp.float32),
-            jax.ShapeDtypeStruct((b, kvh, splits, gp), jnp.float32),
-        ],
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name=f"paged_decode_ps{ps}_ppb{ppb}_s{splits}",
-    )(*args)
-    # Log-sum-exp combine of the S partial results. Empty splits have l = 0 and m = f32.min.
-    m_all = jnp.max(m, axis=2, keepdims=True)  # (B, KVH, 1, Gp)
-    corr = jnp.exp(m - m_all)  # (B, KVH, S, Gp)
-    l_all = jnp.sum(l * corr, axis=2)  # (B, KVH, Gp)
-    o = jnp.sum(o * corr[..., None], axis=2)  # (B, KVH, Gp, D)
-    o = o / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # inactive rows: 0 / 1 = 0
-    return o[:, :, :g].reshape(b, h, d).astype(q.dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("softcap", "scale", "config", "interpret"))
-def _decode_jit(
+def _decode_call(
     q,
     k_pages,
     v_pages,
@@ -260,25 +174,59 @@ def _decode_jit(
     config,
     interpret,
 ):
-    return _decode_call(
-        q,
+    """Jitted pallas_call wrapper: q [B, H, D] -> [B, H, D]."""
+    b, h, d = q.shape
+    kvh, ps = k_pages.shape[1], k_pages.shape[3]
+    g = h // kvh
+    gp = max(config.min_group_rows, next_pow2(g))
+    ppb, splits, pps = decode_plan(b, kvh, page_table.shape[1], ps, config)
+    # A window's tiles start at its first page, not at a tile boundary: one more tile of columns.
+    wp = splits * pps + ppb
+    pt = jnp.pad(page_table, ((0, 0), (0, wp - page_table.shape[1])))  # (B, Wp)
+    qg = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # (B, KVH, Gp, D)
+    o, m, l = paged_pallas_call(
+        _decode_kernel,
+        [(qg, pl.BlockSpec((None, None, gp, d), lambda i, j, s: (i, j, 0, 0)))],
         k_pages,
         v_pages,
         seq_lens,
-        page_table,
+        pt,
         layer,
         k_scale,
         v_scale,
         window,
-        softcap,
-        scale,
-        config,
-        interpret,
+        softcap=softcap,
+        scale=scale,
+        config=config,
+        interpret=interpret,
+        grid=(b, kvh, splits),
+        out_specs=[
+            pl.BlockSpec((None, None, None, gp, d), lambda i, j, s: (i, j, s, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda i, j, s: (i, j, s, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda i, j, s: (i, j, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kvh, splits, gp, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, splits, gp), jnp.float32),
+        ],
+        name=f"paged_decode_ps{ps}_ppb{ppb}_s{splits}",
+        pages_per_block=ppb,
+        pages_per_split=pps,
+        num_splits=splits,
     )
+    # Log-sum-exp combine of the S partial results. Empty splits have l = 0 and m = f32.min.
+    m_all = jnp.max(m, axis=2, keepdims=True)  # (B, KVH, 1, Gp)
+    corr = jnp.exp(m - m_all)  # (B, KVH, S, Gp)
+    l_all = jnp.sum(l * corr, axis=2)  # (B, KVH, Gp)
+    o = jnp.sum(o * corr[..., None], axis=2)  # (B, KVH, Gp, D)
+    o = o / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # inactive rows: 0 / 1 = 0
+    return o[:, :, :g].reshape(b, h, d).astype(q.dtype)
 
 
 # Not jitted itself: the checks run first, outside jit, so a concrete page table and lengths can
-# be checked by value; the work is the jitted `_decode_jit` (static: config, interpret).
+# be checked by value; the work is the jitted `_decode_call` (static: softcap, scale, config,
+# interpret).
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -316,7 +264,7 @@ def paged_attention(
     b, h, d = q.shape
     check_kv_inputs(h, d, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, b)
     check_attention_options(window, softcap, scale)
-    return _decode_jit(
+    return _decode_call(
         q,
         k_pages,
         v_pages,
@@ -338,49 +286,27 @@ def paged_attention(
 
 
 def lowering_cases() -> list:
-    """Every decode configuration the engine uses: models x page size x q dtype x KV dtype."""
-
+    """Every decode configuration the engine uses (`paged_common.lowering_pools`)."""
     sds = jax.ShapeDtypeStruct
+    batch, width = 64, 64  # 64 slots, contexts up to 64 pages, a 4096-page pool
     cases = []
-    batch, width, pages = 64, 64, 4096  # 64 slots, contexts up to 64 pages, a 4096-page pool
-    for model, h, kvh, d, layers in MODEL_HEADS:
-        for ps in (16, 32):
-            for q_dt in (jnp.bfloat16, jnp.float32):
-                for kv in KV_DTYPES:
-                    k, v, ks, vs = pool_structs(layers, kvh, pages, ps, d, q_dt, kv)
-                    args = (
-                        sds((batch, h, d), q_dt),
-                        k,
-                        v,
-                        sds((batch,), jnp.int32),
-                        sds((batch, width), jnp.int32),
-                        sds((), jnp.int32),
-                    )
-                    if ks is not None:
-                        args += (ks, vs)
-                    name = f"decode/{model}/ps{ps}/{jnp.dtype(q_dt).name}/kv-{kv}"
-                    cases.append(KernelCheck(name, paged_attention, args))
-    # Sliding-window models: the window a traced i32[] argument, the soft-cap and scale static.
-    for model, h, kvh, d, layers, softcap, scale in WINDOW_MODEL_HEADS:
-        fn = functools.partial(_windowed_decode, softcap=softcap, scale=scale)
-        for ps in (16, 32):
-            for q_dt in (jnp.bfloat16, jnp.float32):
-                for kv in KV_DTYPES:
-                    k, v, ks, vs = pool_structs(layers, kvh, pages, ps, d, q_dt, kv)
-                    args = (
-                        sds((batch, h, d), q_dt),
-                        k,
-                        v,
-                        sds((batch,), jnp.int32),
-                        sds((batch, width), jnp.int32),
-                        sds((), jnp.int32),
-                        ks,
-                        vs,
-                        sds((), jnp.int32),
-                    )
-                    cap = "" if softcap is None else f"/softcap{softcap:g}"
-                    name = f"decode/{model}/ps{ps}/{jnp.dtype(q_dt).name}/kv-{kv}/window{cap}"
-                    cases.append(KernelCheck(name, fn, args))
+    for c in lowering_pools(pages=4096):
+        k, v, ks, vs = c.pool
+        args = (
+            sds((batch, c.heads, c.head_dim), c.q_dtype),
+            k,
+            v,
+            sds((batch,), jnp.int32),
+            sds((batch, width), jnp.int32),
+            sds((), jnp.int32),
+        )
+        if c.window is None:
+            fn = paged_attention
+            args += () if ks is None else (ks, vs)
+        else:
+            fn = functools.partial(_windowed_decode, **c.window)
+            args += (ks, vs, sds((), jnp.int32))  # the window a traced i32[] argument
+        cases.append(KernelCheck(f"decode/{c.label}{c.window_label}", fn, args))
     return cases
 
 

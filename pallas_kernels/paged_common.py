@@ -1,6 +1,7 @@
 """What the paged-attention kernels share: input checks, the mask value, the logit options (sliding
-window, soft-cap, scale) and the shapes of the supported models' attention for the CUDA lowering
-cases (`python -m pallas_kernels.check`).
+window, soft-cap, scale), the `pallas_call` over the whole KV pool (`paged_pallas_call`) and the
+shapes of the supported models' attention for the CUDA lowering cases (`python -m
+pallas_kernels.check`).
 
 The logit options, the same in the reference, the CPU ragged path and both kernels:
 
@@ -14,9 +15,15 @@ global layers alike; window <= 0 is global attention, bit-for-bit the same as no
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 # Finite, so fully masked tiles never produce inf - inf = NaN in the online softmax.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -139,6 +146,85 @@ def check_kv_inputs(
                 )
 
 
+def _whole(shape) -> pl.BlockSpec:
+    """BlockSpec of an operand every program reads whole (scalars, lengths, page table, pool)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def paged_pallas_call(
+    kernel,
+    blocks,
+    k_pages,
+    v_pages,
+    seq_lens,
+    page_table,
+    layer,
+    k_scale,
+    v_scale,
+    window,
+    *,
+    softcap,
+    scale,
+    config,
+    interpret,
+    grid,
+    out_specs,
+    out_shape,
+    name,
+    **kernel_params,
+):
+    """The Triton `pallas_call` of a paged kernel over the whole stacked pool.
+
+    `blocks` is the kernel's own (array, BlockSpec) operands, e.g. its query block; the kernel's
+    refs come in this order, all but `blocks` read whole by every program:
+
+        scalars      i32[2]                 (layer, window), traced
+        seq_lens     i32[B]
+        page_table   i32[B, Wp]             padded by the caller to what its kernel reads
+        *blocks
+        K, V pool    [L * KVH * P, ps, D]   k_pages, v_pages flattened (a bitcast, not a copy)
+        K, V scale   f32[L * KVH * P, ps]   only for int8/fp8 pages
+
+    `kernel` gets page_size, num_kv_heads, num_pages, quantized, sm_scale (1 / sqrt(D) when scale
+    is None) and softcap from the pool and options, plus `kernel_params`; num_warps and num_stages
+    come from `config`. Returns the outputs of `out_shape`.
+    """
+    n_layers, kvh, n_pages, ps, d = k_pages.shape
+    rows = n_layers * kvh * n_pages
+    kf = k_pages.reshape(rows, ps, d)  # (L * KVH * P, ps, D): a bitcast, not a copy
+    vf = v_pages.reshape(rows, ps, d)
+    quantized = k_scale is not None
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
+    in_specs = [_whole((2,)), _whole(seq_lens.shape), _whole(page_table.shape)]
+    in_specs += [spec for _, spec in blocks] + [_whole((rows, ps, d)), _whole((rows, ps, d))]
+    args = [scalars.reshape(2), seq_lens, page_table, *(x for x, _ in blocks), kf, vf]
+    if quantized:
+        in_specs += [_whole((rows, ps)), _whole((rows, ps))]
+        args += [k_scale.reshape(rows, ps), v_scale.reshape(rows, ps)]
+    kernel = functools.partial(
+        kernel,
+        page_size=ps,
+        num_kv_heads=kvh,
+        num_pages=n_pages,
+        quantized=quantized,
+        sm_scale=1.0 / float(np.sqrt(d)) if scale is None else float(scale),
+        softcap=None if softcap is None else float(softcap),
+        **kernel_params,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
+        interpret=interpret,
+        name=name,
+    )(*args)
+
+
 # (name, q heads, KV heads, head_dim, layers) of the supported models' attention.
 MODEL_HEADS = (
     ("smollm2-135m", 9, 3, 64, 30),
@@ -165,3 +251,34 @@ def pool_structs(layers, kvh, pages, ps, d, q_dtype, kv_cache_dtype):
     kv = sds((layers, kvh, pages, ps, d), kv_dt)
     sc = None if KV_DTYPES[kv_cache_dtype] is None else sds((layers, kvh, pages, ps), jnp.float32)
     return kv, kv, sc, sc
+
+
+class LoweringPool(NamedTuple):
+    """One pool configuration the engine uses, for a kernel's `lowering_cases()`."""
+
+    label: str  # "<model>/ps<page size>/<q dtype>/kv-<kv cache dtype>"
+    heads: int  # query heads
+    head_dim: int
+    q_dtype: type  # jnp.bfloat16 or jnp.float32
+    pool: tuple  # (k_pages, v_pages, k_scale, v_scale) of `pool_structs`
+    window: dict | None  # {"softcap", "scale"} of a sliding-window model; None for a global one
+    window_label: str  # "" or "/window[/softcapN]", the case name's suffix
+
+
+def lowering_pools(pages: int) -> Iterator[LoweringPool]:
+    """Models (MODEL_HEADS, then WINDOW_MODEL_HEADS) x page size x q dtype x KV dtype, for a pool
+    of `pages` pages. A sliding-window model's cases pass a traced window (its soft-cap and scale
+    static)."""
+    models = [(*m, None) for m in MODEL_HEADS]
+    models += [(*m, {"softcap": cap, "scale": sc}) for *m, cap, sc in WINDOW_MODEL_HEADS]
+    for model, h, kvh, d, layers, window in models:
+        suffix = ""
+        if window is not None:
+            cap = window["softcap"]
+            suffix = "/window" + ("" if cap is None else f"/softcap{cap:g}")
+        for ps in (16, 32):
+            for q_dt in (jnp.bfloat16, jnp.float32):
+                for kv in KV_DTYPES:
+                    pool = pool_structs(layers, kvh, pages, ps, d, q_dt, kv)
+                    label = f"{model}/ps{ps}/{jnp.dtype(q_dt).name}/kv-{kv}"
+                    yield LoweringPool(label, h, d, q_dt, pool, window, suffix)

@@ -42,22 +42,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.lowering import KernelCheck
 from pallas_kernels.paged_attention import paged_attention_reference
 from pallas_kernels.paged_common import (
-    KV_DTYPES,
     MASK_VALUE,
-    MODEL_HEADS,
-    WINDOW_MODEL_HEADS,
     check_attention_options,
     check_kv_inputs,
+    lowering_pools,
     next_pow2,
-    pool_structs,
+    paged_pallas_call,
     soft_cap,
 )
 from pallas_kernels.tuning import H200_PREFILL, PrefillConfig
@@ -153,84 +149,8 @@ def prefill_plan(tokens: int, group: int, page_size: int, cfg: PrefillConfig):
     return gp, block_t, pages_per_block
 
 
-def _prefill_call(
-    q,
-    k_pages,
-    v_pages,
-    positions,
-    seq_lens,
-    page_table,
-    layer,
-    k_scale,
-    v_scale,
-    window,
-    softcap,
-    scale,
-    cfg,
-    interpret,
-):
-    """pallas_call wrapper: q [B, T, H, D] -> [B, T, H, D]."""
-    b, t, h, d = q.shape
-    n_layers, kvh, n_pages, ps, _ = k_pages.shape
-    g = h // kvh
-    gp, block_t, ppb = prefill_plan(t, g, ps, cfg)
-    tp = -(-t // block_t) * block_t
-    br = block_t * gp
-    w = page_table.shape[1]
-    wp = -(-w // ppb) * ppb
-    # A window's tiles start at its first page, not at a tile boundary: one more tile of columns.
-    pt = jnp.pad(page_table, ((0, 0), (0, wp + ppb - w)))  # (B, Wp + ppb)
-    qg = q.reshape(b, t, kvh, g, d)
-    qg = jnp.pad(qg, ((0, 0), (0, tp - t), (0, 0), (0, gp - g), (0, 0)))  # (B, Tp, KVH, Gp, D)
-    qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, kvh, tp * gp, d)  # (B, KVH, Tp * Gp, D)
-    pos = jnp.pad(positions, ((0, 0), (0, tp - t)), constant_values=-1)  # (B, Tp)
-    pos = jnp.repeat(pos, gp, axis=1)  # (B, Tp * Gp)
-    rows = n_layers * kvh * n_pages
-    kf = k_pages.reshape(rows, ps, d)  # (L * KVH * P, ps, D): a bitcast, not a copy
-    vf = v_pages.reshape(rows, ps, d)
-    quantized = k_scale is not None
-    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-    in_specs = [
-        whole((2,)),
-        whole((b,)),
-        whole((b, wp + ppb)),
-        pl.BlockSpec((None, br), lambda i, j, r: (i, r)),
-        pl.BlockSpec((None, None, br, d), lambda i, j, r: (i, j, r, 0)),
-        whole((rows, ps, d)),
-        whole((rows, ps, d)),
-    ]
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
-    args = [scalars.reshape(2), seq_lens, pt, pos, qg, kf, vf]
-    if quantized:
-        in_specs += [whole((rows, ps)), whole((rows, ps))]
-        args += [k_scale.reshape(rows, ps), v_scale.reshape(rows, ps)]
-    kernel = functools.partial(
-        _prefill_kernel,
-        page_size=ps,
-        pages_per_block=ppb,
-        max_iters=wp // ppb,
-        num_kv_heads=kvh,
-        num_pages=n_pages,
-        quantized=quantized,
-        sm_scale=1.0 / float(np.sqrt(d)) if scale is None else float(scale),
-        softcap=None if softcap is None else float(softcap),
-    )
-    o = pl.pallas_call(
-        kernel,
-        grid=(b, kvh, tp * gp // br),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, br, d), lambda i, j, r: (i, j, r, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, kvh, tp * gp, d), q.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name=f"paged_prefill_ps{ps}_bt{block_t}_gp{gp}",
-    )(*args)
-    o = o.reshape(b, kvh, tp, gp, d)[:, :, :t, :g]  # (B, KVH, T, G, D)
-    return o.transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
-
-
 @functools.partial(jax.jit, static_argnames=("softcap", "scale", "config", "interpret"))
-def _prefill_jit(
+def _prefill_call(
     q,
     k_pages,
     v_pages,
@@ -246,26 +166,54 @@ def _prefill_jit(
     config,
     interpret,
 ):
-    return _prefill_call(
-        q,
+    """Jitted pallas_call wrapper: q [B, T, H, D] -> [B, T, H, D]."""
+    b, t, h, d = q.shape
+    kvh, ps = k_pages.shape[1], k_pages.shape[3]
+    g = h // kvh
+    gp, block_t, ppb = prefill_plan(t, g, ps, config)
+    tp = -(-t // block_t) * block_t
+    br = block_t * gp
+    w = page_table.shape[1]
+    wp = -(-w // ppb) * ppb
+    # A window's tiles start at its first page, not at a tile boundary: one more tile of columns.
+    pt = jnp.pad(page_table, ((0, 0), (0, wp + ppb - w)))  # (B, Wp + ppb)
+    qg = q.reshape(b, t, kvh, g, d)
+    qg = jnp.pad(qg, ((0, 0), (0, tp - t), (0, 0), (0, gp - g), (0, 0)))  # (B, Tp, KVH, Gp, D)
+    qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, kvh, tp * gp, d)  # (B, KVH, Tp * Gp, D)
+    pos = jnp.pad(positions, ((0, 0), (0, tp - t)), constant_values=-1)  # (B, Tp)
+    pos = jnp.repeat(pos, gp, axis=1)  # (B, Tp * Gp)
+    o = paged_pallas_call(
+        _prefill_kernel,
+        [
+            (pos, pl.BlockSpec((None, br), lambda i, j, r: (i, r))),
+            (qg, pl.BlockSpec((None, None, br, d), lambda i, j, r: (i, j, r, 0))),
+        ],
         k_pages,
         v_pages,
-        positions,
         seq_lens,
-        page_table,
+        pt,
         layer,
         k_scale,
         v_scale,
         window,
-        softcap,
-        scale,
-        config,
-        interpret,
+        softcap=softcap,
+        scale=scale,
+        config=config,
+        interpret=interpret,
+        grid=(b, kvh, tp * gp // br),
+        out_specs=pl.BlockSpec((None, None, br, d), lambda i, j, r: (i, j, r, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, tp * gp, d), q.dtype),
+        name=f"paged_prefill_ps{ps}_bt{block_t}_gp{gp}",
+        pages_per_block=ppb,
+        max_iters=wp // ppb,
     )
+    o = o.reshape(b, kvh, tp, gp, d)[:, :, :t, :g]  # (B, KVH, T, G, D)
+    return o.transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
 # Not jitted itself: the checks run first, outside jit, so a concrete page table and lengths can
-# be checked by value; the work is the jitted `_prefill_jit` (static: config, interpret).
+# be checked by value; the work is the jitted `_prefill_call` (static: softcap, scale, config,
+# interpret).
 def paged_prefill_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -310,7 +258,7 @@ def paged_prefill_attention(
         )
     check_kv_inputs(h, d, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, b)
     check_attention_options(window, softcap, scale)
-    return _prefill_jit(
+    return _prefill_call(
         q,
         k_pages,
         v_pages,
@@ -329,62 +277,32 @@ def paged_prefill_attention(
 
 
 def lowering_cases() -> list:
-    """Every prefill configuration the engine uses: models x page size x q/KV dtype x chunk."""
-
+    """Every prefill configuration the engine uses: `paged_common.lowering_pools` x chunk."""
     sds = jax.ShapeDtypeStruct
-    cases = []
-    pages = 4096
     # (rows, chunk tokens, page-table width): the engine's default step (8 chunks of 64 tokens),
     # a 256-token chunk of one or two sequences, and many rows with a few tokens each.
     shapes = ((8, 64, 64), (2, 256, 64), (16, 16, 64))
-    for model, h, kvh, d, layers in MODEL_HEADS:
-        for ps in (16, 32):
-            for q_dt in (jnp.bfloat16, jnp.float32):
-                for kv in KV_DTYPES:
-                    for batch, chunk, width in shapes:
-                        k, v, ks, vs = pool_structs(layers, kvh, pages, ps, d, q_dt, kv)
-                        args = (
-                            sds((batch, chunk, h, d), q_dt),
-                            k,
-                            v,
-                            sds((batch, chunk), jnp.int32),
-                            sds((batch,), jnp.int32),
-                            sds((batch, width), jnp.int32),
-                            sds((), jnp.int32),
-                        )
-                        if ks is not None:
-                            args += (ks, vs)
-                        name = (
-                            f"prefill/{model}/ps{ps}/{jnp.dtype(q_dt).name}/kv-{kv}/"
-                            f"B{batch}xT{chunk}"
-                        )
-                        cases.append(KernelCheck(name, paged_prefill_attention, args))
-    # Sliding-window models: the window a traced i32[] argument, the soft-cap and scale static.
-    for model, h, kvh, d, layers, softcap, scale in WINDOW_MODEL_HEADS:
-        fn = functools.partial(_windowed_prefill, softcap=softcap, scale=scale)
-        for ps in (16, 32):
-            for q_dt in (jnp.bfloat16, jnp.float32):
-                for kv in KV_DTYPES:
-                    for batch, chunk, width in shapes[:2]:
-                        k, v, ks, vs = pool_structs(layers, kvh, pages, ps, d, q_dt, kv)
-                        args = (
-                            sds((batch, chunk, h, d), q_dt),
-                            k,
-                            v,
-                            sds((batch, chunk), jnp.int32),
-                            sds((batch,), jnp.int32),
-                            sds((batch, width), jnp.int32),
-                            sds((), jnp.int32),
-                            ks,
-                            vs,
-                            sds((), jnp.int32),
-                        )
-                        cap = "" if softcap is None else f"/softcap{softcap:g}"
-                        name = (
-                            f"prefill/{model}/ps{ps}/{jnp.dtype(q_dt).name}/kv-{kv}/"
-                            f"B{batch}xT{chunk}/window{cap}"
-                        )
-                        cases.append(KernelCheck(name, fn, args))
+    cases = []
+    for c in lowering_pools(pages=4096):
+        k, v, ks, vs = c.pool
+        for batch, chunk, width in shapes if c.window is None else shapes[:2]:
+            args = (
+                sds((batch, chunk, c.heads, c.head_dim), c.q_dtype),
+                k,
+                v,
+                sds((batch, chunk), jnp.int32),
+                sds((batch,), jnp.int32),
+                sds((batch, width), jnp.int32),
+                sds((), jnp.int32),
+            )
+            if c.window is None:
+                fn = paged_prefill_attention
+                args += () if ks is None else (ks, vs)
+            else:
+                fn = functools.partial(_windowed_prefill, **c.window)
+                args += (ks, vs, sds((), jnp.int32))  # the window a traced i32[] argument
+            name = f"prefill/{c.label}/B{batch}xT{chunk}{c.window_label}"
+            cases.append(KernelCheck(name, fn, args))
     return cases
 
 
