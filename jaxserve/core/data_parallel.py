@@ -102,7 +102,12 @@ class DataParallelScheduler:
         out = SchedulerOutput(num_decode_steps=plans[0].num_decode_steps)
         for p in plans:
             for f in dataclasses.fields(SchedulerOutput):
-                if f.name in ("num_decode_steps", "grammar_bitmask", "grammar_rows"):
+                if f.name in (
+                    "num_decode_steps",
+                    "grammar_bitmask",
+                    "grammar_rows",
+                    "grammar_deferred",
+                ):
                     continue  # (the grammar fields are set by the engine on the merged plan)
                 mine, theirs = getattr(out, f.name), getattr(p, f.name)
                 if isinstance(mine, dict):

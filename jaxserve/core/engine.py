@@ -13,7 +13,9 @@
 Structured outputs (`structured_outputs.py`): a constrained request's grammar is compiled when it
 is added; each plan carries the packed next-token masks of its constrained sampling rows, computed
 on the host once the previous tokens are known. So while a constrained request runs, the next step
-is planned after this one's tokens are read (no async scheduling for those steps).
+is planned after this one's tokens are read (no async scheduling for those steps); where the
+runner can (`overlaps_grammar`), it runs the step's decode forward while the host computes the
+masks, then samples with them (vLLM's overlap of the bitmask with the forward pass).
 
 Tokens become text, log-probs and stop decisions in `output_processor.py`. The runner is anything
 implementing `runner_api.Runner` (`dispatch(plan)`, `fetch(handle) -> StepResult`, its decode row
@@ -244,12 +246,27 @@ class LLMEngine:
             return None
         if plan.has_work:
             self._record_occupancy()
-            self._grammar_masks(plan)
+            rows = self._grammar_rows(plan)
+            if rows and plan.decode and self.runner.overlaps_grammar:
+                # vLLM's overlap: the decode forward runs while the host computes the masks
+                plan.grammar_deferred = True
+                handle = self.runner.dispatch(plan)
+                self._grammar_masks(plan, rows)
+                return plan, self.runner.complete(handle, plan)
+            if rows:
+                self._grammar_masks(plan, rows)
         return plan, self.runner.dispatch(plan)
 
-    def _grammar_masks(self, plan: SchedulerOutput) -> None:
-        """The next-token bitmask of every constrained row that samples in this plan (decode rows
-        and prompt-completing chunks), computed by llguidance on the host."""
+    def _grammar_masks(self, plan: SchedulerOutput, rows: dict) -> None:
+        """The next-token bitmask of every constrained row that samples in this plan, computed
+        by llguidance on the host."""
+        plan.grammar_bitmask = self.structured.fill_bitmask(rows, self.config.num_slots)
+        plan.grammar_rows = np.zeros((self.config.num_slots,), bool)
+        plan.grammar_rows[list(rows)] = True
+
+    def _grammar_rows(self, plan: SchedulerOutput) -> dict:
+        """slot -> Grammar of the plan's constrained rows that sample (decode rows and
+        prompt-completing chunks)."""
         rows = {}
         for req, slot in zip(plan.decode, plan.decode_slots):
             if req.grammar is not None:
@@ -257,10 +274,7 @@ class LLMEngine:
         for chunk, forced in zip(plan.prefill, plan.forced):
             if chunk.is_last and not forced and chunk.request.grammar is not None:
                 rows[chunk.request.slot] = chunk.request.grammar
-        if rows:
-            plan.grammar_bitmask = self.structured.fill_bitmask(rows, self.config.num_slots)
-            plan.grammar_rows = np.zeros((self.config.num_slots,), bool)
-            plan.grammar_rows[list(rows)] = True
+        return rows
 
     def _constrained_running(self) -> bool:
         return any(r.grammar is not None for r in self.scheduler.running)

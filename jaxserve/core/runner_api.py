@@ -46,8 +46,13 @@ class Runner(Protocol):
     slot_buckets: tuple[int, ...]
     num_h2d_transfers: int
     num_d2h_transfers: int
+    # True: `dispatch` of a plan with grammar_deferred runs only the decode forward, and
+    # `complete(handle, plan)` then takes the grammar masks the engine computed meanwhile
+    overlaps_grammar: bool
 
     def dispatch(self, plan: SchedulerOutput) -> Any: ...
+
+    def complete(self, handle: Any, plan: SchedulerOutput) -> Any: ...
 
     def fetch(self, handle: Any) -> StepResult: ...
 

@@ -90,6 +90,8 @@ class SchedulerOutput:
     # those slots' flags bool[num_slots]; None when no sampling row is constrained.
     grammar_bitmask: np.ndarray | None = None
     grammar_rows: np.ndarray | None = None
+    # the masks are computed while the decode forward runs (`Runner.complete` takes them)
+    grammar_deferred: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -4,6 +4,10 @@ state, and runs scheduler plans through the jitted steps of `steps.py`.
     dispatch(plan)   queues one engine step, in this order: release / move / insert / page-table
                      sync (host mirrors, one `sync` transfer), then `generate` (the slots that
                      were decoding before this step), then `prefill`; returns a handle
+    complete(handle, plan)
+                     for a plan whose structured-output masks come late (plan.grammar_deferred):
+                     dispatch ran only the decode forward; this installs the masks the host
+                     computed meanwhile, samples, then queues the prefill
     fetch(handle)    ONE device->host transfer of the step's new tokens (and log-probs when a
                      request asked) -> StepResult
 
@@ -108,6 +112,10 @@ class ModelRunner:
         self.config = engine_config
         self.num_slots = engine_config.num_slots
         self.slot_buckets = r.slot_buckets
+        # One token per step on one device group: every decode step runs as two programs,
+        # forward then sample (steps.decode_forward / decode_sample, equal to generate's one
+        # step), so a structured-output step's host masks can overlap its forward pass.
+        self.overlaps_grammar = d == 1 and engine_config.decode_steps == 1
         check_memory(model_config, engine_config, num_pages)  # before anything is allocated
 
         def init_cache():
@@ -149,6 +157,12 @@ class ModelRunner:
     # -- the steps, one call each ------------------------------------------------------------------
     def generate(self, shape: DecodeShape, want_top: bool = False) -> steps.DecodeOutput:
         with self._on_mesh():
+            if self.overlaps_grammar:
+                logits = self._decode_forward(shape)
+                self.state, out = steps.decode_sample(
+                    self.state, logits, np.bool_(want_top), shape=shape
+                )
+                return out
             self.cache, self.state, out = self._steps.generate(
                 self.params,
                 self.cache,
@@ -160,6 +174,17 @@ class ModelRunner:
                 num_steps=self.config.decode_steps,
             )
         return out
+
+    def _decode_forward(self, shape: DecodeShape):
+        self.cache, logits = steps.decode_forward(
+            self.params,
+            self.cache,
+            self.state,
+            config=self.model_config,
+            impl=self.resolved.model,
+            shape=shape,
+        )
+        return logits
 
     def prefill(
         self, batch: input_batch.PrefillBatch, shape: PrefillShape, want_top: bool = False
@@ -238,9 +263,11 @@ class ModelRunner:
         for slot, pages in plan.page_updates.items():
             self._set_pages(slot, pages)
         self._flush()
-        if plan.grammar_bitmask is not None:
-            self.state = steps.set_grammar(self.state, plan.grammar_bitmask, plan.grammar_rows)
-            self.num_h2d_transfers += 1
+        deferred = plan.grammar_deferred and bool(plan.decode)
+        if deferred and not self.overlaps_grammar:
+            raise ValueError("this runner computes a step's grammar masks before it (no overlap)")
+        if not deferred:
+            self._set_grammar(plan)
 
         handle = StepHandle()
         r = self.resolved
@@ -252,7 +279,33 @@ class ModelRunner:
             for slot, q in zip(plan.decode_slots, plan.decode):
                 live[slot // self.slots_per_shard] += len(q.pages)
             shape = r.decode_shape(last, [len(q.pages) for q in plan.decode], max(live))
+            if deferred:
+                handle.pending = (self._decode_forward(shape), shape)
+                return handle  # `complete` samples once the masks are in
             handle.decode = self.generate(shape, handle.decode_top)
+        self._dispatch_prefill(plan, handle)
+        return handle
+
+    def complete(self, handle: StepHandle, plan: SchedulerOutput) -> StepHandle:
+        """Finishes a deferred step: installs plan's grammar masks, samples the decode rows from
+        the forward's logits, then queues the prefill (as `dispatch` would have)."""
+        with self._on_mesh():
+            logits, shape = handle.pending
+            handle.pending = None
+            self._set_grammar(plan)
+            self.state, handle.decode = steps.decode_sample(
+                self.state, logits, np.bool_(handle.decode_top), shape=shape
+            )
+            self._dispatch_prefill(plan, handle)
+        return handle
+
+    def _set_grammar(self, plan: SchedulerOutput) -> None:
+        if plan.grammar_bitmask is not None:
+            self.state = steps.set_grammar(self.state, plan.grammar_bitmask, plan.grammar_rows)
+            self.num_h2d_transfers += 1
+
+    def _dispatch_prefill(self, plan: SchedulerOutput, handle: StepHandle) -> None:
+        r = self.resolved
         if plan.prefill:
             handle.prefill_top = any(
                 c.request.sampling_params.logprobs is not None for c in plan.prefill
@@ -274,7 +327,6 @@ class ModelRunner:
         for x in handle.arrays().values():
             if x.is_fully_addressable:  # (a multi-host step's outputs are gathered in fetch)
                 x.copy_to_host_async()  # the transfer starts as soon as the step is computed
-        return handle
 
     def fetch(self, handle: StepHandle) -> StepResult:
         """Waits for a dispatched step and brings its outputs to the host in one transfer."""
@@ -329,8 +381,12 @@ class ModelRunner:
         batch = input_batch.padding_batch(rows, local, self.resolved.chunk)
         common = dict(config=self.model_config, impl=self.resolved.model)
         no = np.bool_(False)
-        programs = [
-            self._steps.generate.lower(
+        if self.overlaps_grammar:  # the forward is the large one of the decode's two programs
+            decode_program = steps.decode_forward.lower(
+                self.params, self.cache, self.state, shape=decode, **common
+            )
+        else:
+            decode_program = self._steps.generate.lower(
                 self.params,
                 self.cache,
                 self.state,
@@ -338,7 +394,9 @@ class ModelRunner:
                 shape=decode,
                 num_steps=self.config.decode_steps,
                 **common,
-            ),
+            )
+        programs = [
+            decode_program,
             self._steps.prefill.lower(
                 self.params, self.cache, self.state, batch, no, shape=prefill, **common
             ),

@@ -30,6 +30,9 @@ class StepHandle:
     prefill: steps.PrefillOutput | None = None
     prefill_top: bool = False
     prefill_rows: list[int] | None = None  # packed row of each plan.prefill[i]
+    # (logits, shape) of a decode forward whose sampling waits for the step's grammar masks
+    # (`ModelRunner.complete`)
+    pending: tuple | None = None
 
     def arrays(self) -> dict[str, jax.Array]:
         """The arrays to bring back, under StepResult's field names."""

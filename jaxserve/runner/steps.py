@@ -7,6 +7,9 @@
     generate(params, cache, state, want_top; shape: DecodeShape)
                                       every active slot among the first shape.rows advances
                                       `num_steps` tokens (lax.scan) -> DecodeOutput
+    decode_forward / decode_sample    one decode step in two programs (forward -> logits, then
+                                      sampling), so the host can compute structured-output masks
+                                      while the forward runs; equal to generate's one step
     prefill(params, cache, state, batch, want_top; shape: PrefillShape)
                                       R fixed-size chunks [R, T] through the model, K/V into each
                                       slot's pages; a chunk completing a prompt samples the first
@@ -209,25 +212,58 @@ def generate(
 
     def step(carry, _):
         cache, st = carry
-        window_flat = _window_flat(config, shape.rows, shape.num_flat, cache.page_size)
-        alive, tokens, meta = _decode_inputs(st, pt, shape.num_flat, cache.page_size, window_flat)
-        hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)
-        logits = pin_replicated(llama.compute_logits(params, hidden[:, 0], config, impl))  # (B, V)
-        out = sampling.sample(logits, st.sampling, st.num_generated, shape.num_top, want_top)
-        tok = jnp.where(alive, out.tokens, st.last_token)
-        inc = alive.astype(jnp.int32)
-        st = st.replace(
-            last_token=tok,
-            seq_len=st.seq_len + inc,
-            num_generated=st.num_generated + inc,
-            sampling=sampling.update_counts(st.sampling, tok, alive),
-        )
-        return (cache, st), DecodeOutput(
-            tok, alive, out.logprobs, out.top_ids, out.top_logprobs, out.ranks
-        )
+        logits, cache = _decode_logits(params, cache, st, pt, config, impl, shape)
+        st, out = _decode_advance(st, logits, shape, want_top)
+        return (cache, st), out
 
     (cache, sub), out = jax.lax.scan(step, (cache, sub), None, length=num_steps)
     return pin_cache(cache), pin_slots(_set_rows(state, sub)), out
+
+
+def _decode_logits(params, cache, st: SlotState, pt, config, impl, shape: DecodeShape):
+    """One decode forward of slot rows `st` (B rows) -> (logits f32[B, V], cache)."""
+    window_flat = _window_flat(config, shape.rows, shape.num_flat, cache.page_size)
+    _, tokens, meta = _decode_inputs(st, pt, shape.num_flat, cache.page_size, window_flat)
+    hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)
+    return pin_replicated(llama.compute_logits(params, hidden[:, 0], config, impl)), cache
+
+
+def _decode_advance(st: SlotState, logits, shape: DecodeShape, want_top):
+    """Samples one token per live row of `st` from its logits and advances the rows ->
+    (st, DecodeOutput of one step)."""
+    alive = st.active & (st.seq_len + 2 <= st.max_total_len)  # (B,), as _decode_inputs
+    out = sampling.sample(logits, st.sampling, st.num_generated, shape.num_top, want_top)
+    tok = jnp.where(alive, out.tokens, st.last_token)
+    inc = alive.astype(jnp.int32)
+    st = st.replace(
+        last_token=tok,
+        seq_len=st.seq_len + inc,
+        num_generated=st.num_generated + inc,
+        sampling=sampling.update_counts(st.sampling, tok, alive),
+    )
+    return st, DecodeOutput(tok, alive, out.logprobs, out.top_ids, out.top_logprobs, out.ranks)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "impl", "shape"), donate_argnames=("cache",))
+def decode_forward(params, cache, state: SlotState, *, config, impl, shape: DecodeShape):
+    """The first half of a one-step `generate`: the forward pass of the first shape.rows slots
+    -> (cache, logits f32[B, V]). The host computes the step's structured-output masks while it
+    runs (vLLM's overlap), then `decode_sample` samples with them. The state is read, not
+    changed."""
+    sub = _rows(state, shape.rows)
+    logits, cache = _decode_logits(
+        params, cache, sub, sub.page_table[:, : shape.width], config, impl, shape
+    )
+    return pin_cache(cache), logits
+
+
+@functools.partial(jax.jit, static_argnames=("shape",), donate_argnames=("state",))
+def decode_sample(state: SlotState, logits, want_top, *, shape: DecodeShape):
+    """The second half: samples from `decode_forward`'s logits (with the masks `set_grammar`
+    installed) and advances the slots -> (state, DecodeOutput with k = 1), exactly as
+    `generate(..., num_steps=1)`."""
+    sub, out = _decode_advance(_rows(state, shape.rows), logits, shape, want_top)
+    return pin_slots(_set_rows(state, sub)), jax.tree.map(lambda x: x[None], out)
 
 
 def _prefill_inputs(state: SlotState, batch: PrefillBatch, width: int, ps: int):

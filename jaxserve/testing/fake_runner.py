@@ -54,6 +54,7 @@ class FakeRunner:
         self.decode_steps, self.rows, self.chunk = decode_steps, rows, chunk
         self.num_h2d_transfers = 0
         self.num_d2h_transfers = 0
+        self.overlaps_grammar = False  # plans reach it with their grammar masks already made
         self.plans: list[SchedulerOutput] = []  # every plan executed, for assertions
         self.log: list[dict] = []  # what each plan held when it ran (requests mutate later)
 
@@ -80,6 +81,9 @@ class FakeRunner:
 
     def fetch(self, handle: StepResult) -> StepResult:
         return handle
+
+    def complete(self, handle: StepResult, plan: SchedulerOutput) -> StepResult:
+        raise RuntimeError("FakeRunner computes a step at dispatch: no step is ever deferred")
 
     def warmup(self) -> float:
         return 0.0  # nothing to compile

@@ -10,7 +10,6 @@ from model_testing import forward_logits
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.core import CompileCounter
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.scheduler import SchedulerOutput
 from jaxserve.layers.linear import TransposedWeight
 from jaxserve.loading.dummy import dummy_params
 from jaxserve.runner.runner import ModelRunner
@@ -26,7 +25,7 @@ KW = dict(
 )
 
 
-def test_no_recompilation_after_warmup():
+def test_no_recompilation_after_warmup(monkeypatch):
     llm = LLM("tiny", warmup=True, **KW)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, 128, n).tolist()} for n in (1, 5, 17, 40, 62)]
@@ -59,17 +58,26 @@ def test_no_recompilation_after_warmup():
             SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(24)
         ]
         outs += llm.generate(many, sps, use_tqdm=False)
-        # a step's structured-output masks (tests/test_structured_outputs.py runs them end to end
-        # on SmolLM2, whose tokenizer they need): installed by a program the warm-up compiled
-        runner, s = llm.engine.runner, llm.engine.config.num_slots
-        words = -(-llm.engine.model_config.vocab_size // 32)
-        plan = SchedulerOutput(
-            grammar_bitmask=np.zeros((s, words), np.int32), grammar_rows=np.ones((s,), bool)
+        # Steps with structured-output masks: the decode forward, the masks, then the sampling
+        # (steps.decode_forward / set_grammar / decode_sample), all compiled by the warm-up. The
+        # tiny model has no tokenizer for llguidance (tests/test_structured_outputs.py runs the
+        # real grammars on SmolLM2), so every decode row gets an all-ones mask: the tokens must
+        # then equal the one-program steps' exactly.
+        engine = llm.engine
+        words = -(-engine.model_config.vocab_size // 32)
+        monkeypatch.setattr(engine, "_grammar_rows", lambda plan: dict.fromkeys(plan.decode_slots))
+        monkeypatch.setattr(
+            engine.structured, "fill_bitmask", lambda rows, n: np.full((n, words), -1, np.int32)
         )
-        runner.fetch(runner.dispatch(plan))
-        assert bool(np.asarray(runner.state.sampling.constrained).all())
+        split = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.error is None for o in outs)
     assert counter.count == 0
+    assert engine.runner.overlaps_grammar and bool(
+        np.asarray(engine.runner.state.sampling.constrained).any()
+    )
+    for a, b, sp in zip(split, outs, params):
+        if sp.greedy or sp.seed is not None:  # (an unseeded request draws a new seed)
+            assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert llm.engine.runner.slot_buckets == (8, 16, 32)
     st = llm.stats()
     assert st["num_slot_moves"] > 0 and 8 < st["mean_decode_rows"] < 32
