@@ -171,10 +171,12 @@ class EngineConfig:
         "overlaps the device step. Default: True.",
     )
     enable_prefix_caching: bool = _setting(
-        False,
+        True,
         "Reuse the cached KV pages of identical token prefixes (a shared system prompt, the n "
-        "samples of one prompt, a chat's earlier turns and answers) instead of recomputing them. "
-        "Default: False.",
+        "samples of one prompt, a chat's earlier prompts) instead of recomputing them. Only pages "
+        "a prefill computed are cached, so a hit changes no output, in bf16 too (a generated "
+        "token's decode-written K/V round differently: a next turn recomputes the previous "
+        "answer). Default: True (as vLLM v1).",
     )
     slot_buckets: tuple[int, ...] | str = _setting(
         "auto",

@@ -17,9 +17,10 @@ float16), gpu_memory_utilization (the KV cache gets that fraction of device memo
 params and slot state; ignored on the CPU, as vLLM-CPU does), tokenizer (a path) and
 generation_config ("auto": the model directory's generation_config.json sampling defaults apply
 when sampling_params is None, and its eos ids stop generation; "vllm": ignored).
-`LLM(..., enable_prefix_caching=True)` reuses the K/V pages of token prefixes already computed (a
-shared system prompt, the n samples of one prompt, a chat's earlier turns and their answers)
-instead of recomputing them (core/prefix_cache.py).
+Prefix caching (on by default, as in vLLM v1; `enable_prefix_caching=False` turns it off) reuses
+the K/V pages of token prefixes a prefill already computed (a shared system prompt, the n samples
+of one prompt, a chat's earlier prompts) instead of recomputing them; a hit never changes an
+output (core/prefix_cache.py).
 
 A prompt is a str, {"prompt_token_ids": [...]} (works without a tokenizer) or {"prompt": str}.
 `sampling_params` is one SamplingParams (or dict) for all prompts or a list with one per prompt.

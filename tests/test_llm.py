@@ -289,7 +289,8 @@ def test_pallas_interpret_attention_gives_reference_tokens(llm):
     assert tokens(pallas.generate(ps, sp, use_tqdm=False)) == want
 
 
-def test_prefix_caching_gives_the_same_tokens_with_less_prefill(llm):
+def test_prefix_caching_gives_the_same_tokens_with_less_prefill():
+    llm = make_llm(enable_prefix_caching=False)  # the baseline (caching is on by default)
     rng = np.random.default_rng(7)
     system = rng.integers(3, 128, 40).tolist()  # one full 32-token page is shareable
     ps = [system + rng.integers(3, 128, int(k)).tolist() for k in rng.integers(1, 10, 12)]
@@ -308,21 +309,25 @@ def test_prefix_caching_gives_the_same_tokens_with_less_prefill(llm):
     assert cached.stats()["num_prefill_tokens"] == computed - hits
 
 
-def test_prefix_caching_reuses_a_previous_answers_pages(llm):
-    """A next turn (prompt + answer + more) hits the page decode steps filled: K/V computed one
-    token at a time serves a prefill, and the tokens equal an uncached run's."""
+def test_prefix_caching_does_not_reuse_a_previous_answers_pages():
+    """Issue 24: a next turn (prompt + answer + more) does not take a page that decode steps
+    filled (K/V computed one token at a time differ in bf16 from a prefill's; cached, they
+    changed answers), so it hits only pages a prefill computed, and the tokens equal an uncached
+    run's. Caching is on by default (as in vLLM v1)."""
+    assert make_llm().engine_config.enable_prefix_caching
     first = list(range(40, 60))  # 20 tokens: no full 32-token page of prompt alone
     sp = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in (20, 12)]
     cached = make_llm(enable_prefix_caching=True)
     answer = cached.generate(ids([first]), sp[0], use_tqdm=False)[0].outputs[0].token_ids
     second = first + answer + [7, 8, 9, 10, 11]  # 45 tokens: page 0 is 20 prompt + 12 answer
     out = cached.generate(ids([second]), sp[1], use_tqdm=False)[0]
-    assert out.num_cached_tokens == 32
-    want = tokens(llm.generate(ids([first, second]), sp, use_tqdm=False))
-    assert [answer, out.outputs[0].token_ids] == want
-    assert cached.reset_prefix_cache()
-    again = cached.generate(ids([second]), sp[1], use_tqdm=False)[0]
-    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == want[1]
+    assert out.num_cached_tokens == 0
+    third = second + out.outputs[0].token_ids + [3]  # page 0 of `second` was prefilled: a hit
+    last = cached.generate(ids([third]), sp[1], use_tqdm=False)[0]
+    assert last.num_cached_tokens == 32
+    plain = make_llm(enable_prefix_caching=False)
+    want = tokens(plain.generate(ids([first, second, third]), [*sp, sp[1]], use_tqdm=False))
+    assert [answer, out.outputs[0].token_ids, last.outputs[0].token_ids] == want
 
 
 @pytest.mark.parametrize("num_pages", [32, 24])

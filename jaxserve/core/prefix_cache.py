@@ -16,11 +16,24 @@ What the scheduler calls, and when (scheduler.py):
                     the rest is prefilled. Never the page holding the last prefill token (it must
                     be computed to sample from), and nothing for a request that wants prompt
                     log-probs (every prompt token's logits are computed).
-    register(req)   registers req's full pages whose K/V is computed and whose tokens the host
-                    knows: prompt pages as their chunks are planned, pages of generated tokens once
-                    those tokens have come back. A key already cached (another page computed the
-                    same prefix) keeps its page; req's copy stays private and is freed as usual.
+    register(req)   registers req's full pages whose K/V a prefill computed: pages of its prefill
+                    tokens (the prompt, or after a preemption the prompt and the generated tokens
+                    it recomputes) as their chunks are planned. A key already cached (another page
+                    computed the same prefix) keeps its page; req's copy stays private and is freed
+                    as usual.
     reset()         forgets every key, while no page is held.
+
+Only prefill-computed pages are cached, so that a hit changes no output (issue 24): a request that
+hits computes bit for bit what it would have computed without the cache. A prefill computes a
+token's K/V the same whatever its chunk's offset, its row bucket or its page-table width (measured
+on the CPU in bf16, SmolLM2: a prompt's K/V are identical prefilled alone or inside a longer
+prompt; hits of 304 tokens, off the 64-token chunk grid, and 48 batched few-shot rows and n=4
+samples gave every uncached token). A decode step does not: its one-token attention and
+matmuls reduce in another order than a prefill chunk's, so a generated token's K/V differ from
+what the next turn's uncached prefill computes for it (SmolLM2 bf16: from layer 1 on, 59 of 64
+answer positions differed, by up to 0.22), and taking those pages from the cache changed 32 of 64
+greedy follow-up answers of a 32-chat, three-turn benchmark. So a chat's next turn takes the
+previous turn's prompt pages from the cache, and computes the previous answer's tokens again.
 
 The table (key -> page and uid) lives here; reference counts and the evictable pages live in the
 `PageAllocator`. A registered page is `retain`ed there, so when its last holder frees it, it stays
@@ -80,11 +93,12 @@ class PrefixCache:
         return [page for page, _ in hits]
 
     def register(self, req: Request) -> None:
-        """Registers `req`'s full pages whose K/V is computed (in this plan or an earlier one) and
-        whose tokens the host knows (a step in flight computes K/V for tokens it has not seen)."""
+        """Registers `req`'s full pages whose K/V its prefill computed (in this plan or an earlier
+        one). Pages holding a token past the prefill (K/V written by decode steps) are not: their
+        K/V differ in bf16 from a prefill's of the same tokens (see the module docstring)."""
         if not self.enabled:
             return
-        full = min(req.num_computed_tokens, req.num_tokens) // self.page_size
+        full = min(req.num_computed_tokens, req.num_prefill_tokens) // self.page_size
         if len(req.block_uids) >= full:
             return
         tokens = req.all_token_ids

@@ -1,23 +1,21 @@
 """The scheduler: a waiting queue, a slot table and the KV pages. Host only (no jax).
 
 `schedule()` returns a `SchedulerOutput` (the plan of one engine step); the engine runs it and
-calls `finish()` for the requests that stopped. A plan is made in six phases:
+calls `finish()` for the requests that stopped. A plan is made in five phases:
 
-  1. _register_returned_pages: with prefix caching (prefix_cache.py), the full pages of generated
-     tokens that came back since the last plan are registered, so later requests can find them.
-  2. _compact: with decode row buckets (EngineConfig.slot_buckets) the decode step computes only
+  1. _compact: with decode row buckets (EngineConfig.slot_buckets) the decode step computes only
      the first B slots. Admission takes the lowest free slot; when retirements leave few enough
      requests for a smaller bucket, those in slots >= B move to free slots below it
      (`plan.moves`, applied by the runner before anything else of the plan but the releases).
-  3. _schedule_decodes: every running request whose prefill is done generates `decode_steps`
+  2. _schedule_decodes: every running request whose prefill is done generates `decode_steps`
      tokens (fewer near its length limit). Pages are allocated for them first. When the pool is
      empty the newest running request is preempted by recompute: its pages and slot are freed at
      once and it goes back to the front of the waiting queue, keeping its generated tokens.
-  4. _schedule_prefills: running requests with prompt left get the next fixed-size chunk
+  3. _schedule_prefills: running requests with prompt left get the next fixed-size chunk
      (`prefill_chunk_size` tokens), oldest first, at most `max_prefill_rows` chunks per step
      (= max_num_batched_tokens // prefill_chunk_size), so a long prompt is spread over many steps
      and never stalls the running decodes.
-  5. _admit: waiting requests, oldest first, take the lowest free slots as the admission policy
+  4. _admit: waiting requests, oldest first, take the lowest free slots as the admission policy
      (chosen once from EngineConfig.batching) allows, and their first chunk while rows are left:
        ContinuousAdmission  while chunk rows and pages (with a small watermark) allow; with prefix
                             caching the children of an n > 1 request wait at the head of the queue
@@ -26,14 +24,16 @@ calls `finish()` for the requests that stopped. A plan is made in six phases:
                             there are slots, whatever the rows and pages (the baseline)
      An admitted request first takes the cached pages its tokens begin with (`PrefixCache.take`)
      and prefills only the rest.
-  6. _commit: advances the planned requests as if the plan had run, and registers every full page
-     a prefill chunk completes.
+  5. _commit: advances the planned requests as if the plan had run, and registers every full page
+     a prefill chunk completes (prefix_cache.py).
 
-Prefix caching registers a page of generated tokens only once the host has those tokens (at the
-next plan, or when the request finishes or is preempted), as in vLLM. So a chat's next turn, whose
-prompt holds the previous turn's prompt and answer, and a request resumed after preemption find
-those pages while they stay cached. A plan only reads pages registered by earlier plans, which the
-device runs first. Requests that want prompt log-probs compute their whole prompt.
+Prefix caching registers only pages a prefill computed, never pages of K/V that decode steps wrote
+(unlike vLLM): those differ in bf16 from what a prefill computes for the same tokens, and a hit
+must not change an output (issue 24). So a chat's next turn finds the previous turn's prompt pages
+and recomputes its answer; a request resumed after preemption finds its prompt pages (and, after
+a second preemption, those its resumed prefill computed). A plan only reads pages registered by
+earlier plans, which the device runs first. Requests that want prompt log-probs compute their
+whole prompt.
 
 Plans may run one step ahead of the host (EngineConfig.async_scheduling): `_commit` advances
 `num_computed_tokens` and `num_pending_tokens` when a plan is made, so the next plan is exact except
@@ -189,7 +189,6 @@ class Scheduler:
     # -- planning ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = SchedulerOutput(num_decode_steps=self.config.decode_steps)
-        self._register_returned_pages()
         self._compact(plan)
         self._schedule_decodes(plan)
         rows_left = self._schedule_prefills(plan)
@@ -197,12 +196,6 @@ class Scheduler:
         plan.released, self._released = self._released, []
         self._commit(plan)
         return plan
-
-    def _register_returned_pages(self) -> None:
-        """Registers the full pages of generated tokens that came back since the last plan."""
-        for req in self.running:
-            if req.prefill_done:
-                self.prefix_cache.register(req)
 
     def _compact(self, plan: SchedulerOutput) -> None:
         """Moves requests out of slots >= B into free lower slots when that lets the decode steps

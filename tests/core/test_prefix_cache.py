@@ -92,13 +92,34 @@ def test_register_names_each_full_computed_page_by_its_whole_prefix():
     assert c.lookup((u0, (7, 8))) == (r.pages[1], u1)  # page 2 (token 9) is not full
     c.register(r)  # nothing new: registered once
     assert r.block_uids == [u0, u1] and c.num_cached_pages == 2
-    # K/V of 8 tokens computed, 6 known (a step in flight): page 3's tokens are not known yet
-    r.output_token_ids, r.num_computed_tokens = [10], 8
+
+
+def test_only_pages_a_prefill_computed_are_registered():
+    """Issue 24: a page holding a token whose K/V a decode step wrote is never registered (in bf16
+    decode K/V differ from a prefill's, so a hit on it would change the next turn's answer); after
+    a preemption the generated tokens the resumed prefill recomputes are."""
+    a, c = make(num_pages=8)
+    r = req([5, 6, 7, 8, 9])
+    r.pages, r.num_computed_tokens = a.allocate(4), 5
     c.register(r)
-    assert c.lookup((u1, (9, 10))) == (r.pages[2], r.block_uids[2]) and len(r.block_uids) == 3
-    r.output_token_ids += [11, 12]
+    assert len(r.block_uids) == 2  # (5, 6), (7, 8): the prompt's full pages
+    r.output_token_ids, r.num_computed_tokens = [10, 11, 12], 8  # decode wrote tokens 5..7
     c.register(r)
-    assert c.lookup((r.block_uids[2], (11, 12))) == (r.pages[3], r.block_uids[3])
+    assert len(r.block_uids) == 2 and c.num_cached_pages == 2
+    assert c.lookup((r.block_uids[1], (9, 10))) is None
+    a.free(r.pages[::-1])  # preempted: recompute prompt + generated tokens but the last
+    r.pages = []
+    r.begin_prefill()
+    assert r.num_prefill_tokens == 7
+    r.pages = c.take(r) + a.allocate(2)  # its two prompt pages, then (9, 10) and (11, 12)
+    assert len(r.block_uids) == 2
+    r.num_computed_tokens = 7  # the resumed prefill computed tokens 4..6
+    c.register(r)
+    u2 = r.block_uids[2]
+    assert len(r.block_uids) == 3 and c.lookup((r.block_uids[1], (9, 10))) == (r.pages[2], u2)
+    r.num_computed_tokens = 8  # a decode step writes token 7: page (11, 12) stays unregistered
+    c.register(r)
+    assert len(r.block_uids) == 3 and c.num_cached_pages == 3
 
 
 def test_take_shares_full_pages_but_never_the_last_prefill_token():
