@@ -7,9 +7,13 @@ few-shot system message (~300 tokens) and a short question of its own, greedy, 3
 
 --parts=multiturn: --convs chats of three turns, each turn one `chat` call over all of them. Turn
 t + 1's conversation is turn t's plus its answer (the text) and a follow-up question, so its prompt
-begins with turn t's prompt and answer: the pages a hit can take beyond turn t's prompt hold
-generated tokens (registered since the twelfth session). Greedy, up to 64 new tokens, stopping at
-EOS as a chat does.
+begins with turn t's prompt and answer. Since the sixteenth session only pages a prefill computed
+are cached (decode-written K/V round differently in bf16, issue 24), so a hit stops at turn t's
+prompt and the answer is recomputed. Greedy, up to 64 new tokens, stopping at EOS as a chat does.
+
+--parts=unshared: what caching costs when nothing is shared (it is on by default): --rows
+prompts of distinct random token ids (16-200 tokens), greedy, 64 new tokens, ignore_eos; every
+lookup misses and every full prompt page is registered.
 
 Both engines live in one process (they share the jit caches, so only the first warms up) and run in
 the order off, on, on, off (--rounds 2), so drift in machine load hits both; the table reports each
@@ -18,6 +22,7 @@ run and the ratio of the medians. Every run starts from an empty prefix cache
 
     .venv/bin/python experiments/prefix_caching.py --rows 192 --json experiments/out/prefix_caching.json
     .venv/bin/python experiments/prefix_caching.py --parts=multiturn --json experiments/out/prefix_multiturn.json
+    .venv/bin/python experiments/prefix_caching.py --parts=unshared --rows 64 --rounds 4
 """
 
 from __future__ import annotations
@@ -147,6 +152,28 @@ def multiturn(llm: LLM, n: int) -> dict:
     }
 
 
+def unshared(llm: LLM, n: int) -> dict:
+    """n prompts of random ids (no two share a page), greedy, 64 tokens each."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    prompts = [
+        {"prompt_token_ids": rng.integers(100, 40000, int(k)).tolist()}
+        for k in rng.integers(16, 200, n)
+    ]
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    s0, t0 = llm.stats(), time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    seconds, s1 = time.perf_counter() - t0, llm.stats()
+    return {
+        "seconds": seconds,
+        "output_tok_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / seconds,
+        "prefill_tokens_computed": s1["num_prefill_tokens"] - s0["num_prefill_tokens"],
+        "prefill_tokens_cached": s1["num_cached_prefill_tokens"] - s0["num_cached_prefill_tokens"],
+        "tokens": [o.outputs[0].token_ids for o in outs],
+    }
+
+
 def ab(llms: dict, one_run, describe) -> tuple[list, list]:
     """Runs `one_run(llm)` in the order off, on, on, off (--rounds 2); returns (off, on) runs."""
     runs = {False: [], True: []}
@@ -182,9 +209,11 @@ def median_ratio(off: list, on: list, key: str) -> float:
 
 def main(argv):
     del argv
-    unknown = set(_PARTS.value) - {"fewshot", "multiturn"}
+    unknown = set(_PARTS.value) - {"fewshot", "multiturn", "unshared"}
     if unknown:
-        raise app.UsageError(f"unknown --parts {sorted(unknown)}; known: fewshot, multiturn")
+        raise app.UsageError(
+            f"unknown --parts {sorted(unknown)}; known: fewshot, multiturn, unshared"
+        )
     kw = dict(dtype="bfloat16", num_slots=_SLOTS.value, max_model_len=512, page_size=16)
     llms = {
         False: LLM(None, enable_prefix_caching=False, warmup=True, **kw),
@@ -227,6 +256,20 @@ def main(argv):
         summary["multiturn"] = {
             "convs": _CONVS.value,
             "speedup_median": median_ratio(off, on, "seconds"),
+            **both(off, on),
+        }
+    if "unshared" in _PARTS.value:
+        off, on = ab(
+            llms,
+            lambda llm: unshared(llm, _ROWS.value),
+            lambda r: (
+                f"unshared {r['seconds']:6.1f} s {r['output_tok_per_s']:6.1f} tok/s   prefill"
+                f" computed {r['prefill_tokens_computed']} cached {r['prefill_tokens_cached']}"
+            ),
+        )
+        summary["unshared"] = {
+            "rows": _ROWS.value,
+            "off_over_on_seconds_median": median_ratio(off, on, "seconds"),
             **both(off, on),
         }
     printed = {
