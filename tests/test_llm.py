@@ -111,6 +111,29 @@ def test_preemption_at_quarter_kv_budget_matches_unconstrained(llm):
     assert small.engine.scheduler.allocator.num_free_pages == demand // 4
 
 
+def test_seeded_n_samples_under_preemption_and_prefix_caching_equal_an_unconstrained_run():
+    """Issue 24: a request's output depends only on the request and its seed. Seeded n = 4
+    children of 8 prompts sharing a 20-token prefix, with prefix caching and a pool that forces
+    preemptions, equal a run with a roomy pool and no caching."""
+    kw = dict(num_slots=8, page_size=4, prefill_chunk_size=16, max_num_batched_tokens=32)
+    rng = np.random.default_rng(0)
+    system = rng.integers(3, 128, 20).tolist()
+    ps = [system + rng.integers(3, 128, int(k)).tolist() for k in rng.integers(1, 10, 8)]
+    sps = [
+        SamplingParams(n=4, temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True)
+        for i in range(len(ps))
+    ]
+    runs = []
+    for extra in (dict(enable_prefix_caching=False), dict(num_pages=40)):  # caching is the default
+        llm = make_llm(**kw, **extra)
+        outs = llm.generate(ids(ps), sps, use_tqdm=False)
+        runs.append(([[c.token_ids for c in o.outputs] for o in outs], llm.stats()))
+    (want, plain), (got, tight) = runs
+    assert plain["num_preemptions"] == 0 and plain["num_cached_prefill_tokens"] == 0
+    assert tight["num_preemptions"] > 0 and tight["num_cached_prefill_tokens"] > 0
+    assert got == want
+
+
 def test_bad_prompts_and_params_fail_alone(llm):
     good = [5, 6, 7]
     batch = [
