@@ -24,7 +24,8 @@ shape the config implies; a mismatch raises ValueError naming the weight.
 
 A malformed or tampered jaxserve_checkpoint.json (bad JSON, wrong field types, unknown static
 fields, an invalid config) raises ModelLoadError naming it; the config is validated before
-orbax restores anything.
+orbax restores anything. So are orbax's files: none may resolve outside the checkpoint, and no
+array its metadata lists may be larger than the config's largest parameter.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 
 import jax
@@ -40,6 +42,7 @@ import orbax.checkpoint as ocp
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.loading.hf import inside
 from jaxserve.loading.loaded import LoadedModel, ModelLoadError, read_json
+from jaxserve.loading.params import flat_shapes
 from jaxserve.loading.tokenizer import load_tokenizer
 from jaxserve.models import llama
 from jaxserve.quant import QUANTIZED_TYPES, linear_weight_names
@@ -291,8 +294,9 @@ def load_checkpoint(path, quantization: str | None = None, mesh=None) -> LoadedM
             f"{recipe.get('quantization')!r}"
         )
     for entry in (path / "params", path / "tokenizer"):
-        inside(path, entry)  # the top level only: orbax's own files are its business
+        inside(path, entry)
     with ocp.StandardCheckpointer() as ckptr:
+        _check_params_dir(ckptr, path, config)  # before orbax reads or allocates anything
         target = None if mesh is None else _sharded_target(ckptr, path / "params", config, mesh)
         params = ckptr.restore(path / "params", target)
     for name, spec in weights.items():
@@ -312,6 +316,30 @@ def load_checkpoint(path, quantization: str | None = None, mesh=None) -> LoadedM
     tok_dir = path / "tokenizer"
     tokenizer = load_tokenizer(tok_dir) if tok_dir.is_dir() else None
     return LoadedModel(config, params, tokenizer, str(path))
+
+
+def _check_params_dir(ckptr, path: Path, config: ModelConfig) -> None:
+    """Untrusted files: every file orbax could open under params/ (symlinks followed) stays inside
+    the checkpoint, and no saved array is larger than the config's largest parameter (a quantized
+    field never is), so a tampered orbax metadata cannot make the restore allocate from a size
+    nobody checked. ModelLoadError naming the file or the array."""
+    params_dir = path / "params"
+    for p in params_dir.rglob("*"):
+        inside(path, p)
+    largest = max(math.prod(shape) for shape in flat_shapes(config).values())
+    try:
+        tree = ckptr.metadata(params_dir).item_metadata.tree
+    except Exception as e:  # orbax's own errors: a malformed metadata file
+        raise ModelLoadError(params_dir, f"unreadable orbax metadata: {e}") from e
+    for key_path, meta in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = "/".join(str(getattr(k, "key", k)) for k in key_path)
+        shape = tuple(getattr(meta, "shape", ()) or ())
+        if math.prod(shape) > largest:
+            raise ModelLoadError(
+                params_dir,
+                f"array {name} of shape {list(shape)} is larger than any parameter of the "
+                f"config ({largest} elements)",
+            )
 
 
 def _sharded_target(ckptr, params_dir: Path, config: ModelConfig, mesh):

@@ -349,6 +349,34 @@ def test_checkpoint_metadata_symlinked_outside_is_refused(tmp_path, int4_checkpo
         load_model(str(ck))
 
 
+def test_orbax_files_symlinked_outside_are_refused(tmp_path, int4_checkpoint):
+    """Orbax's own files under params/ may not leave the checkpoint either (issue 24)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(int4_checkpoint, ck)
+    victim = next(p for p in sorted((ck / "params").rglob("*")) if p.is_file())
+    outside = tmp_path / "elsewhere"
+    shutil.move(victim, outside)
+    os.symlink(outside, victim)
+    with pytest.raises(ModelLoadError, match=r"outside the model directory"):
+        load_model(str(ck))
+
+
+def test_orbax_arrays_larger_than_the_config_allows_are_refused_before_restore(tmp_path):
+    """A float checkpoint whose params/ hold a larger model than its config (a swapped or
+    tampered params/): the arrays orbax's metadata lists are checked against the config's largest
+    parameter before orbax allocates anything. Before, the restore read them all first."""
+    big = dataclasses.replace(TINY, vocab_size=4096)
+    ck = checkpoint.save_checkpoint(tmp_path / "ck", big, tiny_params(big), None, {})
+    meta_file = ck / checkpoint.META_FILE
+    meta = json.loads(meta_file.read_text())
+    meta["config"] = checkpoint.config_to_dict(TINY)
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(
+        ModelLoadError, match=r"params: array embed of shape \[4096, 64\] is larger"
+    ):
+        load_model(str(ck))
+
+
 def test_corrupt_checkpoint_json_is_named(tmp_path, int4_checkpoint):
     ck = tmp_path / "ck"
     shutil.copytree(int4_checkpoint, ck)
