@@ -10,12 +10,9 @@
                                                         retire (slot and pages freed at once)
                        -> outputs of finished requests (and snapshots of streamed ones)
 
-Structured outputs (`structured_outputs.py`): a constrained request's grammar is compiled when it
-is added; each plan carries the packed next-token masks of its constrained sampling rows, computed
-on the host once the previous tokens are known. So while a constrained request runs, the next step
-is planned after this one's tokens are read (no async scheduling for those steps); where the
-runner can (`overlaps_grammar`), it runs the step's decode forward while the host computes the
-masks, then samples with them (vLLM's overlap of the bitmask with the forward pass).
+Structured outputs (`structured_outputs.py`): a plan carries the packed masks of its constrained
+sampling rows, made once the previous tokens are known (so no async scheduling while a constrained
+request runs), while the step's decode forward runs where the runner can (`overlaps_grammar`).
 
 Tokens become text, log-probs and stop decisions in `output_processor.py`. The runner is anything
 implementing `runner_api.Runner` (`dispatch(plan)`, `fetch(handle) -> StepResult`, its decode row
@@ -42,7 +39,7 @@ from jaxserve.core.output_processor import (
 )
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.page_allocator import pages_for
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request import Request, RequestStatus, derive_seed, max_total_len
 from jaxserve.core.runner_api import Runner, StepResult
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import SchedulerOutput
@@ -50,20 +47,6 @@ from jaxserve.core.slot_row import make_slot_row
 from jaxserve.core.structured_outputs import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-
-def derive_seed(seed: int, index: int) -> int:
-    """Seed of child `index` of a request seeded `seed`: seed + index, as vLLM's parallel sampling
-    (`vllm/v1/engine/parallel_sampling.py`); past 2**64 it wraps (the same 64-bit key)."""
-    child = seed + index
-    return child - (1 << 64) if child >= 1 << 64 else child
-
-
-def _max_total_len(prompt_len: int, sp: SamplingParams, max_model_len: int) -> int:
-    """Prompt + output never exceed this; max_tokens None runs to max_model_len (vLLM)."""
-    if sp.max_tokens is None:
-        return max_model_len
-    return min(prompt_len + sp.max_tokens, max_model_len)
 
 
 class LLMEngine:
@@ -146,7 +129,7 @@ class LLMEngine:
         sp = sampling_params
         base_seed = sp.seed if sp.seed is not None else int(self._rng.integers(0, 2**32))
         prompt_token_ids = [int(t) for t in prompt_token_ids]
-        max_total = _max_total_len(len(prompt_token_ids), sp, self.config.max_model_len)
+        max_total = max_total_len(len(prompt_token_ids), sp, self.config.max_model_len)
         children = []
         for i in range(n):
             children.append(
@@ -203,7 +186,7 @@ class LLMEngine:
             sp.verify(len(ids), max_len, vocab, self.config.max_logprobs)
         except ValueError as e:
             return str(e)
-        max_total = _max_total_len(len(ids), sp, max_len)
+        max_total = max_total_len(len(ids), sp, max_len)
         need = pages_for(max_total - 1, self.config.page_size)
         pool = self.num_pages // self.config.data_parallel_size  # a request lives on one shard
         if need > pool:
@@ -246,35 +229,16 @@ class LLMEngine:
             return None
         if plan.has_work:
             self._record_occupancy()
-            rows = self._grammar_rows(plan)
+            rows = self.structured.sampling_rows(plan)
             if rows and plan.decode and self.runner.overlaps_grammar:
                 # vLLM's overlap: the decode forward runs while the host computes the masks
                 plan.grammar_deferred = True
                 handle = self.runner.dispatch(plan)
-                self._grammar_masks(plan, rows)
+                self.structured.attach_masks(plan, rows, self.config.num_slots)
                 return plan, self.runner.complete(handle, plan)
             if rows:
-                self._grammar_masks(plan, rows)
+                self.structured.attach_masks(plan, rows, self.config.num_slots)
         return plan, self.runner.dispatch(plan)
-
-    def _grammar_masks(self, plan: SchedulerOutput, rows: dict) -> None:
-        """The next-token bitmask of every constrained row that samples in this plan, computed
-        by llguidance on the host."""
-        plan.grammar_bitmask = self.structured.fill_bitmask(rows, self.config.num_slots)
-        plan.grammar_rows = np.zeros((self.config.num_slots,), bool)
-        plan.grammar_rows[list(rows)] = True
-
-    def _grammar_rows(self, plan: SchedulerOutput) -> dict:
-        """slot -> Grammar of the plan's constrained rows that sample (decode rows and
-        prompt-completing chunks)."""
-        rows = {}
-        for req, slot in zip(plan.decode, plan.decode_slots):
-            if req.grammar is not None:
-                rows[slot] = req.grammar
-        for chunk, forced in zip(plan.prefill, plan.forced):
-            if chunk.is_last and not forced and chunk.request.grammar is not None:
-                rows[chunk.request.slot] = chunk.request.grammar
-        return rows
 
     def _constrained_running(self) -> bool:
         return any(r.grammar is not None for r in self.scheduler.running)

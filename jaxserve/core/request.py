@@ -115,3 +115,17 @@ class Request:
         )
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no log-prob (as in vLLM)
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Seed of child `index` of a request seeded `seed`: seed + index, as vLLM's parallel sampling
+    (`vllm/v1/engine/parallel_sampling.py`); past 2**64 it wraps (the same 64-bit key)."""
+    child = seed + index
+    return child - (1 << 64) if child >= 1 << 64 else child
+
+
+def max_total_len(prompt_len: int, sp: SamplingParams, max_model_len: int) -> int:
+    """Prompt + output never exceed this; max_tokens None runs to max_model_len (vLLM)."""
+    if sp.max_tokens is None:
+        return max_model_len
+    return min(prompt_len + sp.max_tokens, max_model_len)

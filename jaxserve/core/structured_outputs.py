@@ -231,6 +231,25 @@ class StructuredOutputManager:
             raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
         return Grammar(matcher)
 
+    @staticmethod
+    def sampling_rows(plan) -> dict[int, Grammar]:
+        """slot -> Grammar of a plan's (`SchedulerOutput`) constrained rows that sample: decode
+        rows and prompt-completing chunks (not those installing a token after a preemption)."""
+        rows = {}
+        for req, slot in zip(plan.decode, plan.decode_slots):
+            if req.grammar is not None:
+                rows[slot] = req.grammar
+        for chunk, forced in zip(plan.prefill, plan.forced):
+            if chunk.is_last and not forced and chunk.request.grammar is not None:
+                rows[chunk.request.slot] = chunk.request.grammar
+        return rows
+
+    def attach_masks(self, plan, rows: dict[int, Grammar], num_slots: int) -> None:
+        """Sets plan.grammar_bitmask (the rows' next-token masks) and plan.grammar_rows."""
+        plan.grammar_bitmask = self.fill_bitmask(rows, num_slots)
+        plan.grammar_rows = np.zeros((num_slots,), bool)
+        plan.grammar_rows[list(rows)] = True
+
     def fill_bitmask(self, rows: dict[int, Grammar], num_rows: int) -> np.ndarray:
         """i32[num_rows, ceil(V / 32)]: row r holds the allowed next tokens of rows[r]; the rows
         not in `rows` are all ones (every token allowed; the device ignores them anyway)."""

@@ -6,6 +6,7 @@
     bytes_on_device(tree, device)                          bytes of `tree`'s shards on `device`
     memory_plan(runner) -> dict                            per device: params, KV pool, slot
                                                            state, workspace; pages per data shard
+    workspace_bytes(runner, decode, prefill)               XLA temp bytes of the largest programs
 
 The plan is measured from the placed arrays themselves (their addressable shards), so the figures
 are what the partition rules did, not what they meant to do; it is logged at start-up and after
@@ -19,9 +20,11 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers import kv_cache
+from jaxserve.runner import input_batch, steps
 
 
 def state_bytes(model_config: ModelConfig, engine_config: EngineConfig, num_pages: int) -> dict:
@@ -99,3 +102,39 @@ def describe(plan: dict) -> str:
         f"data shard), slot state {gib(plan['slot_state_bytes_per_device'])}, workspace "
         f"{gib(plan['workspace_bytes_per_device'])}"
     )
+
+
+def workspace_bytes(runner, decode, prefill) -> int | None:
+    """XLA's temporary bytes per device of the largest decode and prefill programs (their
+    executables are cached by the warm-up: lowering them again compiles nothing)."""
+    rows, local = prefill.rows * runner.data_shards, runner.slots_per_shard
+    batch = input_batch.padding_batch(rows, local, runner.resolved.chunk)
+    common = dict(config=runner.model_config, impl=runner.resolved.model)
+    no = np.bool_(False)
+    if runner.overlaps_grammar:  # the forward is the large one of the decode's two programs
+        decode_program = steps.decode_forward.lower(
+            runner.params, runner.cache, runner.state, shape=decode, **common
+        )
+    else:
+        decode_program = runner.step_fns.generate.lower(
+            runner.params,
+            runner.cache,
+            runner.state,
+            no,
+            shape=decode,
+            num_steps=runner.config.decode_steps,
+            **common,
+        )
+    programs = [
+        decode_program,
+        runner.step_fns.prefill.lower(
+            runner.params, runner.cache, runner.state, batch, no, shape=prefill, **common
+        ),
+    ]
+    sizes = []
+    for lowered in programs:
+        analysis = lowered.compile().memory_analysis()
+        if analysis is None:
+            return None
+        sizes.append(int(analysis.temp_size_in_bytes))
+    return max(sizes)

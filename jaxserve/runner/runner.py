@@ -100,7 +100,7 @@ class ModelRunner:
         self.resolved: Resolved = resolve(
             shard_config, model_config, backend or jax.default_backend()
         )
-        self._steps = data_parallel if d > 1 else steps
+        self.step_fns = data_parallel if d > 1 else steps  # generate / prefill (one shard or all)
         r = self.resolved
         params = with_matmul_impl(params, r.int4_matmul)
         if r.weight_layout == "out_in":
@@ -163,7 +163,7 @@ class ModelRunner:
                     self.state, logits, np.bool_(want_top), shape=shape
                 )
                 return out
-            self.cache, self.state, out = self._steps.generate(
+            self.cache, self.state, out = self.step_fns.generate(
                 self.params,
                 self.cache,
                 self.state,
@@ -190,7 +190,7 @@ class ModelRunner:
         self, batch: input_batch.PrefillBatch, shape: PrefillShape, want_top: bool = False
     ) -> steps.PrefillOutput:
         with self._on_mesh():
-            self.cache, self.state, out = self._steps.prefill(
+            self.cache, self.state, out = self.step_fns.prefill(
                 self.params,
                 self.cache,
                 self.state,
@@ -366,45 +366,10 @@ class ModelRunner:
         self._dirty = True
         self._flush()
         jax.block_until_ready(self.state)
-        self.workspace_bytes = self._workspace(decode[-1], prefill[-1])
+        self.workspace_bytes = memory.workspace_bytes(self, decode[-1], prefill[-1])
         dt = time.perf_counter() - t0
         logger.info(
             "warm-up: %d decode and %d prefill programs in %.1f s", len(decode), len(prefill), dt
         )
         logger.info(memory.describe(self.memory_plan()))
         return dt
-
-    def _workspace(self, decode: DecodeShape, prefill: PrefillShape) -> int | None:
-        """XLA's temporary bytes per device of the largest decode and prefill programs (their
-        executables are cached by the warm-up: lowering them again compiles nothing)."""
-        rows, local = prefill.rows * self.data_shards, self.slots_per_shard
-        batch = input_batch.padding_batch(rows, local, self.resolved.chunk)
-        common = dict(config=self.model_config, impl=self.resolved.model)
-        no = np.bool_(False)
-        if self.overlaps_grammar:  # the forward is the large one of the decode's two programs
-            decode_program = steps.decode_forward.lower(
-                self.params, self.cache, self.state, shape=decode, **common
-            )
-        else:
-            decode_program = self._steps.generate.lower(
-                self.params,
-                self.cache,
-                self.state,
-                no,
-                shape=decode,
-                num_steps=self.config.decode_steps,
-                **common,
-            )
-        programs = [
-            decode_program,
-            self._steps.prefill.lower(
-                self.params, self.cache, self.state, batch, no, shape=prefill, **common
-            ),
-        ]
-        sizes = []
-        for lowered in programs:
-            analysis = lowered.compile().memory_analysis()
-            if analysis is None:
-                return None
-            sizes.append(int(analysis.temp_size_in_bytes))
-        return max(sizes)

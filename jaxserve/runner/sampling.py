@@ -166,12 +166,6 @@ def set_slot(state: SamplingState, slot: jax.Array, row: SlotRow) -> SamplingSta
     )
 
 
-def set_grammar_masks(state: SamplingState, bitmask: jax.Array, rows: jax.Array) -> SamplingState:
-    """This step's packed grammar masks i32[S, ceil(V / 32)] and which slots they constrain
-    bool[S] (`core/structured_outputs.py` fills them on the host)."""
-    return state.replace(grammar_mask=bitmask, constrained=rows)
-
-
 def apply_grammar_mask(logits: jax.Array, state: SamplingState) -> jax.Array:
     """-inf on every token a constrained slot's mask forbids. f32[S, V] -> f32[S, V]."""
     s, v = logits.shape

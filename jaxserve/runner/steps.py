@@ -127,9 +127,8 @@ def sync(state: SlotState, page_table, active) -> SlotState:
 @functools.partial(jax.jit, donate_argnames=("state",))
 def set_grammar(state: SlotState, bitmask, rows) -> SlotState:
     """Installs this step's grammar masks i32[S, ceil(V / 32)] and constrained slots bool[S]."""
-    return pin_slots(
-        state.replace(sampling=sampling.set_grammar_masks(state.sampling, bitmask, rows))
-    )
+    masks = state.sampling.replace(grammar_mask=bitmask, constrained=rows)
+    return pin_slots(state.replace(sampling=masks))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -12,7 +12,8 @@ import pytest
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.detokenizer import held_back
-from jaxserve.core.engine import LLMEngine, derive_seed
+from jaxserve.core.engine import LLMEngine
+from jaxserve.core.request import derive_seed
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.testing.fake_runner import FakeRunner, default_rule, fake_logprob, reference
 

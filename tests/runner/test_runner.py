@@ -65,7 +65,9 @@ def test_no_recompilation_after_warmup(monkeypatch):
         # then equal the one-program steps' exactly.
         engine = llm.engine
         words = -(-engine.model_config.vocab_size // 32)
-        monkeypatch.setattr(engine, "_grammar_rows", lambda plan: dict.fromkeys(plan.decode_slots))
+        monkeypatch.setattr(
+            engine.structured, "sampling_rows", lambda plan: dict.fromkeys(plan.decode_slots)
+        )
         monkeypatch.setattr(
             engine.structured, "fill_bitmask", lambda rows, n: np.full((n, words), -1, np.int32)
         )

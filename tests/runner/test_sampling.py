@@ -354,7 +354,7 @@ def test_grammar_mask_matches_llguidance_reference_and_spares_unconstrained_rows
     words[2, 1] = 1 << 5  # row 2 allows token 37 only
     constrained = np.array([True, True, True, False, True, False, True, True])
     state = sampling.init_state(S, v)
-    state = sampling.set_grammar_masks(state, jnp.asarray(words), jnp.asarray(constrained))
+    state = state.replace(grammar_mask=jnp.asarray(words), constrained=jnp.asarray(constrained))
     got = np.asarray(sampling.apply_grammar_mask(jnp.asarray(logits), state))
     want = logits.copy()
     apply_token_bitmask_inplace(want, words)
