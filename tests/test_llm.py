@@ -353,6 +353,28 @@ def test_prefix_caching_does_not_reuse_a_previous_answers_pages():
     assert [answer, out.outputs[0].token_ids, last.outputs[0].token_ids] == want
 
 
+def test_shared_pages_at_the_widest_page_table_and_full_prefill_rows_give_the_same_tokens():
+    """Issue 24's other bounds at their edge with shared pages: n = 4 children of a 60-token
+    prompt run to max_model_len, so every page table is at its widest (16 pages of 4, most of
+    them shared), and 6 more prompts sharing the prefix fill every prefill row of a step
+    (max_num_batched_tokens / prefill_chunk_size = 2 chunks). Every token equals the reference
+    attention's without caching."""
+    kw = dict(max_model_len=64, page_size=4, num_slots=8, num_pages=96)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(3, 128, 60).tolist()
+    others = [prompt[:48] + rng.integers(3, 128, 8).tolist() for _ in range(6)]
+    sps = [SamplingParams(n=4, temperature=1.0, top_k=1, max_tokens=3, ignore_eos=True)]
+    sps += [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)] * len(others)
+    cached = make_llm(enable_prefix_caching=True, **kw)
+    outs = cached.generate(ids([prompt] + others), sps, use_tqdm=False)
+    plain = make_llm(attention_impl="reference", enable_prefix_caching=False, **kw)
+    want = plain.generate(ids([prompt] + others), sps, use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in outs) >= 48 * len(others)
+    assert max(len(prompt) + len(c.token_ids) for c in outs[0].outputs) == 63  # 16 pages
+    for a, b in zip(outs, want):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+
+
 @pytest.mark.parametrize("num_pages", [32, 24])
 def test_shared_pages_past_the_pool_size_give_the_same_tokens(num_pages):
     """Issue 24: with prefix caching a shared page is listed once per request that reads it, so a
