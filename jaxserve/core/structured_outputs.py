@@ -216,7 +216,7 @@ class StructuredOutputManager:
         if self.tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer; this model has none")
         tok = self._setup()
-        key = repr(params) + json.dumps(params.json, sort_keys=True, default=str)
+        key = json.dumps(dataclasses.asdict(params), sort_keys=True, default=str)
         spec = self._specs.get(key)
         if spec is None:
             spec = grammar_spec(params)
