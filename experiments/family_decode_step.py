@@ -4,11 +4,14 @@ r"""Decode step time per model family at real shapes on CPU, and a sliding windo
 Families: for each preset (real vocabulary, hidden size, heads, MLP / experts), one decode step of
 the engine's own `ModelRunner` (the CPU default: 'ragged' attention, weights [out, in]) with every
 slot active and `--ctx` tokens cached, bf16 dummy weights, at 8 and 32 slots. The weights of a
-whole 8B-47B model do not fit this VM's 23 GB, so each preset is timed at 3 and at 4 layers and the
-full model's step is extrapolated linearly: full = t(3) + (L - 3) * (t(4) - t(3)) (the embedding,
-final norm and lm_head are in t(3); every decoder layer of a family costs the same at a context
-inside its windows). Fewer layers are not used: XLA compiles a layer scan of 1 or 2 steps
-differently (at 32 slots Llama-3-8B's 2-layer step took longer than its 3-layer one, twice).
+whole 8B-47B model do not fit this VM's 23 GB, so each preset is timed at --layers_lo and
+--layers_hi layers (default 3 and 7) and the full model's step is extrapolated linearly:
+per layer = (t(hi) - t(lo)) / (hi - lo), full = t(lo) + (L - lo) * per layer (the embedding,
+final norm and lm_head are in t(lo); every decoder layer of a family costs the same at a context
+inside its windows). Fewer than 3 layers are not used: XLA compiles a layer scan of 1 or 2 steps
+differently (at 32 slots Llama-3-8B's 2-layer step took longer than its 3-layer one, twice). The
+15th and 16th sessions timed 3 and 4 layers: a one-layer difference was within this VM's noise.
+The MoE presets' layers are 1.2-2.8 GB each: time them with experiments/moe_decode_step.py.
 Median of --reps after two untimed calls, variants timed in one process.
 
 Window: the same layers (Mistral-7B's shapes, --window_layers layers) at a 4k context, every layer
@@ -25,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import platform
 import time
 
 import jax
@@ -33,23 +35,18 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jaxserve.bench.core import cpu_name
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.loading.dummy import dummy_params
 from jaxserve.runner.runner import ModelRunner
 
-FAMILIES = [
-    "llama3-8b",
-    "qwen3-8b",
-    "gemma2-9b",
-    "gemma3-12b",
-    "phi3-mini",
-    "mixtral-8x7b",
-    "qwen3-30b-a3b",
-]
+FAMILIES = ["llama3-8b", "qwen3-8b", "gemma2-9b", "gemma3-12b", "phi3-mini"]
 _FAMILIES = flags.DEFINE_list("families", FAMILIES, "Presets to time.")
 _SLOTS = flags.DEFINE_list("slots", ["8", "32"], "Slot counts (every slot decoding).")
 _CTX = flags.DEFINE_integer("ctx", 512, "Cached tokens per slot in the family table.")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed calls per point (median).")
+_LO = flags.DEFINE_integer("layers_lo", 3, "Fewer layers of the two timed per preset (>= 3).")
+_HI = flags.DEFINE_integer("layers_hi", 7, "More layers of the two timed per preset.")
 _WINDOW_CTX = flags.DEFINE_integer("window_ctx", 4096, "Context of the window comparison.")
 _WINDOW = flags.DEFINE_integer("window", 1024, "Sliding window of the window comparison.")
 _WINDOW_LAYERS = flags.DEFINE_integer("window_layers", 4, "Layers in the window comparison.")
@@ -119,19 +116,20 @@ def families(reps: int) -> list[dict]:
     rows = []
     for name in _FAMILIES.value:
         full = ModelConfig.preset(name)
+        lo, hi = _LO.value, _HI.value
         for s in map(int, _SLOTS.value):
-            t3 = step_ms(with_layers(full, 3), s, _CTX.value, reps)
-            t4 = step_ms(with_layers(full, 4), s, _CTX.value, reps)
-            per_layer = t4 - t3
+            t_lo = step_ms(with_layers(full, lo), s, _CTX.value, reps)
+            t_hi = step_ms(with_layers(full, hi), s, _CTX.value, reps)
+            per_layer = (t_hi - t_lo) / (hi - lo)
             row = {
                 "family": name,
                 "slots": s,
                 "ctx": _CTX.value,
                 "layers": full.num_layers,
-                "step_3_layers_ms": round(t3, 1),
-                "step_4_layers_ms": round(t4, 1),
+                f"step_{lo}_layers_ms": round(t_lo, 1),
+                f"step_{hi}_layers_ms": round(t_hi, 1),
                 "per_layer_ms": round(per_layer, 1),
-                "full_model_step_ms": round(t3 + (full.num_layers - 3) * per_layer, 1),
+                "full_model_step_ms": round(t_lo + (full.num_layers - lo) * per_layer, 1),
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -157,8 +155,10 @@ def window(reps: int) -> list[dict]:
 
 def main(argv):
     del argv
+    if not 3 <= _LO.value < _HI.value:
+        raise app.UsageError("need 3 <= --layers_lo < --layers_hi")
     out = {
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_name(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "families": families(_REPS.value),
     }

@@ -3,15 +3,17 @@
 For Mixtral-8x7B's and Qwen3-30B-A3B's per-layer shapes (hidden, heads, experts, expert width,
 top-k; only 2 layers, so the weights fit this VM's 23 GB), one decode step (forward + logits over
 the paged cache, the jnp reference attention, 121-token contexts) at 8 and 32 slots, bf16 dummy
-weights, three ways, timed alternately in one process (median of --repeats):
+weights, timed alternately in one process (median of --repeats):
 
-    grouped    the engine's MoE path: pairs sorted by expert, `jax.lax.ragged_dot`
-    all-exp    the per-expert dense reference swapped in (every expert on every token)
-    hit-loop   a CPU candidate swapped in: a loop over the experts that skips unchosen ones
-    dense      a Llama-shaped model whose MLP has intermediate k * moe_intermediate_size: the
-               same active parameters per token
+    tiled       the engine's CPU path (`ModelImpl.moe_matmul='tiled'`): pairs sorted by expert,
+                a loop over row tiles of the chosen experts only
+    ragged_dot  the engine's GPU path: `jax.lax.ragged_dot` (on CPU: E times the active work)
+    all-exp     the per-expert dense reference swapped in (every expert on every token)
+    dense       a Llama-shaped model whose MLP has intermediate k * moe_intermediate_size: the
+                same active parameters per token
 
-    .venv/bin/python experiments/moe_decode_step.py [--layers 2] [--repeats 5]
+    .venv/bin/python experiments/moe_decode_step.py [--layers 2] [--repeats 5] \
+        [--models mixtral-8x7b qwen3-30b-a3b] [--skip_all_experts] [--json out.json]
 
 Name the CPU beside every figure (NOTES.md): these VMs vary between sessions.
 """
@@ -21,18 +23,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import platform
+import json
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.bench.core import cpu_name
 from jaxserve.config import ModelConfig
 from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers import moe
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import llama
+from jaxserve.resolve import ModelImpl
 
 PS, W, CTX = 16, 8, 120  # 120 tokens cached; the new one goes to page 7, offset 8
 
@@ -88,42 +92,26 @@ def init_leafwise(config: ModelConfig, dtype, seed: int) -> dict:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def moe_mlp_hit_loop(x, router_logits, w_gate, w_up, w_down, k, norm_topk_prob):
-    """A CPU candidate: a loop over the E experts that skips (`lax.cond`) every expert no pair
-    chose, and runs each chosen one on all P pair rows, masked. Reads only the hit experts'
-    weights; FLOPs = hits * P * 3 * D * I (vs ragged_dot's E * P * 3 * D * I on CPU)."""
-    n, d = x.shape
-    weights, experts = moe.route(router_logits, k, norm_topk_prob)  # (N, k)
-    flat = experts.reshape(n * k)  # (P,)
-    xs = jnp.repeat(x, k, axis=0)  # (P, D), pair order
-    hits = jnp.bincount(flat, length=w_gate.shape[0])
-
-    def body(e, acc):
-        def run(acc):
-            g = xs @ w_gate[e]
-            h = jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * (xs @ w_up[e])
-            return acc + jnp.where((flat == e)[:, None], (h @ w_down[e]).astype(jnp.float32), 0)
-
-        return jax.lax.cond(hits[e] > 0, run, lambda a: a, acc)
-
-    y = jax.lax.fori_loop(0, w_gate.shape[0], body, jnp.zeros((n * k, d), jnp.float32))
-    return jnp.einsum("nk,nkd->nd", weights, y.reshape(n, k, d)).astype(x.dtype)
+def all_experts(x, router_logits, w_gate, w_up, w_down, k, norm_topk_prob, grouped=None):
+    """`moe.moe_mlp_reference` (every expert on every token) in `moe_mlp`'s call signature."""
+    return moe.moe_mlp_reference(x, router_logits, w_gate, w_up, w_down, k, norm_topk_prob)
 
 
-MOE_VARIANTS = {"all-exp": moe.moe_mlp_reference, "hit-loop": moe_mlp_hit_loop}
+def step_fn(config: ModelConfig, variant: str = "ragged_dot"):
+    """variant: 'ragged_dot' | 'tiled' (the engine's GPU / CPU grouped paths, `ModelImpl`), or
+    'all-exp' (the dense reference swapped in at trace time)."""
+    impl = ModelImpl(moe_matmul="tiled" if variant == "tiled" else "ragged_dot")
 
-
-def step_fn(config: ModelConfig, variant: str | None = None):
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(params, cache, tokens, meta):
-        if variant:  # swapped in at trace time only
-            real, llama.moe_mlp = llama.moe_mlp, MOE_VARIANTS[variant]
+        if variant == "all-exp":  # swapped in at trace time only
+            real, llama.moe_mlp = llama.moe_mlp, all_experts
         try:
-            hidden, cache = llama.forward(params, tokens, meta, cache, config)
+            hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)
         finally:
-            if variant:
+            if variant == "all-exp":
                 llama.moe_mlp = real
-        return llama.compute_logits(params, hidden[:, 0], config), cache
+        return llama.compute_logits(params, hidden[:, 0], config, impl), cache
 
     return step
 
@@ -165,24 +153,42 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--slots", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--models", nargs="+", default=["mixtral-8x7b", "qwen3-30b-a3b"])
+    ap.add_argument("--skip_all_experts", action="store_true")
+    ap.add_argument("--json", default="")
     args = ap.parse_args()
-    print(f"CPU: {platform.processor() or platform.machine()}, jax {jax.__version__}, bf16")
+    cpu = cpu_name()
+    print(f"CPU: {cpu}, jax {jax.__version__}, bf16")
+    results = []
     for cname, c in shapes(args.layers).items():
+        if cname not in args.models:
+            continue
         twin = dense_twin(c)
         moe_params = init_leafwise(c, jnp.bfloat16, 0)
         dense_params = init_leafwise(twin, jnp.bfloat16, 1)
         variants = {
-            "grouped": (c, moe_params, step_fn(c)),
-            "all-exp": (c, moe_params, step_fn(c, "all-exp")),
-            "hit-loop": (c, moe_params, step_fn(c, "hit-loop")),
-            "dense": (twin, dense_params, step_fn(twin)),
+            name: (c, moe_params, step_fn(c, name)) for name in ("tiled", "ragged_dot", "all-exp")
         }
+        if args.skip_all_experts:
+            del variants["all-exp"]
+        variants["dense"] = (twin, dense_params, step_fn(twin))
         for slots in args.slots:
             t = time_variants(variants, slots, args.repeats)
             row = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in t.items())
-            ratio = t["grouped"] / t["dense"]
-            print(f"{cname} L={c.num_layers} slots={slots}: {row} (grouped/dense {ratio:.2f}x)")
+            ratio = t["tiled"] / t["dense"]
+            print(f"{cname} L={c.num_layers} slots={slots}: {row} (tiled/dense {ratio:.2f}x)")
+            results.append(
+                {
+                    "model": cname,
+                    "layers": c.num_layers,
+                    "slots": slots,
+                    "ms": {k: round(1e3 * v, 1) for k, v in t.items()},
+                }
+            )
         del moe_params, dense_params, variants
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu, "jax": jax.__version__, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

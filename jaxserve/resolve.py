@@ -13,6 +13,8 @@ get their shape buckets from here. The choices:
     int4 matmul    'pallas' (the fused dequantize-matmul kernel) on GPU, 'xla' elsewhere
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
                    1.17-1.42x faster on decode-sized batches; RESULTS.md section 21), else 'in_out'
+    moe matmul     'tiled' on CPU (a loop over row tiles of the chosen experts: XLA's CPU
+                   `ragged_dot` does E times the work; RESULTS.md section 33), 'ragged_dot' else
     min rows       4 on CPU: smaller matmuls are padded (a one-row bf16 dot converts the whole
                    weight to f32 there; RESULTS.md section 17), else 1
     slot buckets   decode row buckets: 8, 16, ..., num_slots on CPU (a step's matmuls cost in
@@ -38,6 +40,7 @@ class ModelImpl:
 
     attention: str = "reference"  # 'pallas' | 'pallas_interpret' | 'ragged' | 'reference'
     min_matmul_rows: int = 1  # plain matmuls of fewer rows are padded up to this
+    moe_matmul: str = "ragged_dot"  # 'ragged_dot' | 'tiled': `layers/moe.py`'s grouped path
 
 
 REFERENCE_IMPL = ModelImpl()  # the jnp reference attention, no padding: the default of the model
@@ -164,7 +167,11 @@ def resolve(engine_config: EngineConfig, model_config: ModelConfig, backend: str
     max_rows = max(1, c.max_num_batched_tokens // c.prefill_chunk_size)
     return Resolved(
         backend=backend,
-        model=ModelImpl(attention=attention, min_matmul_rows=4 if cpu else 1),
+        model=ModelImpl(
+            attention=attention,
+            min_matmul_rows=4 if cpu else 1,
+            moe_matmul="tiled" if cpu else "ragged_dot",
+        ),
         int4_matmul="pallas" if backend == "gpu" else "xla",
         weight_layout="out_in" if cpu else "in_out",
         slot_buckets=slot_buckets,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import platform
 import time
 
 import numpy as np
@@ -46,6 +48,24 @@ class CompileCounter:
         import jax.monitoring
 
         jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def cpu_name() -> str:
+    """This machine's CPU as RESULTS.md names it: /proc/cpuinfo's model name, family and model
+    (the dev VMs vary between sessions: Intel with AVX-512, AMD EPYC Zen 3 or Zen 4)."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    avx512 = "avx512f" in info.get("flags", "").split()
+    return (
+        f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model "
+        f"{info.get('model', '?')}{', AVX-512' if avx512 else ''}), {os.cpu_count()} cores"
+    )
 
 
 def sampling_params_for(workload: Workload) -> list[SamplingParams]:

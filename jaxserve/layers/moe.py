@@ -2,7 +2,9 @@
 
     route(router_logits f32[N, E], k, norm_topk_prob) -> (weights f32[N, k], experts i32[N, k])
     moe_mlp(x [N, D], router_logits [N, E], w_gate, w_up [E, D, I], w_down [E, I, D], k,
-            norm_topk_prob) -> [N, D] in x.dtype          the grouped path (`jax.lax.ragged_dot`)
+            norm_topk_prob, grouped="ragged_dot") -> [N, D] in x.dtype     the dropless path
+        grouped: how the sorted pairs meet their experts: 'ragged_dot' (`jax.lax.ragged_dot`,
+        GPU) or 'tiled' (a loop over row tiles of one expert each, CPU); the same result
     moe_mlp_reference(...same...) -> [N, D]                 every expert densely on every token
     expert_stack(w, dtype) -> [E, K, N] in dtype            a plain or quantized expert stack
 
@@ -29,20 +31,37 @@ token out of its expert.
 Cost of `ragged_dot` by backend (jax 0.11.2): for CUDA it lowers to `chlo.ragged_dot`, left to
 XLA's GPU compiler (tests/test_cuda_lowering.py checks the lowering; its GPU speed is unmeasured
 here). On CPU jax's generic lowering masks lhs per group and contracts over [E * K]: E times the
-active FLOPs. `experiments/moe_decode_step.py` measures that against the per-expert reference, a
-loop that skips unchosen experts, and a dense model of the same active parameters.
+active FLOPs, and every expert's weights are read whatever the routing.
+
+The 'tiled' path (`jaxserve.resolve` picks it on CPU) does only the chosen experts' work. Each
+expert's sorted pairs are padded up to whole tiles of `b` rows (`tile_rows`), so a tile holds one
+expert's rows; a `fori_loop` over the step's used tiles (a traced trip count, no recompilation)
+multiplies each tile by its own expert's matrices:
+
+    tiles_e  = ceil(group_sizes[e] / b)       used tiles = sum_e tiles_e <= P // b + min(E, P)
+    xs_pad   [max_tiles * b, D]               pair j of expert e at row tile_start[e] * b + rank
+    for t < used tiles: y_pad[t*b:(t+1)*b] = swiglu(xs_pad[t*b:(t+1)*b], experts of tile t)
+
+Weights read per step: the chosen experts' (each once per tile; one tile per expert at decode
+sizes), FLOPs: (P + padding) * 3 * D * I with padding < b per used expert. Measured against
+`ragged_dot` at Qwen3-30B-A3B's and Mixtral's layer shapes in `experiments/moe_decode_step.py`
+(RESULTS.md section 33).
 
 Expert parallelism (tensor_parallel_size T > 1 dividing E): the expert stacks are split over E on
 the mesh's 'model' axis, so each device holds E/T experts (`parallel/partition.py`, role
 'expert'); the router, attention and dense layers keep their usual tensor-parallel rules. Inside
-`jax.shard_map`, every device routes all N tokens (replicated), runs `ragged_dot` on the sorted
+`jax.shard_map`, every device routes all N tokens (replicated), runs its grouped matmul on the sorted
 pairs of its own experts only, and a psum of the [N, D] partial outputs adds the devices' shares:
 one all-reduce per MoE layer, the same as a row-parallel dense MLP, and no all-to-all (tokens are
 replicated under TP anyway). T not dividing E keeps the experts replicated (logged).
 
-Quantized experts (INT8 / FP8 / INT4 stacks, leading axes allowed): `expert_stack` dequantizes
-one layer's [E, K, N] stack to the activation dtype inside the step and `ragged_dot` multiplies
-that: exact to the stored weights, and simple. Its cost: per layer and step, the stack is read
+Quantized experts (INT8 / FP8 / INT4 stacks, leading axes allowed; `moe_mlp` takes them as
+stored). On the 'tiled' path (not under expert parallelism) each tile multiplies by its own expert
+through the weight's `matmul(x, layer=e)`: only the chosen experts are read, quantized (INT8 /
+FP8's per-channel scales apply to the dot's outputs). On 'ragged_dot' and under expert
+parallelism, `expert_stack` dequantizes one layer's [E, K, N] stack to the activation dtype inside
+the step and `ragged_dot` multiplies that: exact to the stored weights, and simple. Its cost: per
+layer and step, the stack is read
 quantized (~1 byte per weight for INT8/FP8, ~0.56 for INT4-g64 with its f16 scales and mins),
 then a bf16 copy is written and read again (4 bytes per weight), so weight traffic is ~5x
 (INT8) to ~8x (INT4) what the quantized bytes alone would be, and all E experts are dequantized
@@ -115,24 +134,30 @@ def moe_mlp(
     w_down: jax.Array,
     k: int,
     norm_topk_prob: bool,
+    grouped: str = "ragged_dot",
 ) -> jax.Array:
     """The grouped path (see the module docstring): x [N, D] -> [N, D] in x.dtype.
 
-    w_gate, w_up [E, D, I] and w_down [E, I, D] are plain arrays in x.dtype (`expert_stack`).
-    k and norm_topk_prob are static.
+    w_gate, w_up [E, D, I] and w_down [E, I, D]: plain arrays or quantized stacks (anything
+    `expert_stack` takes). k, norm_topk_prob and grouped ('ragged_dot' | 'tiled') are static.
 
     Expert parallelism: under a mesh whose 'model' axis has T > 1 devices dividing E (the
     partition rules then split the expert stacks over E, `parallel/partition.py`), each device
     runs only its E/T experts' pairs (`_expert_parallel`) and one all-reduce of [N, D] sums them.
     """
     _check(x, router_logits, w_gate, w_up, w_down, k)
+    if grouped not in GROUPED:
+        raise ValueError(f"moe_mlp: grouped={grouped!r} must be one of {GROUPED}")
     e = w_gate.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     t = mesh.shape["model"] if "model" in mesh.axis_names else 1
+    if t > 1 and e % t == 0 or grouped == "ragged_dot":  # plain stacks in x.dtype
+        w_gate, w_up, w_down = (expert_stack(w, x.dtype) for w in (w_gate, w_up, w_down))
     if t > 1 and e % t == 0:
-        return _expert_parallel(x, router_logits, w_gate, w_up, w_down, k, norm_topk_prob)
+        return _expert_parallel(x, router_logits, w_gate, w_up, w_down, k, norm_topk_prob, grouped)
     weights, order, group_sizes = _dispatch(router_logits, k, norm_topk_prob, e)
-    y = _experts(x, order, k, group_sizes, w_gate, w_up, w_down)  # (P, D), sorted by expert
+    # (P, D), sorted by expert
+    y = _experts(x, order, k, group_sizes, w_gate, w_up, w_down, grouped=grouped)
     return _combine(y, order, weights).astype(x.dtype)
 
 
@@ -145,13 +170,71 @@ def _dispatch(router_logits, k: int, norm_topk_prob: bool, e: int):
     return weights, order, group_sizes
 
 
-def _experts(x, order, k: int, group_sizes, w_gate, w_up, w_down, shift=None):
+GROUPED = ("ragged_dot", "tiled")
+
+
+def tile_rows(num_pairs: int, num_experts: int) -> int:
+    """The 'tiled' path's rows per tile b (static): 8 while experts average under 16 pairs
+    (decode: one tile per chosen expert, and no bf16 dot of under 4 rows, which XLA's CPU runs by
+    converting the whole weight to f32, RESULTS.md section 17), else the power of two <= P / E,
+    at most 128 (prefill chunks: the padding, < b rows per expert, stays under the P real rows)."""
+    per = num_pairs // num_experts
+    if per < 16:
+        return 8
+    return min(128, 1 << (per.bit_length() - 1))
+
+
+def _expert_matmul(a: jax.Array, w, e) -> jax.Array:
+    """a [b, K] @ expert e of the stack w [E, K, N] (plain, or quantized: only that expert is
+    read and dequantized) -> [b, N] in a.dtype."""
+    if hasattr(w, "matmul"):
+        return w.matmul(a, layer=e).astype(a.dtype)
+    return a @ w[e].astype(a.dtype)
+
+
+def _tiled_swiglu(xs, group_sizes, w_gate, w_up, w_down):
+    """xs [P, D] sorted by expert, group_sizes i32[G] (sum <= P) -> [P, D]: row j times its
+    expert's SwiGLU; rows past sum(group_sizes) are exact zeros (see the module docstring)."""
+    p, d = xs.shape
+    g = group_sizes.shape[0]
+    b = tile_rows(p, g)
+    max_tiles = p // b + min(g, p)
+    tiles = (group_sizes + b - 1) // b  # (G,)
+    tile_end = jnp.cumsum(tiles)  # (G,)
+    tile_start = tile_end - tiles
+    group_start = jnp.cumsum(group_sizes) - group_sizes
+    row = jnp.arange(p, dtype=jnp.int32)
+    used = row < jnp.sum(group_sizes)
+    expert_of = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), row, side="right"), g - 1)
+    pad_rows = max_tiles * b
+    # each pair's row in the padded buffer; rows past the groups go to a spare zero row
+    pos = jnp.where(used, tile_start[expert_of] * b + row - group_start[expert_of], pad_rows)
+    xs_pad = jnp.zeros((pad_rows + 1, d), xs.dtype).at[pos].set(xs, unique_indices=True)
+    tile_expert = jnp.minimum(
+        jnp.searchsorted(tile_end, jnp.arange(max_tiles, dtype=jnp.int32), side="right"), g - 1
+    )
+
+    def tile(t, y_pad):  # rows [t*b, (t+1)*b) are all expert tile_expert[t]'s
+        e = tile_expert[t]
+        rows = jax.lax.dynamic_slice_in_dim(xs_pad, t * b, b)  # (b, D)
+        gate, up = _expert_matmul(rows, w_gate, e), _expert_matmul(rows, w_up, e)  # (b, I)
+        h = jax.nn.silu(gate.astype(jnp.float32)).astype(xs.dtype) * up
+        return jax.lax.dynamic_update_slice_in_dim(y_pad, _expert_matmul(h, w_down, e), t * b, 0)
+
+    y_pad = jax.lax.fori_loop(0, tile_end[-1], tile, jnp.zeros((pad_rows + 1, d), xs.dtype))
+    return y_pad[pos]  # (P, D)
+
+
+def _experts(x, order, k: int, group_sizes, w_gate, w_up, w_down, shift=None, grouped="ragged_dot"):
     """The SwiGLU of each pair's expert on its token: [P, D], rows sorted by expert. shift: the
     first sorted row of these experts' pairs (expert parallelism: the rows are rotated so they
     start at 0, and the rows past their groups come out as exact zeros)."""
     xs = jnp.take(x, order // k, axis=0)  # (P, D)
     if shift is not None:
         xs = jnp.roll(xs, -shift, axis=0)
+    if grouped == "tiled":
+        y = _tiled_swiglu(xs, group_sizes, w_gate, w_up, w_down)
+        return y if shift is None else jnp.roll(y, shift, axis=0)
     gate = _ragged_dot(xs, w_gate, group_sizes)  # (P, I)
     up = _ragged_dot(xs, w_up, group_sizes)  # (P, I)
     h = jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up
@@ -170,7 +253,9 @@ def _combine(y, order, weights) -> jax.Array:
     return jnp.einsum("nk,nkd->nd", weights, y)
 
 
-def _expert_parallel(x, router_logits, w_gate, w_up, w_down, k: int, norm_topk_prob: bool):
+def _expert_parallel(
+    x, router_logits, w_gate, w_up, w_down, k: int, norm_topk_prob: bool, grouped: str
+):
     """`moe_mlp` with the experts split over the 'model' axis: every device routes all tokens
     (the router is replicated; cheap), takes the sorted pairs of its own E/T experts -- a
     contiguous run, rotated to start at row 0 -- through its experts' `ragged_dot`, and the
@@ -185,7 +270,7 @@ def _expert_parallel(x, router_logits, w_gate, w_up, w_down, k: int, norm_topk_p
         weights, order, group_sizes = _dispatch(router_logits, k, norm_topk_prob, e)
         starts = jnp.cumsum(group_sizes) - group_sizes  # (E,) first sorted row of each expert
         mine = jax.lax.dynamic_slice_in_dim(group_sizes, first, el)  # (el,)
-        y = _experts(x, order, k, mine, w_gate, w_up, w_down, shift=starts[first])
+        y = _experts(x, order, k, mine, w_gate, w_up, w_down, shift=starts[first], grouped=grouped)
         return jax.lax.psum(_combine(y, order, weights), "model")
 
     out = jax.shard_map(

@@ -62,7 +62,7 @@ from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.embedding import embed, is_quantized
 from jaxserve.layers.linear import linear, matmul
-from jaxserve.layers.moe import expert_stack, moe_mlp
+from jaxserve.layers.moe import moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
 from jaxserve.models.params import check_params, init_params, model_dtype, param_shapes  # noqa: F401
@@ -111,14 +111,14 @@ def forward(
                 return linear(a, lp[name], min_rows=impl.min_matmul_rows)
             return linear(a, whole[name], layer=stack_row(name), min_rows=impl.min_matmul_rows)
 
-        def expert(name):  # layer li's expert stack `name`, [E, K, N] in the activation dtype
+        def expert(name):  # layer li's expert stack `name` [E, K, N] as stored (moe_mlp reads it)
             w = lp.get(name)
             if name in whole:
                 i = stack_row(name)
                 w = jax.tree.map(
                     lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), whole[name]
                 )
-            return expert_stack(w, dtype)
+            return w
 
         x, cache, _ = decoder_layer(
             lp,
@@ -130,6 +130,7 @@ def forward(
             expert,
             sparse=is_sparse,
             inv_freq=lc["inv_freq"],
+            moe_matmul=impl.moe_matmul,
         )
         return (x, cache), None
 
@@ -209,6 +210,7 @@ def decoder_layer(
     expert: Callable | None = None,
     sparse=None,
     inv_freq=None,
+    moe_matmul: str = "ragged_dot",
 ) -> tuple[jax.Array, Any, dict]:
     """One decoder layer: the engine's, calibration's (AWQ/GPTQ statistics) and the experiments'.
 
@@ -218,13 +220,14 @@ def decoder_layer(
       (out [B, T, H, Dh], aux): the attention over whatever holds the keys (the paged cache, whose
       updated self is `aux`; or a dense causal softmax over the window);
     proj(a, name) -> a @ the layer's weight `name` (default: `linear(a, lp[name])`);
-    expert(name) -> the layer's expert stack `name` [E, K, N] in x.dtype (default: lp[name],
-      dequantized by `moe.expert_stack`);
+    expert(name) -> the layer's expert stack `name` [E, K, N], plain or quantized as stored
+      (default: lp[name]; `moe.moe_mlp` dequantizes what its path needs);
     sparse: whether the MLP is the mixture of experts (`moe_block`) or the dense SwiGLU: None
       (from the config, when all its layers are one kind), a Python bool, or a traced bool[]
       (a model mixing both: `lax.cond` runs one of the two, both compiled once);
     inv_freq: the layer's RoPE table f32[Dh/2] (`layer_constants`; default: the config's, which
       must then be the same for every layer). The layer's window goes into `attend`.
+    moe_matmul: the sparse MLP's grouped path, 'ragged_dot' or 'tiled' (`ModelImpl`).
 
     Returns (x' [B, T, D], aux, taps), taps = the inputs of the layer's linears, {"attn" [B, T, D]
     -> wq/wk/wv, "o" [B, T, H*Dh] -> wo, "mlp" [B, T, D] -> w_gate/w_up (or the router), "down"
@@ -269,7 +272,7 @@ def decoder_layer(
     taps = {"attn": a_in, "q": q, "o": o_in, "mlp": m_in}
     # --- mixture-of-experts: the MLP is dense, sparse, or (mixed models) chosen per layer ---
     if expert is None:
-        expert = lambda name: expert_stack(lp[name], dtype)  # noqa: E731
+        expert = lambda name: lp[name]  # noqa: E731
     if sparse is None:
         if c.moe_layers and c.dense_layers:
             raise ValueError(
@@ -284,12 +287,15 @@ def decoder_layer(
         return proj(d_in, "w_down"), d_in
 
     if sparse is True:
-        y = moe_block(m_in, proj, expert, c)
+        y = moe_block(m_in, proj, expert, c, moe_matmul)
     elif sparse is False:
         y, taps["down"] = dense(m_in)
     else:
         y = jax.lax.cond(
-            sparse, lambda m: moe_block(m, proj, expert, c), lambda m: dense(m)[0], m_in
+            sparse,
+            lambda m: moe_block(m, proj, expert, c, moe_matmul),
+            lambda m: dense(m)[0],
+            m_in,
         )
     # --- end mixture-of-experts ---
     x = x + (norm(y, "post_mlp_norm") if c.sandwich_norms else y)
@@ -301,7 +307,13 @@ MOE_PARAMS = ("router", "we_gate", "we_up", "we_down")
 DENSE_MLP_PARAMS = ("w_gate", "w_up", "w_down")
 
 
-def moe_block(m_in: jax.Array, proj: Callable, expert: Callable, config: ModelConfig) -> jax.Array:
+def moe_block(
+    m_in: jax.Array,
+    proj: Callable,
+    expert: Callable,
+    config: ModelConfig,
+    moe_matmul: str = "ragged_dot",
+) -> jax.Array:
     """The sparse MLP: m_in [B, T, D] -> [B, T, D]. Router logits in the activation dtype (as
     HF), then `moe.moe_mlp` over the B*T tokens (padding rows too: dropless, they take no
     capacity from real tokens)."""
@@ -316,6 +328,7 @@ def moe_block(m_in: jax.Array, proj: Callable, expert: Callable, config: ModelCo
         expert("we_down"),
         config.num_experts_per_tok,
         config.norm_topk_prob,
+        moe_matmul,
     )
     return y.reshape(b, t, d)
 

@@ -1,6 +1,6 @@
-"""The mixture-of-experts layer: the grouped (ragged_dot) path equals the per-expert dense
-reference, routing equals Hugging Face's per token (the golden routers), quantized expert stacks,
-and no recompilation across batches that route differently."""
+"""The mixture-of-experts layer: both grouped paths (ragged_dot, GPU; tiled, CPU) equal the
+per-expert dense reference, routing equals Hugging Face's per token (the golden routers),
+quantized expert stacks, and no recompilation across batches that route differently."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from jaxserve.loading import hf
 from jaxserve.models import llama
 from jaxserve.quant import int8, rtn
 
-grouped = jax.jit(moe.moe_mlp, static_argnums=(5, 6))
+grouped = jax.jit(moe.moe_mlp, static_argnums=(5, 6, 7))
+PATHS = list(moe.GROUPED)
 reference = jax.jit(moe.moe_mlp_reference, static_argnums=(5, 6))
 
 
@@ -44,18 +45,38 @@ def random_experts(seed, n, d, i, e, dtype=jnp.float32, skew=0.0):
         (16, 16, 4, False, 0.0),
         (5, 4, 4, False, 0.0),  # k == E: every expert on every token
         (64, 32, 1, True, 0.0),
+        (40, 2, 2, True, 0.0),  # 'tiled': 40 pairs per expert -> tiles of 32, partial tiles
+        (300, 4, 2, True, 2.0),  # 'tiled': tiles of 128, one expert with most pairs
     ],
 )
-def test_grouped_equals_dense_reference_f32(n, e, k, norm, skew):
+@pytest.mark.parametrize("path", PATHS)
+def test_grouped_equals_dense_reference_f32(n, e, k, norm, skew, path):
     args = random_experts(n * 100 + e, n, 32, 24, e, skew=skew)
-    got, want = grouped(*args, k, norm), reference(*args, k, norm)
+    got, want = grouped(*args, k, norm, path), reference(*args, k, norm)
     # f32: only the accumulation order differs (measured max 1.2e-6 on O(1) outputs).
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-def test_grouped_equals_dense_reference_bf16():
+def test_tile_rows():
+    """8 rows while experts average under 16 pairs (decode), else a power of two <= P / E up to
+    128; the padded buffer bounds every routing's used tiles."""
+    assert [moe.tile_rows(p, 8) for p in (1, 16, 127, 128, 255, 256, 1024, 4096)] == [
+        8,
+        8,
+        8,
+        16,
+        16,
+        32,
+        128,
+        128,
+    ]
+    assert moe.tile_rows(256, 128) == 8 and moe.tile_rows(4096, 128) == 32
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_grouped_equals_dense_reference_bf16(path):
     args = random_experts(3, 40, 64, 48, 8, dtype=jnp.bfloat16)
-    got = np.asarray(grouped(*args, 2, True), np.float32)
+    got = np.asarray(grouped(*args, 2, True, path), np.float32)
     want = np.asarray(reference(*args, 2, True), np.float32)
     # bf16 rounding of the intermediates in different orders: a few bf16 ulps of O(1) outputs.
     np.testing.assert_allclose(got, want, atol=5e-2, rtol=0)
@@ -142,28 +163,36 @@ def test_routing_equals_hf_per_token(name):
     ],
     ids=["int8", "fp8", "int4"],
 )
-def test_quantized_expert_stack_is_its_dequantized_weight(quantize):
+@pytest.mark.parametrize("path", PATHS)
+def test_quantized_expert_stack_is_its_dequantized_weight(quantize, path):
     x, logits, wg, wu, wd = random_experts(7, 12, 64, 32, 4)
     q = [quantize(w) for w in (wg, wu, wd)]
     stacks = [moe.expert_stack(w, jnp.float32) for w in q]
     for w, s in zip(q, stacks):
         np.testing.assert_array_equal(s, w.dequantize())
-    got = grouped(x, logits, *stacks, 2, True)
+    got = grouped(x, logits, *stacks, 2, True, path)
     np.testing.assert_allclose(got, reference(x, logits, *stacks, 2, True), atol=1e-5)
-    assert np.abs(got - grouped(x, logits, wg, wu, wd, 2, True)).max() < 0.3  # near float
+    assert np.abs(got - grouped(x, logits, wg, wu, wd, 2, True, path)).max() < 0.3  # near float
+    # The stacks as stored: 'tiled' multiplies each tile by its own expert's quantized weight
+    # (`matmul(layer=e)`), 'ragged_dot' dequantizes the stack first; both equal the float path.
+    np.testing.assert_allclose(grouped(x, logits, *q, 2, True, path), got, atol=1e-5)
 
 
-def test_no_recompilation_across_routings():
+@pytest.mark.parametrize("path", PATHS)
+def test_no_recompilation_across_routings(path):
     """One compile per shape: routings that differ (balanced, all on one expert, experts left
-    empty) are traced arrays, never static."""
+    empty; for 'tiled', used tile counts from 3 to 8) are traced arrays, never static."""
     args = random_experts(0, 24, 32, 16, 8)
-    jax.block_until_ready(grouped(*args, 2, True))  # warm-up
+    jax.block_until_ready(grouped(*args, 2, True, path))  # warm-up
     x, _, wg, wu, wd = args
+    routings = [
+        random_experts(s, 24, 32, 16, 8, skew=k)[1] for s, k in [(1, 0), (2, 5), (3, -5), (4, 50)]
+    ]
     with CompileCounter() as counter:
-        for seed, skew in [(1, 0.0), (2, 5.0), (3, -5.0), (4, 50.0)]:
-            _, logits, *_ = random_experts(seed, 24, 32, 16, 8, skew=skew)
-            jax.block_until_ready(grouped(x, logits, wg, wu, wd, 2, True))
+        got = [jax.block_until_ready(grouped(x, r, wg, wu, wd, 2, True, path)) for r in routings]
     assert counter.count == 0
+    for r, out in zip(routings, got):
+        np.testing.assert_allclose(out, reference(x, r, wg, wu, wd, 2, True), atol=1e-5)
 
 
 def test_bad_shapes_are_named():
@@ -172,3 +201,5 @@ def test_bad_shapes_are_named():
         moe.moe_mlp(x, logits, wg, wu, jnp.swapaxes(wd, 1, 2), 2, True)
     with pytest.raises(ValueError, match=r"k=9 experts per token must be in \[1, 8\]"):
         moe.moe_mlp(x, logits, wg, wu, wd, 9, True)
+    with pytest.raises(ValueError, match=r"grouped='dense' must be one of"):
+        moe.moe_mlp(x, logits, wg, wu, wd, 2, True, "dense")

@@ -1,6 +1,7 @@
 """Expert parallelism on 4 host CPU devices (a subprocess): the MoE goldens (Mixtral, 8 experts;
 Qwen3-MoE, 16; Qwen3-MoE with dense layers between, 4) at TP 2 and 4 split their expert stacks
-over E (`layers/moe.py::_expert_parallel`): f32 logits within 1e-5 of one device, greedy tokens
+over E (`layers/moe.py::_expert_parallel`): f32 logits within 1e-5 of one device (TP 4 on the
+'tiled' grouped path, TP 2 on 'ragged_dot', the one-device run on 'ragged_dot'), greedy tokens
 identical through the engine (float and INT8 experts), each device holding 1/T of every stack."""
 
 from __future__ import annotations
