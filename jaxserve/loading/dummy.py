@@ -1,10 +1,12 @@
 """The `dummy` load format: random weights at a named preset's real shapes (no files, no tokenizer).
 
-    dummy_params(config, dtype, seed=0) -> params pytree, built on device by one jitted init
+    dummy_params(config, dtype, seed=0) -> params pytree, built on device one weight at a time
 
 Performance can then be measured at e.g. llama3-8b or qwen2-7b shapes without their weights.
-The init is jitted with the config static and the key as an argument, so it runs as one XLA
-program that writes each weight straight in `dtype` (no f32 copy of an 8B model on the host).
+Each weight is one jitted program (compiled once per shape) that draws it in f32 and writes it
+straight in `dtype`, so the peak memory is the params plus one weight's f32 draw. (One program
+for the whole init, as before the seventeenth session, left 18.8 GB resident for the 3.2 GB of
+3 Llama-3-8B layers on the CPU, and OOM-killed experiments/family_decode_step.py.)
 
 This format allocates from the config alone, so it first refuses a config whose params would not
 fit in memory (`memory_limit_bytes`: the device's limit where it reports one, else the host's
@@ -13,7 +15,6 @@ physical memory) with a ValueError naming the bytes needed, rather than dying in
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -23,11 +24,6 @@ import jax.numpy as jnp
 from jaxserve.config import DTYPES, ModelConfig
 from jaxserve.loading.params import flat_shapes
 from jaxserve.models.llama import init_params
-
-
-@functools.partial(jax.jit, static_argnames=("config", "dtype"))
-def _init(key: jax.Array, config: ModelConfig, dtype: str) -> dict:
-    return init_params(config, key, jnp.dtype(dtype))
 
 
 def memory_limit_bytes() -> int:
@@ -56,4 +52,4 @@ def dummy_params(config: ModelConfig, dtype: str = "float32", seed: int = 0) -> 
             f"dummy:{config.name or 'custom'} needs {need} bytes ({need / 2**30:.1f} GiB) of "
             f"params in {dtype}, which exceed the {limit} bytes of memory available"
         )
-    return _init(jax.random.key(seed), config, dtype)
+    return init_params(config, jax.random.key(seed), jnp.dtype(dtype))

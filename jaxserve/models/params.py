@@ -9,6 +9,9 @@ partition rules' contract), its check, the activation dtype, and random weights.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -96,8 +99,33 @@ def model_dtype(params: dict):
     return table.dtype if not is_quantized(table) else params["final_norm"].dtype
 
 
+DRAW_BLOCK = 1 << 24  # elements per f32 draw (64 MiB) when a weight is drawn in row blocks
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal_leaf(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """0.02 * N(0, 1) of `shape`, drawn in f32 and written in `dtype` by one program. A weight
+    of more than DRAW_BLOCK elements is drawn in blocks of rows (key folded with the block
+    index) into its `dtype` buffer, so no f32 copy of a whole embedding table is ever held."""
+    size = math.prod(shape)
+    if size <= DRAW_BLOCK or len(shape) < 2:
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    rows = shape[0]
+    block = max(1, min(rows, DRAW_BLOCK // (size // rows)))
+
+    def draw(i, out):  # the last block is clamped to end at `rows` (it redraws a few rows)
+        x = 0.02 * jax.random.normal(jax.random.fold_in(key, i), (block, *shape[1:]), jnp.float32)
+        start = jnp.minimum(i * block, rows - block)
+        return jax.lax.dynamic_update_slice_in_dim(out, x.astype(dtype), start, 0)
+
+    return jax.lax.fori_loop(0, -(-rows // block), draw, jnp.zeros(shape, dtype))
+
+
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
-    """Random weights (normal, std 0.02; norms scaling by 1): tests and the `dummy` format."""
+    """Random weights (normal, std 0.02; norms scaling by 1): tests and the `dummy` format.
+
+    Called outside jit, each weight is one program (compiled once per shape), so the peak memory
+    is the params plus one weight's f32 draw; under an outer jit the leaves inline into it."""
     shapes = param_shapes(config)
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         shapes, is_leaf=lambda x: isinstance(x, tuple)
@@ -109,5 +137,5 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict:
         if "norm" in name:  # Gemma's norms scale by (1 + w): w = 0
             leaves.append(jnp.full(shape, 1.0 - config.norm_offset, dtype))
         else:
-            leaves.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+            leaves.append(_normal_leaf(k, tuple(shape), jnp.dtype(dtype)))
     return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from model_testing import GOLDEN_DIR
 
 from jaxserve.config import ModelConfig
 from jaxserve.loading import LoadedModel, load_model
+from jaxserve.models import params
 from jaxserve.models.llama import check_params
 
 
@@ -28,6 +30,14 @@ def test_dummy_real_scale_preset_shapes():
     lm = load_model(None, dtype="bfloat16", load_format="dummy")
     assert lm.config.name == "smollm2-135m"
     assert lm.params["embed"].shape == (49152, 576)
+    # The 28M-element table is drawn in row blocks of DRAW_BLOCK elements (no whole f32 copy):
+    # still N(0, 0.02^2) throughout, and each block its own draw.
+    table = np.asarray(lm.params["embed"], np.float32)
+    block = params.DRAW_BLOCK // 576
+    assert table.size > params.DRAW_BLOCK
+    assert abs(table.std() - 0.02) < 2e-4 and abs(table.mean()) < 1e-4
+    assert abs(table[-1000:].std() - 0.02) < 1e-3  # the clamped last block is drawn too
+    assert not np.array_equal(table[:100], table[block : block + 100])
 
 
 @pytest.mark.parametrize(
