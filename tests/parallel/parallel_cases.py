@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 
 if __name__ == "__main__":  # before jax is imported
@@ -346,10 +347,13 @@ CASES = {
 def main(names: list[str]) -> None:
     results = {}
     for name in names:
+        start = time.perf_counter()
         try:
             results[name] = CASES[name]()
         except Exception:  # reported per case, so one failure does not hide the others
             results[name] = {"error": traceback.format_exc(limit=8)}
+        # each case's wall time on stderr (the suite's budget; shown when the subprocess fails)
+        print(f"case {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     print("RESULTS " + json.dumps(results))
 
 
