@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import statistics
 import time
 
 from absl import app, flags
 
 from jaxserve import LLM, SamplingParams, StructuredOutputsParams
+from jaxserve.bench.core import cpu_name
 
 _REPS = flags.DEFINE_integer("reps", 3, "Timed runs per variant (after one untimed run).")
 _N = flags.DEFINE_integer("num_requests", 64, "Requests per run.")
@@ -50,16 +50,6 @@ SCHEMA = {
     },
     "required": ["name", "age", "skills"],
 }
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _requests(n: int, fraction: float, constraint: StructuredOutputsParams, ignore_eos: bool):
@@ -119,7 +109,7 @@ def main(_):
                 runs[(kind, frac, mode)].append((dt, toks))
     base = statistics.median(t / d for d, t in runs[("regex", 0.0, "split")])
     rows = []
-    print(f"CPU: {_cpu()}; {_N.value} requests, {_SLOTS.value} slots, {_DTYPE.value}")
+    print(f"CPU: {cpu_name()}; {_N.value} requests, {_SLOTS.value} slots, {_DTYPE.value}")
     print(f"{'grammar':8} {'constrained':>11} {'mode':>6} {'tok/s (median)':>15} {'vs 0%':>6}")
     for kind, frac, mode in variants:
         rates = [t / d for d, t in runs[(kind, frac, mode)]]
@@ -132,7 +122,7 @@ def main(_):
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(
-                dict(cpu=_cpu(), rows=rows, date=time.strftime("%Y-%m-%d %H:%M")), f, indent=1
+                dict(cpu=cpu_name(), rows=rows, date=time.strftime("%Y-%m-%d %H:%M")), f, indent=1
             )
 
 
