@@ -14,13 +14,12 @@ Name the CPU beside every figure (NOTES.md): these VMs vary between sessions.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.bench.core import cpu_name
+from jaxserve.bench.core import cpu_name, median_ms
 
 L, D, I = 30, 576, 1536
 
@@ -49,16 +48,6 @@ def unrolled(x, lg, lu, ld):  # per-layer arrays, L copies of the layer in the p
     return x
 
 
-def median_ms(f, args, reps: int) -> float:
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 32])
@@ -76,9 +65,9 @@ def main():
         assert all(np.array_equal(np.asarray(outs[0]), np.asarray(o)) for o in outs[1:])
         for r in range(args.rounds):
             t = {
-                "scan": median_ms(scanned, (x, *stacked), args.reps),
-                "switch": median_ms(switched, (x, *per_layer), args.reps),
-                "unrolled": median_ms(unrolled, (x, *per_layer), args.reps),
+                "scan": median_ms(scanned, x, *stacked, reps=args.reps),
+                "switch": median_ms(switched, x, *per_layer, reps=args.reps),
+                "unrolled": median_ms(unrolled, x, *per_layer, reps=args.reps),
             }
             row = ", ".join(f"{k} {v:.1f} ms" for k, v in t.items())
             print(f"rows={m} round {r}: {row} (scan / unrolled {t['scan'] / t['unrolled']:.2f}x)")

@@ -11,28 +11,17 @@ Median of --reps calls per point; prints a markdown table and writes --json if g
 from __future__ import annotations
 
 import json
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
+from jaxserve.bench.core import median_ms
 from jaxserve.layers.linear import matmul
 
 _ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8"], "Row counts M to time.")
 _REPS = flags.DEFINE_integer("reps", 20, "Timed calls per point (median).")
 _JSON = flags.DEFINE_string("json", None, "Write the results here.")
-
-
-def timed_ms(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3
 
 
 def main(argv):
@@ -47,8 +36,8 @@ def main(argv):
         x = jax.random.normal(kx, (m, 576)).astype(jnp.bfloat16)
         r = {
             "rows": m,
-            "plain_ms": timed_ms(plain, x, table, reps=_REPS.value),
-            "matmul_ms": timed_ms(padded, x, table, reps=_REPS.value),
+            "plain_ms": median_ms(plain, x, table, reps=_REPS.value),
+            "matmul_ms": median_ms(padded, x, table, reps=_REPS.value),
         }
         rows.append(r)
         print(f"| {m} | {r['plain_ms']:.1f} | {r['matmul_ms']:.1f} |")

@@ -50,6 +50,20 @@ class CompileCounter:
         jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
+def median_ms(fn, *args, reps: int) -> float:
+    """Median wall ms of `reps` calls of fn(*args), each waited for, after one untimed call (the
+    compile): the micro-benchmarks' timer (experiments/one_row_dot.py, cpu_layer_loop.py)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1e3
+
+
 def cpu_name() -> str:
     """This machine's CPU as RESULTS.md names it: /proc/cpuinfo's model name, family and model
     (the dev VMs vary between sessions: Intel with AVX-512, AMD EPYC Zen 3 or Zen 4)."""

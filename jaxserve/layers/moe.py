@@ -151,9 +151,10 @@ def moe_mlp(
     e = w_gate.shape[0]
     mesh = jax.sharding.get_abstract_mesh()
     t = mesh.shape["model"] if "model" in mesh.axis_names else 1
-    if t > 1 and e % t == 0 or grouped == "ragged_dot":  # plain stacks in x.dtype
+    split = t > 1 and e % t == 0  # expert parallelism
+    if split or grouped == "ragged_dot":  # these take plain stacks in x.dtype
         w_gate, w_up, w_down = (expert_stack(w, x.dtype) for w in (w_gate, w_up, w_down))
-    if t > 1 and e % t == 0:
+    if split:
         return _expert_parallel(x, router_logits, w_gate, w_up, w_down, k, norm_topk_prob, grouped)
     weights, order, group_sizes = _dispatch(router_logits, k, norm_topk_prob, e)
     # (P, D), sorted by expert
