@@ -14,7 +14,7 @@ import numpy as np
 from flax import struct
 
 from jaxserve.layers.kv_cache import KVCache
-from jaxserve.layers.ragged_attention import ragged_decode_attention
+from jaxserve.layers.ragged_attention import prefill_attention, ragged_decode_attention
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_prefill as pp
 
@@ -115,7 +115,8 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     chunked-prefill kernel; both read the whole stacked pool at the traced `layer`, and a
     windowed layer's loop starts at its window's first page.
     'ragged' (XLA, the CPU default): decode over the step's live pages laid end to end
-    (`ragged_attention.py`, needs meta.num_flat_pages); prefill chunks use the reference.
+    (`ragged_attention.py`, needs meta.num_flat_pages); prefill chunks take its
+    `prefill_attention`, the reference laid out for the CPU's dots.
 
     window / softcap / scale go to every path unchanged (see `attention`). Decode paths take the
     query at kv_len - 1, which is the decode step's position (seq_len = position + 1).
@@ -139,6 +140,11 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
                 window > 0, lambda: ragged(small), lambda: ragged(meta.num_flat_pages)
             )
             return out[:, None]
+        if q.shape[1] > 1:
+            return prefill_attention(
+                q, cache.k, cache.v, meta.positions, meta.seq_lens, meta.page_table, layer,
+                cache.k_scale, cache.v_scale, **opts,
+            )  # fmt: skip
         impl = "reference"
     if impl in ("pallas", "pallas_interpret"):
         interpret = impl == "pallas_interpret"

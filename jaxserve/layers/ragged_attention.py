@@ -24,8 +24,15 @@ for them (then the windowed layers leave the rest of the bucket as masked paddin
 
 Equal to the reference up to f32 summation order (tests/layers/test_ragged_attention.py). A row with
 kv_len 0 owns no page and gets zeros, as in the reference. Quantized (int8/fp8) pools multiply the
-per-token scales in after the gather. Decode only (one query token per row); prefill chunks keep
-the reference.
+per-token scales in after the gather. Decode only (one query token per row).
+
+Prefill chunks (T > 1 query tokens per row) take `prefill_attention`: the reference's gather of
+each row's W pages and its masks, with the arrays laid out for XLA's CPU dots. The reference's
+einsums leave XLA to transpose the [B, KVH, G, T, S] scores and probabilities around its dots;
+here q is [B, KVH, G*T, D] and K, V are [B, KVH, S, D], so both dots batch over (B, KVH) and
+contract the last axes, the softmax runs along the scores' last axis, and the division by the
+softmax sum happens after the PV dot, on [.., D] instead of [.., S]. About 0.8x the reference's
+prefill step on SmolLM2 (RESULTS section 36).
 """
 
 from __future__ import annotations
@@ -84,6 +91,10 @@ def ragged_decode_attention(
 
     k = gather(k_pages, k_scale)
     v = gather(v_pages, v_scale)
+    # The barrier keeps XLA from fusing q's producers (the RoPE, with its sin/cos) into this
+    # gather, which would recompute them for each of the F flat pages instead of the B rows: on
+    # the CPU that fusion cost a fifth of a decode step (RESULTS section 36).
+    q = jax.lax.optimization_barrier(q)
     qf = q.astype(jnp.float32).reshape(b, kvh, g, d)[row]  # (F, KVH, G, D)
     s = jnp.einsum("fkgd,kfsd->fkgs", qf, k)  # (F, KVH, G, ps)
     s = s / jnp.sqrt(jnp.float32(d)) if scale is None else s * jnp.float32(scale)
@@ -103,3 +114,56 @@ def ragged_decode_attention(
     o = jax.ops.segment_sum(jnp.einsum("fkgs,kfsd->fkgd", p, v), **seg)[:b]  # (B, KVH, G, D)
     o = o / jnp.where(denom > 0, denom, 1.0)[..., None]
     return o.reshape(b, h, d).astype(q.dtype)
+
+
+def prefill_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    positions: jax.Array,
+    seq_lens: jax.Array,
+    page_table: jax.Array,
+    layer: jax.Array | int = 0,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    *,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """`paged_attention_reference` (same arguments, same result up to f32 summation order) with
+    the CPU layout of the module docstring: q [B, T, H, D] -> [B, T, H, D] in q.dtype."""
+    b, t, h, d = q.shape
+    kvh, ps = k_pages.shape[1], k_pages.shape[3]
+    g = h // kvh
+    s_len = page_table.shape[1] * ps
+
+    def gather(pages, scale):
+        x = pages[layer][:, page_table].astype(jnp.float32)  # (KVH, B, W, ps, D)
+        if scale is not None:
+            x = x * scale[layer][:, page_table][..., None]
+        return jnp.swapaxes(x.reshape(kvh, b, s_len, d), 0, 1)  # (B, KVH, S, D)
+
+    k = gather(k_pages, k_scale)
+    v = gather(v_pages, v_scale)
+    q = jax.lax.optimization_barrier(q)  # as in the decode path: RoPE is not fused into the copy
+    qf = q.astype(jnp.float32).reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4)  # (B,KVH,G,T,D)
+    batch = ((0, 1), (0, 1))
+    s = jax.lax.dot_general(qf.reshape(b, kvh, g * t, d), k, (((3,), (3,)), batch))  # (B,KVH,GT,S)
+    s = s / jnp.sqrt(jnp.float32(d)) if scale is None else s * jnp.float32(scale)
+    s = soft_cap(s, softcap).reshape(b, kvh, g, t, s_len)
+    s_idx = jnp.arange(s_len)
+    visible = (s_idx[None, None, :] <= positions[:, :, None]) & (
+        s_idx[None, None, :] < seq_lens[:, None, None]
+    )  # (B, T, S)
+    if window is not None:
+        visible &= s_idx[None, None, :] >= window_start(positions, window)[:, :, None]
+    visible = visible[:, None, None]  # (B, 1, 1, T, S)
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(visible, jnp.exp(s - m), 0.0)  # (B, KVH, G, T, S)
+    denom = jnp.sum(p, axis=-1)  # (B, KVH, G, T)
+    o = jax.lax.dot_general(p.reshape(b, kvh, g * t, s_len), v, (((3,), (2,)), batch))
+    o = o.reshape(b, kvh, g, t, d) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
