@@ -217,6 +217,16 @@ def apply_penalties(logits: jax.Array, state: SamplingState, num_generated: jax.
     return logits - state.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first index of the max; a NaN counts as the max, as in
+    jnp.argmax) -> i32[...]. As a max and a min of indices, two plain reductions: XLA's CPU argmax
+    (one variadic reduce) took 3.7 ms over [32, 49152] f32 against 1.0 ms for these (RESULTS
+    section 36)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where((x == m) | jnp.isnan(x), ids, x.shape[-1]), axis=-1)
+
+
 def _ordered_key(x: jax.Array) -> jax.Array:
     """f32 -> u32 whose unsigned order is the float order (the radix-sort key)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
@@ -343,7 +353,7 @@ def sample(
     penalized = jax.lax.cond(
         neutral, lambda: processed, lambda: apply_penalties(processed, state, num_generated)
     )
-    greedy_tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
+    greedy_tokens = first_argmax(penalized)
     greedy = state.temperature <= 0
     tokens = jax.lax.cond(
         jnp.all(greedy),
