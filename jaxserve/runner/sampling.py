@@ -217,16 +217,6 @@ def apply_penalties(logits: jax.Array, state: SamplingState, num_generated: jax.
     return logits - state.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
 
 
-def first_argmax(x: jax.Array) -> jax.Array:
-    """jnp.argmax over the last axis (the first index of the max; a NaN counts as the max, as in
-    jnp.argmax) -> i32[...]. As a max and a min of indices, two plain reductions: XLA's CPU argmax
-    (one variadic reduce) took 3.7 ms over [32, 49152] f32 against 1.0 ms for these (RESULTS
-    section 36)."""
-    m = jnp.max(x, axis=-1, keepdims=True)
-    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    return jnp.min(jnp.where((x == m) | jnp.isnan(x), ids, x.shape[-1]), axis=-1)
-
-
 def _ordered_key(x: jax.Array) -> jax.Array:
     """f32 -> u32 whose unsigned order is the float order (the radix-sort key)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
@@ -330,42 +320,53 @@ def sample(
             f"num_top_logprobs must be in [0, V={logits.shape[-1]}], got {num_top_logprobs}"
         )
     logits = logits.astype(jnp.float32)
-    s = logits.shape[0]
-    logits = jax.lax.cond(
-        jnp.any(state.constrained),
-        lambda: apply_grammar_mask(logits, state),
-        lambda: logits,
-    )
-    lse = jax.nn.logsumexp(logits, axis=-1)  # (S,)
     neutral = (
         jnp.all(state.repetition_penalty == 1.0)
         & jnp.all(state.presence_penalty == 0.0)
         & jnp.all(state.frequency_penalty == 0.0)
         & jnp.all(num_generated >= state.min_tokens)
     )
-    # The processor and penalty passes over [S, V] are skipped when no slot uses one (the common
-    # case).
-    processed = jax.lax.cond(
-        jnp.any(state.has_processors),
-        lambda: apply_logits_processors(logits, state),
-        lambda: logits,
+    plain = ~jnp.any(state.constrained) & ~jnp.any(state.has_processors) & neutral
+
+    def processed():  # grammar masks, then processors and penalties; each skipped when unused
+        masked = jax.lax.cond(
+            jnp.any(state.constrained), lambda: apply_grammar_mask(logits, state), lambda: logits
+        )
+        out = jax.lax.cond(
+            jnp.any(state.has_processors),
+            lambda: apply_logits_processors(masked, state),
+            lambda: masked,
+        )
+        out = jax.lax.cond(neutral, lambda: out, lambda: apply_penalties(out, state, num_generated))
+        return _sample_from(masked, out, state, num_generated, num_top_logprobs, want_top)
+
+    # The common step (no slot constrained, processed or penalized) reads the logits as they
+    # are: an identity branch of a cond copies its [S, V] operand, three of them ~3 ms a CPU
+    # step at [32, 49152].
+    return jax.lax.cond(
+        plain,
+        lambda: _sample_from(logits, logits, state, num_generated, num_top_logprobs, want_top),
+        processed,
     )
-    penalized = jax.lax.cond(
-        neutral, lambda: processed, lambda: apply_penalties(processed, state, num_generated)
-    )
-    greedy_tokens = first_argmax(penalized)
+
+
+def _sample_from(masked, penalized, state, num_generated, k: int, want_top) -> SampleOutput:
+    """`sample` after the logit passes: masked = the logits after the grammar mask (log-probs are
+    of these), penalized = after processors and penalties too (what the token is drawn from)."""
+    s = masked.shape[0]
+    lse = jax.nn.logsumexp(masked, axis=-1)  # (S,)
+    greedy_tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
     greedy = state.temperature <= 0
     tokens = jax.lax.cond(
         jnp.all(greedy),
         lambda: greedy_tokens,
         lambda: jnp.where(greedy, greedy_tokens, _sample_random(penalized, state, num_generated)),
     )
-    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
-    k = num_top_logprobs
+    chosen = jnp.take_along_axis(masked, tokens[:, None], axis=-1)[:, 0] - lse
 
     def top():
-        top_logits, top_ids = jax.lax.top_k(logits, k)
-        ranks = _ranks(logits - lse[:, None], chosen)
+        top_logits, top_ids = jax.lax.top_k(masked, k)
+        ranks = _ranks(masked - lse[:, None], chosen)
         return top_logits - lse[:, None], top_ids.astype(jnp.int32), ranks
 
     top_logprobs, top_ids, ranks = jax.lax.cond(

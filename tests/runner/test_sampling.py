@@ -62,18 +62,6 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
         sampling.sample(logits, state, jnp.zeros((S,), jnp.int32), V + 1)
 
 
-def test_first_argmax_is_jnp_argmax_with_ties_inf_and_nan():
-    x = np.array(jax.random.normal(jax.random.key(1), (6, 50)))
-    x[1, [4, 9, 30]] = 7.0  # a tie: the first
-    x[2] = -np.inf  # all masked: index 0, as jnp.argmax
-    x[3, [5, 12]] = np.nan  # a NaN counts as the max: the first NaN
-    x[4, 49] = np.inf
-    x[5, [0, 3]] = [np.inf, np.nan]
-    got = jax.jit(sampling.first_argmax)(jnp.asarray(x))
-    np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(x), axis=-1))
-    assert got.dtype == jnp.int32 and list(np.asarray(got)[1:5]) == [4, 0, 5, 49]
-
-
 def test_penalties_hand_computed():
     # Tokens 0..5 matter (the rest of the vocab sits at -5, never seen); the prompt holds token 1,
     # the request already generated 2, 2, 3 (before a preemption).
