@@ -217,6 +217,26 @@ def apply_penalties(logits: jax.Array, state: SamplingState, num_generated: jax.
     return logits - state.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
 
 
+def blocked_argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis of x [S, V] -> i32[S], in two levels: the first block of b
+    columns holding the row's max, then the first max within it. The same index as jnp.argmax
+    (first of ties; a NaN counts as the max). XLA's CPU argmax over the vocabulary is one
+    sequential variadic reduce; this is ~10x faster at [32, 49152] (RESULTS section 36). b is
+    the largest divisor of V in [64, 512]; without one, plain jnp.argmax."""
+    s, v = x.shape
+    b = next((b for b in range(512, 63, -1) if v % b == 0), None)
+    if b is None:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    blocks = x.reshape(s, v // b, b)
+    j = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)  # (S,) the first block with the max
+    block = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # (S, b)
+    idx = (j * b + jnp.argmax(block, axis=-1)).astype(jnp.int32)
+    # XLA's CPU max does not carry a NaN through, so a NaN row takes the plain argmax
+    return jax.lax.cond(
+        jnp.any(jnp.isnan(x)), lambda: jnp.argmax(x, axis=-1).astype(jnp.int32), lambda: idx
+    )
+
+
 def _ordered_key(x: jax.Array) -> jax.Array:
     """f32 -> u32 whose unsigned order is the float order (the radix-sort key)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
@@ -355,7 +375,7 @@ def _sample_from(masked, penalized, state, num_generated, k: int, want_top) -> S
     of these), penalized = after processors and penalties too (what the token is drawn from)."""
     s = masked.shape[0]
     lse = jax.nn.logsumexp(masked, axis=-1)  # (S,)
-    greedy_tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
+    greedy_tokens = blocked_argmax(penalized)
     greedy = state.temperature <= 0
     tokens = jax.lax.cond(
         jnp.all(greedy),

@@ -62,6 +62,21 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
         sampling.sample(logits, state, jnp.zeros((S,), jnp.int32), V + 1)
 
 
+@pytest.mark.parametrize("v", [50, 49152, 64 * 7])
+def test_blocked_argmax_is_jnp_argmax_with_ties_inf_and_nan(v):
+    """Blocks of 50 or 512 (or 448) columns; V = 50 has no block in [64, 512]: plain argmax."""
+    x = np.array(jax.random.normal(jax.random.key(1), (7, v)))
+    x[1, [4, 9, v - 1]] = 7.0  # a tie: the first
+    x[2] = -np.inf  # all masked: index 0
+    x[3, [5, v - 2]] = np.nan  # a NaN counts as the max: the first NaN
+    x[4, v - 1] = np.inf  # the max in the last block
+    x[5, [v // 2, 3]] = [np.inf, np.nan]
+    x[6, [v - 3, v - 2]] = 9.0  # a tie within the last block
+    got = jax.jit(sampling.blocked_argmax)(jnp.asarray(x))
+    np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(x), axis=-1))
+    assert got.dtype == jnp.int32 and list(np.asarray(got)[1:7]) == [4, 0, 5, v - 1, 3, v - 3]
+
+
 def test_penalties_hand_computed():
     # Tokens 0..5 matter (the rest of the vocab sits at -5, never seen); the prompt holds token 1,
     # the request already generated 2, 2, 3 (before a preemption).
