@@ -314,11 +314,11 @@ def _sample_random(logits: jax.Array, state: SamplingState, num_generated: jax.A
         logits,
     )
 
-    def draw(key_data, step, row):
+    def perturb(key_data, step, row):  # jax.random.categorical(key, row) is argmax of this
         key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
-        return jax.random.categorical(key, row)
+        return row + jax.random.gumbel(key, row.shape, row.dtype)
 
-    return jax.vmap(draw)(state.key_data, num_generated, logits).astype(jnp.int32)
+    return blocked_argmax(jax.vmap(perturb)(state.key_data, num_generated, logits))
 
 
 def sample(
