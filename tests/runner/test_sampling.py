@@ -196,14 +196,38 @@ def test_min_p_comes_before_top_p_as_in_vllm():
 
 
 def test_key_contract_fold_in_seed_and_step():
-    """token = categorical(fold_in(key(seed), num_generated), logits / T), nothing else."""
+    """token = the first index whose cumulative softmax(logits / T) exceeds u, u = uniform(
+    fold_in(key(seed), num_generated)), nothing else (checked in float64)."""
     logits = jax.random.normal(jax.random.key(1), (S, V))
     state = _uniform_state(S, V, temperature=0.7, key_data=[0, 99])
     steps = jnp.array([0, 5, 6, 1000, 1, 2, 3, 4], jnp.int32)
     tokens = SAMPLE(logits, state, steps, K).tokens
     for s in range(S):
-        key = jax.random.fold_in(jax.random.key(99), int(steps[s]))
-        assert int(tokens[s]) == int(jax.random.categorical(key, logits[s] / 0.7))
+        u = float(jax.random.uniform(jax.random.fold_in(jax.random.key(99), int(steps[s]))))
+        cum = np.cumsum(np.exp(_log_softmax(np.asarray(logits[s]) / 0.7)))
+        assert int(tokens[s]) == int(np.searchsorted(cum, u * cum[-1], side="right"))
+
+
+@pytest.mark.parametrize("v", [49152, 64 * 7, 50])
+def test_inverse_cdf_edges(v):
+    """Two-level blocks (512 or 448 wide) and one level (V = 50): u = 0 takes the first token of
+    positive weight, u just below 1 the last; zero weights are never drawn; a zero row gives 0."""
+    w = np.zeros((5, v), np.float32)
+    w[0, [3, 7, v - 5]] = [0.0, 2.0, 1.0]
+    w[1] = 1.0
+    w[2, v - 1] = 1e-30
+    w[3, [1, v // 2]] = 1.0
+    u = np.array([0.0, 1.0 - 2**-24, 0.5, 0.5, 0.3], np.float32)
+    got = np.asarray(jax.jit(sampling.inverse_cdf)(jnp.asarray(w), jnp.asarray(u)))
+    assert list(got) == [7, v - 1, v - 1, v // 2, 0]
+    rng = np.random.default_rng(0)
+    w = rng.exponential(size=(64, v)).astype(np.float32) * (rng.random((64, v)) < 0.3)
+    u = rng.random(64).astype(np.float32)
+    got = np.asarray(jax.jit(sampling.inverse_cdf)(jnp.asarray(w), jnp.asarray(u)))
+    cum = np.cumsum(w.astype(np.float64), axis=-1)
+    want = [np.searchsorted(c, x * c[-1], side="right") for c, x in zip(cum, u)]
+    assert (w[np.arange(64), got] > 0).all()
+    assert np.mean(got == np.asarray(want)) > 0.95  # f32 vs f64 sums differ only at rare edges
 
 
 def _pick_rows(mask, a, b):
