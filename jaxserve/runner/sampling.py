@@ -276,20 +276,30 @@ def _ordered_key(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _largest_key_rows(holds, num_rows: int) -> jax.Array:
+def _largest_key_rows(holds, num_rows: int, skip: jax.Array | bool = False) -> jax.Array:
     """Per row, the largest u32 t with holds(t) true, for holds monotone (true at 0, then false).
 
-    holds: u32[S] -> bool[S]. Bisection over the bits, most significant first: 32 passes.
+    holds: u32[S] -> bool[S]. Bisection over the bits, most significant first: 32 passes, none
+    when `skip` (bool[], traced; the result is then zeros). A loop that runs no pass, not a
+    `lax.cond`: on XLA's CPU backend this loop inside a conditional ran ~5x slower.
     """
 
-    def set_bit(i, t):  # (S,) -> (S,)
+    def set_bit(carry):  # (i, (S,)) -> (i + 1, (S,))
+        i, t = carry
         candidate = t | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
-        return jnp.where(holds(candidate), candidate, t)
+        return i + 1, jnp.where(holds(candidate), candidate, t)
 
-    return jax.lax.fori_loop(0, 32, set_bit, jnp.zeros((num_rows,), jnp.uint32))
+    start = (jnp.int32(0), jnp.zeros((num_rows,), jnp.uint32))
+    run = jnp.logical_not(skip)
+    return jax.lax.while_loop(lambda c: (c[0] < 32) & run, set_bit, start)[1]
 
 
-def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+TOP_CANDIDATES = 256  # `apply_top_k_top_p`'s sorted candidates per row (lax.top_k)
+
+
+def apply_top_k_top_p(
+    logits: jax.Array, top_k: jax.Array, top_p: jax.Array, candidates: int = TOP_CANDIDATES
+) -> jax.Array:
     """Masks (-inf) all but the k best, then all but the tokens vLLM's top-p keeps.
 
     logits f32[S, V] (already temperature-scaled); top_k i32[S] (0 = off); top_p f32[S] (1 = off).
@@ -298,24 +308,53 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     top-k-renormalized distribution sorted ascending (a stable sort: among equal logits the lower
     id comes first) and drops each token whose cumulative probability is <= 1 - p, so a token is
     kept iff the tokens after it hold less than p, and of a run of tied logits at the cut only as
-    many are kept as the mass needs (the higher ids). The cuts are threshold values found by
-    bisection on the ordered bits (no sort: 2 x 32 passes over [S, V], about 10x faster than
-    jnp.sort on CPU), then the tied run at the top-p cut is split by a cumulative count.
+    many are kept as the mass needs (the higher ids).
+
+    Both cuts are threshold values, then the tied run at the top-p cut is split by a cumulative
+    count. The thresholds come from each row's `candidates` largest logits (lax.top_k, sorted)
+    when they settle every row: k <= candidates, and the top-p cut falls on a value above the
+    last candidate's (so every token at or above it is a candidate). Otherwise (a flat
+    distribution, a large k; candidates=0 forces it) they are found by bisection on the ordered
+    bits over the whole row, 2 x 32 passes over [S, V]: at [32, 49152] on CPU ~60 ms against
+    ~15 ms for the candidates (RESULTS section 36), both exact.
     """
     s, v = logits.shape
     keys = _ordered_key(logits)  # (S, V)
     k = jnp.where((top_k <= 0) | (top_k > v), v, top_k)  # (S,)
+    rows = jnp.arange(s)
+
+    def renormalized(k_cut):  # the top-k set's distribution
+        return jax.nn.softmax(jnp.where(keys >= k_cut[:, None], logits, -jnp.inf), axis=-1)
 
     def enough_tokens(t):  # (S,) -> (S,): at least k tokens at or above t
         return jnp.sum(keys >= t[:, None], axis=-1) >= k
 
-    k_cut = _largest_key_rows(enough_tokens, s)  # (S,) = the k-th largest key
-    probs = jax.nn.softmax(jnp.where(keys >= k_cut[:, None], logits, -jnp.inf), axis=-1)
+    c = min(candidates, v)
+    if c:
+        values, ids = jax.lax.top_k(logits, c)  # (S, C), largest first
+        k_cut = jnp.where(k >= v, 0, _ordered_key(values[rows, jnp.minimum(k, c) - 1]))
+        k_settled = jnp.all((k >= v) | (k <= c))
+    else:
+        k_cut, k_settled = jnp.zeros((s,), jnp.uint32), False
+    k_cut = jnp.where(k_settled, k_cut, _largest_key_rows(enough_tokens, s, k_settled))
+    probs = renormalized(k_cut)  # (S, V)
 
     def enough_mass(t):  # (S,) -> (S,): the tokens at or above t hold at least top_p
         return jnp.sum(jnp.where(keys >= t[:, None], probs, 0.0), axis=-1) >= top_p
 
-    p_cut = jnp.where(top_p < 1.0, _largest_key_rows(enough_mass, s), 0)  # (S,); 0 keeps all
+    if c:
+        cum = jnp.cumsum(jnp.take_along_axis(probs, ids, axis=-1), axis=-1)  # (S, C)
+        r = jnp.sum(cum < top_p[:, None], axis=-1)  # the first candidate reaching top_p
+        at_r = values[rows, jnp.minimum(r, c - 1)]
+        p_cut = _ordered_key(at_r)
+        # the last candidate's value as a reduction: a slice of lax.top_k's output other than
+        # its first c columns turns XLA's CPU TopK back into a full sort of [S, V] (~10x slower)
+        last = jnp.min(values, axis=-1)
+        p_settled = jnp.all((top_p >= 1.0) | ((r < c) & (at_r > last)))
+    else:
+        p_cut, p_settled = jnp.zeros((s,), jnp.uint32), False
+    p_cut = jnp.where(p_settled, p_cut, _largest_key_rows(enough_mass, s, p_settled))
+    p_cut = jnp.where(top_p < 1.0, p_cut, 0)  # (S,); 0 keeps all
     # The run tied at p_cut, in id order: tied token j is followed (ascending, stable) by the
     # n - 1 - j tied ones of higher id and by every larger token; kept iff those hold < p.
     tied = keys == p_cut[:, None]  # (S, V)

@@ -364,7 +364,10 @@ def _top_k_top_p_reference(x, k, p):
     return keep
 
 
-def test_top_k_top_p_mask_matches_reference_with_ties_and_inf():
+@pytest.mark.parametrize("candidates", [0, 8, 64, sampling.TOP_CANDIDATES])
+def test_top_k_top_p_mask_matches_reference_with_ties_and_inf(candidates):
+    """The bisection (0), candidate sets too small for most rows (8: the bisection serves the
+    batch), and candidates that settle it (64, 256 >= V: a full sort)."""
     rng = np.random.default_rng(5)
     s, v = 16, 200
     x = np.round(rng.normal(size=(s, v)) * 3, 1).astype(np.float32)  # many ties
@@ -373,7 +376,11 @@ def test_top_k_top_p_mask_matches_reference_with_ties_and_inf():
     top_k[:3] = [0, 1, v]
     top_p = rng.uniform(0.05, 1.0, size=s).astype(np.float32)
     top_p[3:6] = 1.0
-    got = np.isfinite(jax.jit(sampling.apply_top_k_top_p)(x, top_k, top_p))
+    if candidates == 64:  # k within the candidates, and a peaked distribution for the top-p rows
+        top_k = np.minimum(top_k, 60)
+        x = x * 4
+    cut = jax.jit(sampling.apply_top_k_top_p, static_argnums=3)
+    got = np.isfinite(cut(x, top_k, top_p, candidates))
     for r in range(s):
         want = _top_k_top_p_reference(x[r].astype(np.float64), int(top_k[r]), float(top_p[r]))
         np.testing.assert_array_equal(got[r], want & np.isfinite(x[r]), err_msg=f"row {r}")
