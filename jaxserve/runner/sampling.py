@@ -13,13 +13,10 @@ Every per-request number (temperature, top-k, seeds, ...) is an array, so nothin
       -> repetition penalty on prompt | generated tokens (positive / rp, negative * rp)
       -> frequency (* count) and presence (* [count > 0]) penalties on generated tokens
       -> greedy slots (temperature 0): argmax                       (ties: lowest id)
-      -> others: / temperature -> min-p -> top-k -> top-p -> an inverse-CDF draw
+      -> others: / temperature -> min-p -> top-k -> top-p -> jax.random.categorical
 
-The key of slot s is fold_in(wrap_key_data(key_data[s]), num_generated[s]), and its token is the
-first index whose cumulative probability exceeds u * total, u = jax.random.uniform(key): one random
-number per slot (jax.random.categorical's Gumbel-max draws V of them, ~30 ms a CPU step at
-[32, 49152]). A slot's token depends only on its own logits row, parameters, seed and step, never
-on other slots or its index.
+The key of slot s is fold_in(wrap_key_data(key_data[s]), num_generated[s]): a slot's token depends
+only on its own logits row, parameters, seed and step, never on other slots or its index.
 `lax.cond` skips the random path when every slot is greedy, and the top-k/top-p threshold search
 when no sampling slot asks for it, and the allowed / bad-words / bias pass when no slot has one
 (`has_processors`). Log-probs are those of the raw model distribution (log_softmax
@@ -220,36 +217,6 @@ def apply_penalties(logits: jax.Array, state: SamplingState, num_generated: jax.
     return logits - state.presence_penalty[:, None] * (counts > 0).astype(jnp.float32)
 
 
-def _block(v: int) -> int | None:
-    """The block width of the two-level vocabulary passes: the largest divisor of V in [64, 512]."""
-    return next((b for b in range(512, 63, -1) if v % b == 0), None)
-
-
-def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
-    """Per row, the first index i with cumsum(weights)[i] > u * sum(weights): a draw from the
-    distribution weights / sum (weights f32[S, V] >= 0, u f32[S] in [0, 1)) -> i32[S]. Never an
-    index of zero weight (float rounding at the top end clamps to the last positive one); a row
-    of zeros gives 0. Two levels, as `blocked_argmax`: block sums, then within the chosen block,
-    so no cumulative sum runs over all of V."""
-    s, v = weights.shape
-    b = _block(v) or v
-    blocks = weights.reshape(s, v // b, b)
-
-    def first_above(cum, w, target):  # (S, N), (S, N), (S,) -> (S,)
-        n = jnp.sum(cum <= target[:, None], axis=-1)  # cum is non-decreasing
-        last = jnp.max(jnp.where(w > 0, jnp.arange(w.shape[-1]), 0), axis=-1)
-        return jnp.minimum(n, last)
-
-    sums = jnp.sum(blocks, axis=-1)  # (S, V / b)
-    cum = jnp.cumsum(sums, axis=-1)
-    target = u * cum[:, -1]
-    j = first_above(cum, sums, target)  # (S,) the block
-    row = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # (S, b)
-    before = jnp.take_along_axis(cum - sums, j[:, None], axis=1)[:, 0]
-    i = first_above(jnp.cumsum(row, axis=-1), row, jnp.maximum(target - before, 0.0))
-    return (j * b + i).astype(jnp.int32)
-
-
 def blocked_argmax(x: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis of x [S, V] -> i32[S], in two levels: the first block of b
     columns holding the row's max, then the first max within it. The same index as jnp.argmax
@@ -257,7 +224,7 @@ def blocked_argmax(x: jax.Array) -> jax.Array:
     sequential variadic reduce; this is ~10x faster at [32, 49152] (RESULTS section 36). b is
     the largest divisor of V in [64, 512]; without one, plain jnp.argmax."""
     s, v = x.shape
-    b = _block(v)
+    b = next((b for b in range(512, 63, -1) if v % b == 0), None)
     if b is None:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     blocks = x.reshape(s, v // b, b)
@@ -276,30 +243,20 @@ def _ordered_key(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _largest_key_rows(holds, num_rows: int, skip: jax.Array | bool = False) -> jax.Array:
+def _largest_key_rows(holds, num_rows: int) -> jax.Array:
     """Per row, the largest u32 t with holds(t) true, for holds monotone (true at 0, then false).
 
-    holds: u32[S] -> bool[S]. Bisection over the bits, most significant first: 32 passes, none
-    when `skip` (bool[], traced; the result is then zeros). A loop that runs no pass, not a
-    `lax.cond`: on XLA's CPU backend this loop inside a conditional ran ~5x slower.
+    holds: u32[S] -> bool[S]. Bisection over the bits, most significant first: 32 passes.
     """
 
-    def set_bit(carry):  # (i, (S,)) -> (i + 1, (S,))
-        i, t = carry
+    def set_bit(i, t):  # (S,) -> (S,)
         candidate = t | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
-        return i + 1, jnp.where(holds(candidate), candidate, t)
+        return jnp.where(holds(candidate), candidate, t)
 
-    start = (jnp.int32(0), jnp.zeros((num_rows,), jnp.uint32))
-    run = jnp.logical_not(skip)
-    return jax.lax.while_loop(lambda c: (c[0] < 32) & run, set_bit, start)[1]
+    return jax.lax.fori_loop(0, 32, set_bit, jnp.zeros((num_rows,), jnp.uint32))
 
 
-TOP_CANDIDATES = 256  # `apply_top_k_top_p`'s sorted candidates per row (lax.top_k)
-
-
-def apply_top_k_top_p(
-    logits: jax.Array, top_k: jax.Array, top_p: jax.Array, candidates: int = TOP_CANDIDATES
-) -> jax.Array:
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Masks (-inf) all but the k best, then all but the tokens vLLM's top-p keeps.
 
     logits f32[S, V] (already temperature-scaled); top_k i32[S] (0 = off); top_p f32[S] (1 = off).
@@ -308,53 +265,24 @@ def apply_top_k_top_p(
     top-k-renormalized distribution sorted ascending (a stable sort: among equal logits the lower
     id comes first) and drops each token whose cumulative probability is <= 1 - p, so a token is
     kept iff the tokens after it hold less than p, and of a run of tied logits at the cut only as
-    many are kept as the mass needs (the higher ids).
-
-    Both cuts are threshold values, then the tied run at the top-p cut is split by a cumulative
-    count. The thresholds come from each row's `candidates` largest logits (lax.top_k, sorted)
-    when they settle every row: k <= candidates, and the top-p cut falls on a value above the
-    last candidate's (so every token at or above it is a candidate). Otherwise (a flat
-    distribution, a large k; candidates=0 forces it) they are found by bisection on the ordered
-    bits over the whole row, 2 x 32 passes over [S, V]: at [32, 49152] on CPU ~60 ms against
-    ~15 ms for the candidates (RESULTS section 36), both exact.
+    many are kept as the mass needs (the higher ids). The cuts are threshold values found by
+    bisection on the ordered bits (no sort: 2 x 32 passes over [S, V], about 10x faster than
+    jnp.sort on CPU), then the tied run at the top-p cut is split by a cumulative count.
     """
     s, v = logits.shape
     keys = _ordered_key(logits)  # (S, V)
     k = jnp.where((top_k <= 0) | (top_k > v), v, top_k)  # (S,)
-    rows = jnp.arange(s)
-
-    def renormalized(k_cut):  # the top-k set's distribution
-        return jax.nn.softmax(jnp.where(keys >= k_cut[:, None], logits, -jnp.inf), axis=-1)
 
     def enough_tokens(t):  # (S,) -> (S,): at least k tokens at or above t
         return jnp.sum(keys >= t[:, None], axis=-1) >= k
 
-    c = min(candidates, v)
-    if c:
-        values, ids = jax.lax.top_k(logits, c)  # (S, C), largest first
-        k_cut = jnp.where(k >= v, 0, _ordered_key(values[rows, jnp.minimum(k, c) - 1]))
-        k_settled = jnp.all((k >= v) | (k <= c))
-    else:
-        k_cut, k_settled = jnp.zeros((s,), jnp.uint32), False
-    k_cut = jnp.where(k_settled, k_cut, _largest_key_rows(enough_tokens, s, k_settled))
-    probs = renormalized(k_cut)  # (S, V)
+    k_cut = _largest_key_rows(enough_tokens, s)  # (S,) = the k-th largest key
+    probs = jax.nn.softmax(jnp.where(keys >= k_cut[:, None], logits, -jnp.inf), axis=-1)
 
     def enough_mass(t):  # (S,) -> (S,): the tokens at or above t hold at least top_p
         return jnp.sum(jnp.where(keys >= t[:, None], probs, 0.0), axis=-1) >= top_p
 
-    if c:
-        cum = jnp.cumsum(jnp.take_along_axis(probs, ids, axis=-1), axis=-1)  # (S, C)
-        r = jnp.sum(cum < top_p[:, None], axis=-1)  # the first candidate reaching top_p
-        at_r = values[rows, jnp.minimum(r, c - 1)]
-        p_cut = _ordered_key(at_r)
-        # the last candidate's value as a reduction: a slice of lax.top_k's output other than
-        # its first c columns turns XLA's CPU TopK back into a full sort of [S, V] (~10x slower)
-        last = jnp.min(values, axis=-1)
-        p_settled = jnp.all((top_p >= 1.0) | ((r < c) & (at_r > last)))
-    else:
-        p_cut, p_settled = jnp.zeros((s,), jnp.uint32), False
-    p_cut = jnp.where(p_settled, p_cut, _largest_key_rows(enough_mass, s, p_settled))
-    p_cut = jnp.where(top_p < 1.0, p_cut, 0)  # (S,); 0 keeps all
+    p_cut = jnp.where(top_p < 1.0, _largest_key_rows(enough_mass, s), 0)  # (S,); 0 keeps all
     # The run tied at p_cut, in id order: tied token j is followed (ascending, stable) by the
     # n - 1 - j tied ones of higher id and by every larger token; kept iff those hold < p.
     tied = keys == p_cut[:, None]  # (S, V)
@@ -369,7 +297,7 @@ def apply_top_k_top_p(
 
 
 def _sample_random(logits: jax.Array, state: SamplingState, num_generated: jax.Array) -> jax.Array:
-    """vLLM v1's order: temperature, min-p, top-k, top-p, then an inverse-CDF draw per slot.
+    """vLLM v1's order: temperature, min-p, top-k, top-p, then a categorical draw per slot.
     f32[S, V] -> i32[S]."""
     temperature = jnp.where(state.temperature > 0, state.temperature, 1.0)
     logits = logits / temperature[:, None]
@@ -386,13 +314,11 @@ def _sample_random(logits: jax.Array, state: SamplingState, num_generated: jax.A
         logits,
     )
 
-    def uniform(key_data, step):
-        return jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(key_data), step))
+    def perturb(key_data, step, row):  # jax.random.categorical(key, row) is argmax of this
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
+        return row + jax.random.gumbel(key, row.shape, row.dtype)
 
-    u = jax.vmap(uniform)(state.key_data, num_generated)  # (S,)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    weights = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))  # -inf -> 0
-    return inverse_cdf(weights, u)
+    return blocked_argmax(jax.vmap(perturb)(state.key_data, num_generated, logits))
 
 
 def sample(
@@ -432,16 +358,13 @@ def sample(
             lambda: masked,
         )
         out = jax.lax.cond(neutral, lambda: out, lambda: apply_penalties(out, state, num_generated))
-        return _sample_from(masked, out, state, num_generated, num_top_logprobs, want_top)
+        return masked, out
 
-    # The common step (no slot constrained, processed or penalized) reads the logits as they
-    # are: an identity branch of a cond copies its [S, V] operand, three of them ~3 ms a CPU
-    # step at [32, 49152].
-    return jax.lax.cond(
-        plain,
-        lambda: _sample_from(logits, logits, state, num_generated, num_top_logprobs, want_top),
-        processed,
-    )
+    # One cond around the passes: the common step (no slot constrained, processed or penalized)
+    # takes one identity branch, not three (each copies its [S, V] operand, ~1 ms a CPU step at
+    # [32, 49152]); the draw after it is traced once (in both branches it doubled the compile).
+    masked, penalized = jax.lax.cond(plain, lambda: (logits, logits), processed)
+    return _sample_from(masked, penalized, state, num_generated, num_top_logprobs, want_top)
 
 
 def _sample_from(masked, penalized, state, num_generated, k: int, want_top) -> SampleOutput:

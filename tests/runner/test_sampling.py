@@ -196,38 +196,14 @@ def test_min_p_comes_before_top_p_as_in_vllm():
 
 
 def test_key_contract_fold_in_seed_and_step():
-    """token = the first index whose cumulative softmax(logits / T) exceeds u, u = uniform(
-    fold_in(key(seed), num_generated)), nothing else (checked in float64)."""
+    """token = categorical(fold_in(key(seed), num_generated), logits / T), nothing else."""
     logits = jax.random.normal(jax.random.key(1), (S, V))
     state = _uniform_state(S, V, temperature=0.7, key_data=[0, 99])
     steps = jnp.array([0, 5, 6, 1000, 1, 2, 3, 4], jnp.int32)
     tokens = SAMPLE(logits, state, steps, K).tokens
     for s in range(S):
-        u = float(jax.random.uniform(jax.random.fold_in(jax.random.key(99), int(steps[s]))))
-        cum = np.cumsum(np.exp(_log_softmax(np.asarray(logits[s]) / 0.7)))
-        assert int(tokens[s]) == int(np.searchsorted(cum, u * cum[-1], side="right"))
-
-
-@pytest.mark.parametrize("v", [49152, 64 * 7, 50])
-def test_inverse_cdf_edges(v):
-    """Two-level blocks (512 or 448 wide) and one level (V = 50): u = 0 takes the first token of
-    positive weight, u just below 1 the last; zero weights are never drawn; a zero row gives 0."""
-    w = np.zeros((5, v), np.float32)
-    w[0, [3, 7, v - 5]] = [0.0, 2.0, 1.0]
-    w[1] = 1.0
-    w[2, v - 1] = 1e-30
-    w[3, [1, v // 2]] = 1.0
-    u = np.array([0.0, 1.0 - 2**-24, 0.5, 0.5, 0.3], np.float32)
-    got = np.asarray(jax.jit(sampling.inverse_cdf)(jnp.asarray(w), jnp.asarray(u)))
-    assert list(got) == [7, v - 1, v - 1, v // 2, 0]
-    rng = np.random.default_rng(0)
-    w = rng.exponential(size=(64, v)).astype(np.float32) * (rng.random((64, v)) < 0.3)
-    u = rng.random(64).astype(np.float32)
-    got = np.asarray(jax.jit(sampling.inverse_cdf)(jnp.asarray(w), jnp.asarray(u)))
-    cum = np.cumsum(w.astype(np.float64), axis=-1)
-    want = [np.searchsorted(c, x * c[-1], side="right") for c, x in zip(cum, u)]
-    assert (w[np.arange(64), got] > 0).all()
-    assert np.mean(got == np.asarray(want)) > 0.95  # f32 vs f64 sums differ only at rare edges
+        key = jax.random.fold_in(jax.random.key(99), int(steps[s]))
+        assert int(tokens[s]) == int(jax.random.categorical(key, logits[s] / 0.7))
 
 
 def _pick_rows(mask, a, b):
@@ -364,10 +340,7 @@ def _top_k_top_p_reference(x, k, p):
     return keep
 
 
-@pytest.mark.parametrize("candidates", [0, 8, 64, sampling.TOP_CANDIDATES])
-def test_top_k_top_p_mask_matches_reference_with_ties_and_inf(candidates):
-    """The bisection (0), candidate sets too small for most rows (8: the bisection serves the
-    batch), and candidates that settle it (64, 256 >= V: a full sort)."""
+def test_top_k_top_p_mask_matches_reference_with_ties_and_inf():
     rng = np.random.default_rng(5)
     s, v = 16, 200
     x = np.round(rng.normal(size=(s, v)) * 3, 1).astype(np.float32)  # many ties
@@ -376,11 +349,7 @@ def test_top_k_top_p_mask_matches_reference_with_ties_and_inf(candidates):
     top_k[:3] = [0, 1, v]
     top_p = rng.uniform(0.05, 1.0, size=s).astype(np.float32)
     top_p[3:6] = 1.0
-    if candidates == 64:  # k within the candidates, and a peaked distribution for the top-p rows
-        top_k = np.minimum(top_k, 60)
-        x = x * 4
-    cut = jax.jit(sampling.apply_top_k_top_p, static_argnums=3)
-    got = np.isfinite(cut(x, top_k, top_p, candidates))
+    got = np.isfinite(jax.jit(sampling.apply_top_k_top_p)(x, top_k, top_p))
     for r in range(s):
         want = _top_k_top_p_reference(x[r].astype(np.float64), int(top_k[r]), float(top_p[r]))
         np.testing.assert_array_equal(got[r], want & np.isfinite(x[r]), err_msg=f"row {r}")
