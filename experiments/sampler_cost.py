@@ -3,8 +3,7 @@ at the decode step's shape [slots, vocab] (SmolLM2: 32 x 49152), f32 logits, no 
 
 Settings: greedy, temperature 0.7, top-k 50, top-p 0.9 and vLLM-style "filtered" (temperature 0.9,
 top-k 20, top-p 0.95, min-p 0.05), each on two logit distributions: "flat" (i.i.d. N(0, 3^2)) and
-"zipf" (logit = -1.1 log(rank) + N(0, 0.1^2), a shuffled Zipf law like a language model's, whose
-top-p nucleus at these temperatures lies within the 256 candidates `apply_top_k_top_p` takes).
+"zipf" (logit = -1.1 log(rank) + N(0, 0.1^2), a shuffled Zipf law like a language model's).
 
 --baseline_tree DIR also loads DIR/jaxserve/runner/sampling.py (e.g. a `git worktree` of an
 earlier commit) and times it in turn with the current one (ABBA order, same inputs).
