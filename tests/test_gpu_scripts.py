@@ -8,6 +8,7 @@ step runs (checks, timings, tables, JSON), only the shapes and the backend diffe
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# XLA's CPU backend at LLVM -O0 (gpu_tp.py adds its device count to these flags): compiling is
+# most of a smoke run's time, and -O0 leaves every program's HLO unchanged; each script's checks
+# compare programs compiled alike, in the same run.
+XLA_FLAGS = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+ENV = {**os.environ, "XLA_FLAGS": XLA_FLAGS}
 
 
 @pytest.mark.parametrize(
@@ -25,6 +31,7 @@ def test_gpu_script_smoke(tmp_path, script, checks):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / script), "--smoke", "--out", str(tmp_path)],
         cwd=ROOT,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=600,
@@ -49,6 +56,7 @@ def test_gpu_tp_smoke(tmp_path):
             str(tmp_path),
         ],
         cwd=ROOT,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=600,

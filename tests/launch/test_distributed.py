@@ -40,7 +40,10 @@ def _cmd(inp, out):
 
 
 def _start(inp, out, extra, devices, log):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    # XLA's CPU backend at LLVM -O0 in every run (the reference too): compiling is most of each
+    # run's time, and -O0 leaves the programs' HLO, sharding and collectives unchanged
+    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    env = {**os.environ, "XLA_FLAGS": flags}
     cmd = [*_cmd(inp, out), *ENGINE, *extra]
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 

@@ -1,5 +1,5 @@
 """Multi-device cases, run in a subprocess with N host CPU devices (`run_cases` in
-test_tensor_parallel.py): `python parallel_cases.py N CASE...` prints one JSON object with each
+parallel_testing.py): `python parallel_cases.py N CASE...` prints one JSON object with each
 case's result (or its error), so one jax start-up serves many cases.
 
 Every case compares a sharded run with the one-device run of the same model in the same process.
@@ -13,8 +13,13 @@ import sys
 import time
 import traceback
 
+# N host CPU devices, and XLA's CPU backend at LLVM -O0: every case compares programs compiled
+# alike (sharded and one-device, in this process), and compiling is most of each case's time
+# (-O0 cuts it by about a third; the programs' HLO, sharding and collectives are unchanged).
+XLA_FLAGS = "--xla_force_host_platform_device_count={} --xla_backend_optimization_level=0"
+
 if __name__ == "__main__":  # before jax is imported
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[1]}"
+    os.environ["XLA_FLAGS"] = XLA_FLAGS.format(sys.argv[1])
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -62,6 +67,9 @@ def _logits(params, config, tokens, mesh, impl=REFERENCE_IMPL):
         return np.asarray(jax.jit(run)(params, tokens, meta))
 
 
+_REF_LOGITS: dict = {}  # one-device logits per family
+
+
 def case_logits(t: int, families=FAMILIES, moe_matmul: str = "ragged_dot") -> dict:
     """Max |sharded - one-device| f32 logits of each tiny golden family at tensor parallel t
     (the sharded run's MoE layers on `moe_matmul`, the one-device run's on 'ragged_dot')."""
@@ -69,7 +77,9 @@ def case_logits(t: int, families=FAMILIES, moe_matmul: str = "ragged_dot") -> di
     for fam in families:
         config, params = hf.load_hf_dir(os.path.join(GOLDEN, fam), "float32")
         tokens = jnp.asarray(np.load(os.path.join(GOLDEN, fam, "logits.npz"))["tokens"])
-        ref = _logits(params, config, tokens, None)
+        if fam not in _REF_LOGITS:  # the same one-device run for every t
+            _REF_LOGITS[fam] = _logits(params, config, tokens, None)
+        ref = _REF_LOGITS[fam]
         mesh = make_mesh(t, 1)
         p2, c2 = partition.replicate_kv_heads(params, config, t)
         p2 = partition.shard_params(p2, c2, mesh)
@@ -84,6 +94,7 @@ def _greedy(llm, prompts, max_tokens=10):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+GREEDY_PROMPTS = PROMPTS + [PROMPTS[3][::-1], PROMPTS[0][::-1]]  # [9] * 20 twice: a prefix hit
 _REFERENCE: dict = {}  # one-device greedy tokens per model (and quantization)
 # Settings that never change greedy tokens (f32: preemption, prefix caching and the pool size give
 # the same tokens, tests/runner and tests/core check that), so one reference serves them all.
@@ -93,10 +104,10 @@ _SAME_TOKENS = ("tensor_parallel_size", "data_parallel_size", "num_pages", "enab
 def case_greedy(model: str, **settings) -> dict:
     """Greedy tokens of the engine under `settings` (tensor/data parallel sizes, pages, prefix
     caching) against the one-device engine's."""
-    base = dict(dtype="float32", num_slots=4, max_model_len=64, page_size=4)
+    base = dict(dtype="float32", num_slots=4, max_model_len=64, page_size=8)
     if not os.path.isdir(model):
         base["load_format"] = "dummy"
-    prompts = PROMPTS + [PROMPTS[3][::-1], PROMPTS[0][::-1]]  # [9] * 20 twice: a prefix hit
+    prompts = GREEDY_PROMPTS
     one = {k: v for k, v in settings.items() if k not in _SAME_TOKENS}
     key = (model, tuple(sorted(one.items())))
     if key not in _REFERENCE:
@@ -129,26 +140,43 @@ def case_never_fit_dp2() -> dict:
     return {"message": out.error, "finish_reason": out.outputs[0].finish_reason}
 
 
-def case_logprobs(model: str, **settings) -> dict:
-    """Max |sharded - one device| of the f32 log-probs (sampled tokens' top 5 and every prompt
-    token's): the logits comparison of data parallelism, through the engine."""
+def _logprobs(llm) -> list[tuple[int, float]]:
+    """(token, f32 log-prob) of every prompt token's and each sampled token's top 5, in order:
+    greedy requests asking for both (prompt log-probs bypass the prefix cache: always computed)."""
     sp = SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=1
     )
     prompts = [{"prompt_token_ids": p} for p in (PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[4])]
+    vals = []
+    for o in llm.generate(prompts, sp, use_tqdm=False):
+        for step in [*o.prompt_logprobs[1:], *o.outputs[0].logprobs]:
+            vals += sorted((t, lp.logprob) for t, lp in step.items())
+    return vals
 
-    def run(**extra):
-        llm = LLM(model, dtype="float32", num_slots=4, max_model_len=64, page_size=4, **extra)
-        vals = []
-        for o in llm.generate(prompts, sp, use_tqdm=False):
-            for step in [*o.prompt_logprobs[1:], *o.outputs[0].logprobs]:
-                vals += sorted((t, lp.logprob) for t, lp in step.items())
-        return vals
 
-    ref, got = run(), run(**settings)
+def case_warm_tp_dp(model: str, t: int, d: int) -> dict:
+    """One engine at tensor parallel t x data parallel d, built with warmup=True, against an
+    unwarmed one-device engine, both serving in turn: the greedy prompts (`equal`: the same
+    tokens), the log-probs requests (`same_tokens`, `max_diff`: max |sharded - one device| of the
+    f32 log-probs, the logits comparison of data parallelism through the engine) and 10 short
+    requests on the 4 slots; `compilations`: XLA compilations of the warmed engine after its
+    warm-up, through all three (must be 0). Pages of 8 and 2 prefill chunks per step keep the
+    warm-up's programs few (4 page-table widths x 3 prefill variants)."""
+    from jaxserve.bench.core import CompileCounter
+
+    kw = dict(dtype="float32", num_slots=4, max_model_len=64, page_size=8)
+    kw["max_num_batched_tokens"] = 128  # 2 chunks of 64
+    ref = LLM(model, **kw)
+    llm = LLM(model, **kw, tensor_parallel_size=t, data_parallel_size=d, warmup=True)
+    with CompileCounter() as cc:
+        got_tokens, got_lps = _greedy(llm, GREEDY_PROMPTS), _logprobs(llm)
+        _greedy(llm, [p[:12] for p in PROMPTS] * 2, max_tokens=6)
+    ref_tokens, ref_lps = _greedy(ref, GREEDY_PROMPTS), _logprobs(ref)
     return {
-        "same_tokens": [t for t, _ in ref] == [t for t, _ in got],
-        "max_diff": max(abs(a[1] - b[1]) for a, b in zip(ref, got)),
+        "equal": got_tokens == ref_tokens,
+        "same_tokens": [tok for tok, _ in ref_lps] == [tok for tok, _ in got_lps],
+        "max_diff": max(abs(a[1] - b[1]) for a, b in zip(ref_lps, got_lps)),
+        "compilations": cc.count,
     }
 
 
@@ -284,25 +312,6 @@ def case_expert_split(t: int) -> dict:
     return out
 
 
-def case_no_recompile(**settings) -> dict:
-    """Compilations during generate after warm-up (must be 0)."""
-    from jaxserve.bench.core import CompileCounter
-
-    llm = LLM(
-        "tiny",
-        load_format="dummy",
-        dtype="float32",
-        num_slots=4,
-        max_model_len=32,
-        page_size=8,
-        warmup=True,
-        **settings,
-    )
-    with CompileCounter() as cc:
-        _greedy(llm, [p[:12] for p in PROMPTS] * 2, max_tokens=6)
-    return {"compilations": cc.count}
-
-
 CASES = {
     "logits_tp1": lambda: case_logits(1),  # the sharded code path on a 1-device mesh
     "logits_tp2": lambda: case_logits(2),
@@ -310,18 +319,14 @@ CASES = {
     "greedy_tp2": lambda: case_greedy(os.path.join(GOLDEN, "qwen2"), tensor_parallel_size=2),
     "greedy_tp4": lambda: case_greedy(os.path.join(GOLDEN, "mistral"), tensor_parallel_size=4),
     "greedy_dp2": lambda: case_greedy("tiny", data_parallel_size=2),
-    "greedy_tp2_dp2": lambda: case_greedy(
-        os.path.join(GOLDEN, "llama31"), tensor_parallel_size=2, data_parallel_size=2
-    ),
-    # 10 pages of 4 tokens per shard: every request fits alone (the longest needs 9 pages), but
-    # two long ones on a shard preempt one another
-    "preempt_dp2": lambda: case_greedy("tiny", data_parallel_size=2, num_pages=20),
+    # greedy tokens, log-probs and no compilation after warm-up: one warmed engine (Llama 3.1)
+    "warm_tp2_dp2": lambda: case_warm_tp_dp(os.path.join(GOLDEN, "llama31"), 2, 2),
+    # 5 pages of 8 tokens per shard: every request fits alone (the longest, 25 + 10 tokens, needs
+    # 5 pages), but two long ones on a shard preempt one another
+    "preempt_dp2": lambda: case_greedy("tiny", data_parallel_size=2, num_pages=10),
     "never_fit_dp2": case_never_fit_dp2,
     "prefix_cache_dp2": lambda: case_greedy(
         "tiny", data_parallel_size=2, enable_prefix_caching=True
-    ),
-    "logprobs_tp2_dp2": lambda: case_logprobs(
-        os.path.join(GOLDEN, "mistral"), tensor_parallel_size=2, data_parallel_size=2
     ),
     "staged_load_tp2": lambda: case_staged_load(2),
     "int4_rtn_tp2": lambda: case_int4_checkpoint(2),
@@ -340,7 +345,6 @@ CASES = {
     ),
     "param_bytes_tp2": lambda: case_param_bytes(2),
     "param_bytes_tp4": lambda: case_param_bytes(4),
-    "no_recompile_tp2_dp2": lambda: case_no_recompile(tensor_parallel_size=2, data_parallel_size=2),
 }
 
 
