@@ -36,7 +36,7 @@ __all__ = [
 
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-ATTENTION_IMPLS = ("auto", "ragged", "reference", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = ("auto", "cpu_kernel", "ragged", "reference", "pallas", "pallas_interpret")
 LOAD_FORMATS = ("auto", "dummy")
 BATCHINGS = ("continuous", "static")
 
@@ -132,9 +132,12 @@ class EngineConfig:
     )
     attention_impl: str = _setting(
         "auto",
-        "Attention implementation: auto = the Pallas kernels on GPU, ragged elsewhere; ragged = "
-        "XLA decode attention over the step's live pages (its cost follows the live tokens; "
-        "prefill chunks use the reference); reference = the jnp gather reference for everything; "
+        "Attention implementation: auto = the Pallas kernels on GPU, cpu_kernel on CPU when the "
+        "C++ kernel compiles there, else ragged; cpu_kernel = decode through the C++ CPU kernel "
+        "(cpu_kernels/, compiled on first use with $CXX, default g++), prefill chunks as ragged; "
+        "ragged = XLA decode attention over the step's live pages (its cost follows the live "
+        "tokens; prefill chunks use a CPU layout of the reference); reference = the jnp gather "
+        "reference for everything; "
         "pallas = the Pallas kernels; pallas_interpret = the Pallas kernels in interpret mode "
         "(CPU tests). Default: auto.",
         ATTENTION_IMPLS,

@@ -7,9 +7,11 @@ that lowers a GPU engine's steps on this CPU). Nothing below it asks the backend
 kernels get their implementation as static arguments (`ModelImpl`), and the runner and scheduler
 get their shape buckets from here. The choices:
 
-    attention      auto -> 'pallas' (Triton kernels) on GPU, 'ragged' elsewhere (XLA decode over
-                   the step's live pages, its cost following the live tokens; prefill chunks use
-                   the jnp reference)
+    attention      auto -> 'pallas' (Triton kernels) on GPU; on CPU 'cpu_kernel' (decode through
+                   the C++ kernel of `cpu_kernels/`, read in place from the pool; RESULTS.md
+                   section 37) when it built here, else 'ragged' (XLA decode over the step's live
+                   pages, its cost following the live tokens); prefill chunks take
+                   `ragged_attention.prefill_attention` on CPU
     int4 matmul    'pallas' (the fused dequantize-matmul kernel) on GPU, 'xla' elsewhere
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
                    1.17-1.42x faster on decode-sized batches; RESULTS.md section 21), else 'in_out'
@@ -22,6 +24,8 @@ get their shape buckets from here. The choices:
     widths         page-table width buckets (powers of two of pages, capped at max_pages_per_seq)
     prefill rows   prefill row buckets (powers of two of chunks up to the step's chunk budget)
     flat buckets   'ragged' decode: live-page buckets per slot bucket (powers of two from 8)
+                   ('cpu_kernel' decode: one program per slot bucket, the whole page table, since
+                   its cost follows each row's own pages whatever the table's width)
 
 Host only: no jax import (tests/core/test_host_only.py imports core/, which imports this).
 """
@@ -38,7 +42,8 @@ from jaxserve.core.sampling_params import MAX_LOGPROBS
 class ModelImpl:
     """What a traced model needs to know of the backend (hashable: a static jit argument)."""
 
-    attention: str = "reference"  # 'pallas' | 'pallas_interpret' | 'ragged' | 'reference'
+    # 'pallas' | 'pallas_interpret' | 'ragged' | 'cpu_kernel' | 'reference'
+    attention: str = "reference"
     min_matmul_rows: int = 1  # plain matmuls of fewer rows are padded up to this
     moe_matmul: str = "ragged_dot"  # 'ragged_dot' | 'tiled': `layers/moe.py`'s grouped path
 
@@ -121,6 +126,9 @@ class Resolved:
             if live > flat[-1]:  # cannot happen: each row holds at most max_pages
                 raise ValueError(f"{live} live pages exceed the step's {flat[-1]}")
             return DecodeShape(rows, self.max_pages, bucket_for(live, flat), self.num_top)
+        if self.model.attention == "cpu_kernel":
+            self.width_for(max(pages))  # checks max_pages_per_seq
+            return DecodeShape(rows, self.max_pages, 0, self.num_top)
         return DecodeShape(rows, self.width_for(max(pages)), 0, self.num_top)
 
     def prefill_shape(self, num_chunks: int, num_pages: int, prompt_logprobs: bool) -> PrefillShape:
@@ -139,6 +147,8 @@ class Resolved:
                 for b in self.slot_buckets
                 for f in self.flat_buckets(b)
             ]
+        if self.model.attention == "cpu_kernel":
+            return [DecodeShape(b, self.max_pages, 0, self.num_top) for b in self.slot_buckets]
         return [DecodeShape(b, w, 0, self.num_top) for b in self.slot_buckets for w in self.widths]
 
     def prefill_shapes(self) -> list[PrefillShape]:
@@ -150,15 +160,32 @@ class Resolved:
         return out
 
 
-def resolve(engine_config: EngineConfig, model_config: ModelConfig, backend: str) -> Resolved:
-    """The engine's choices on `backend` ('cpu', 'gpu', ...), from its filled EngineConfig."""
+def resolve(
+    engine_config: EngineConfig,
+    model_config: ModelConfig,
+    backend: str,
+    cpu_kernel: bool = False,
+) -> Resolved:
+    """The engine's choices on `backend` ('cpu', 'gpu', ...), from its filled EngineConfig.
+
+    cpu_kernel: whether the C++ CPU attention kernel built and registered in this process
+    (`cpu_kernels.paged_decode_attention.available()`, which the runner asks: this module imports
+    no jax). It decides what attention_impl='auto' means on CPU."""
     c, m = engine_config, model_config
     if not c.is_filled:
         raise ValueError("resolve needs a filled EngineConfig: call for_model(model_config) first")
     cpu = backend == "cpu"
     attention = c.attention_impl
     if attention == "auto":
-        attention = "pallas" if backend == "gpu" else "ragged"
+        if backend == "gpu":
+            attention = "pallas"
+        else:
+            attention = "cpu_kernel" if cpu and cpu_kernel else "ragged"
+    if attention == "cpu_kernel" and not (cpu and cpu_kernel):
+        raise ValueError(
+            f"attention_impl='cpu_kernel' needs the CPU backend and the built C++ kernel "
+            f"(backend {backend!r}, kernel built: {cpu_kernel})"
+        )
     if c.slot_buckets == "auto":
         slot_buckets = pow2_buckets(c.num_slots, start=8) if cpu else (c.num_slots,)
     else:

@@ -1,4 +1,5 @@
-"""The module import graph of jaxserve/ and pallas_kernels/ has no cycles; kernels never import jaxserve.
+"""The module import graph of jaxserve/, pallas_kernels/ and cpu_kernels/ has no cycles; kernels never
+import jaxserve.
 
 The graph is read from the source (ast), not by importing it, and counts every import statement,
 at module top and inside functions alike (a lazy import hides a cycle, it does not remove one).
@@ -20,7 +21,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("jaxserve", "pallas_kernels")
+PACKAGES = ("jaxserve", "pallas_kernels", "cpu_kernels")
 
 
 def module_files() -> dict[str, Path]:
@@ -150,6 +151,7 @@ def test_graph_sees_the_known_edges():
     assert "pallas_kernels.int4_layout" in graph["pallas_kernels.int4_matmul"]
     assert "jaxserve.llm" in graph["jaxserve"]  # inside a function (the lazy `LLM`)
     assert "jaxserve.loading" in graph["jaxserve.launch.convert"]  # a package: its __init__
+    assert "cpu_kernels.paged_decode_attention" in graph["jaxserve.layers.attention"]
 
 
 def test_no_import_cycles():
@@ -163,10 +165,11 @@ def test_no_import_cycles():
 
 
 def test_kernels_import_jax_only():
-    """pallas_kernels/ never imports jaxserve (the engine depends on the kernels, not back)."""
+    """pallas_kernels/ and cpu_kernels/ never import jaxserve (the engine depends on the kernels,
+    not back)."""
     bad = []
     for module, path in module_files().items():
-        if not module.startswith("pallas_kernels"):
+        if not module.startswith(("pallas_kernels", "cpu_kernels")):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = []

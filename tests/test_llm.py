@@ -292,14 +292,18 @@ def test_model_dependent_defaults_are_filled():
     assert (c.max_model_len, c.prefill_chunk_size, c.max_num_batched_tokens) == (20, 32, 256)
 
 
-def test_ragged_and_reference_attention_give_the_same_tokens(llm):
-    """The CPU default ('ragged' decode attention over the live pages) decodes the same greedy
-    tokens as the gather reference, over lengths spanning one and two pages."""
-    assert llm.engine.runner.resolved.ragged
+def test_cpu_attention_paths_give_the_reference_tokens(llm):
+    """The CPU default (the C++ decode kernel, `cpu_kernels/`) and the XLA 'ragged' decode over
+    the live pages decode the same greedy tokens as the gather reference, over lengths spanning
+    one and two pages."""
+    assert llm.engine.runner.resolved.model.attention == "cpu_kernel"
     ps = ids(prompts(12, seed=4, lo=3, hi=50))
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = tokens(make_llm(attention_impl="reference").generate(ps, sp, use_tqdm=False))
     assert tokens(llm.generate(ps, sp, use_tqdm=False)) == want
+    ragged = make_llm(attention_impl="ragged")
+    assert ragged.engine.runner.resolved.ragged
+    assert tokens(ragged.generate(ps, sp, use_tqdm=False)) == want
 
 
 def test_pallas_interpret_attention_gives_reference_tokens(llm):

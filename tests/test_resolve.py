@@ -10,8 +10,8 @@ from jaxserve.resolve import DecodeShape, PrefillShape, bucket_for, pow2_buckets
 TINY = ModelConfig.preset("tiny")
 
 
-def resolved(backend="cpu", **kw):
-    return resolve(EngineConfig(**kw).for_model(TINY), TINY, backend)
+def resolved(backend="cpu", cpu_kernel=False, **kw):
+    return resolve(EngineConfig(**kw).for_model(TINY), TINY, backend, cpu_kernel=cpu_kernel)
 
 
 def test_backend_choices():
@@ -25,6 +25,24 @@ def test_backend_choices():
     assert resolved("gpu", attention_impl="reference").model.attention == "reference"
     assert resolved("cpu", attention_impl="pallas_interpret").model.attention == "pallas_interpret"
     assert resolved("gpu").max_flat == 0  # flat-page buckets are the 'ragged' path's only
+
+
+def test_cpu_kernel_attention():
+    """'auto' on CPU is the C++ kernel where it built (the runner says), else 'ragged'; asking for
+    'cpu_kernel' where it cannot run is an error. Its decode programs: one per slot bucket, with
+    the whole page table (the kernel reads each row's own pages, whatever the width)."""
+    r = resolved("cpu", cpu_kernel=True, num_slots=32, max_model_len=512, page_size=16)
+    assert r.model.attention == "cpu_kernel" and r.max_flat == 0 and not r.ragged
+    assert resolved("gpu", cpu_kernel=True).model.attention == "pallas"
+    assert resolved("cpu", cpu_kernel=True, attention_impl="ragged").model.attention == "ragged"
+    assert r.decode_shapes() == [DecodeShape(b, 32, 0) for b in (8, 16, 32)]
+    assert r.decode_shape(2, [3, 5, 1]) == DecodeShape(8, 32, 0)
+    assert r.decode_shape(20, [32] * 21) == DecodeShape(32, 32, 0)
+    with pytest.raises(ValueError, match="max_pages_per_seq"):
+        r.decode_shape(0, [33])
+    for backend, built in (("cpu", False), ("gpu", True)):
+        with pytest.raises(ValueError, match="cpu_kernel"):
+            resolved(backend, cpu_kernel=built, attention_impl="cpu_kernel")
 
 
 def test_slot_buckets():

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from cpu_kernels import paged_decode_attention as cpu_attention
 from jaxserve.layers.kv_cache import KVCache
 from jaxserve.layers.ragged_attention import prefill_attention, ragged_decode_attention
 from pallas_kernels import paged_attention as pa
@@ -114,7 +115,10 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     'pallas' / 'pallas_interpret': T == 1 runs the flash-decoding kernel, T > 1 the ragged
     chunked-prefill kernel; both read the whole stacked pool at the traced `layer`, and a
     windowed layer's loop starts at its window's first page.
-    'ragged' (XLA, the CPU default): decode over the step's live pages laid end to end
+    'cpu_kernel' (the CPU default where it builds): decode through the C++ kernel of
+    `cpu_kernels/paged_decode_attention.py`, which reads each row's pages of the whole pool at
+    the traced `layer` in place; prefill chunks as 'ragged'.
+    'ragged' (XLA): decode over the step's live pages laid end to end
     (`ragged_attention.py`, needs meta.num_flat_pages); prefill chunks take its
     `prefill_attention`, the reference laid out for the CPU's dots.
 
@@ -122,6 +126,15 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     query at kv_len - 1, which is the decode step's position (seq_len = position + 1).
     """
     opts = dict(window=window, softcap=softcap, scale=scale)
+    if impl == "cpu_kernel":
+        if q.shape[1] == 1:
+            kv_len = jnp.maximum(jnp.minimum(meta.seq_lens, meta.positions[:, 0] + 1), 0)
+            out = cpu_attention.paged_decode_attention(
+                q[:, 0], cache.k, cache.v, kv_len, meta.page_table, layer,
+                cache.k_scale, cache.v_scale, **opts,
+            )  # fmt: skip
+            return out[:, None]  # (B, 1, H, D)
+        impl = "ragged"
     if impl == "ragged":
         if q.shape[1] == 1 and meta.num_flat_pages > 0:
             kv_len = jnp.maximum(jnp.minimum(meta.seq_lens, meta.positions[:, 0] + 1), 0)

@@ -51,6 +51,22 @@ def _shard_buckets(buckets: tuple[int, ...], d: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, b // d) for b in buckets}))
 
 
+def _cpu_kernel(backend: str, engine_config: EngineConfig) -> bool:
+    """Whether the C++ CPU attention kernel is there to use: built only when the CPU backend's
+    attention_impl asks for it ('auto' or 'cpu_kernel'); a failed build leaves 'auto' on the
+    XLA 'ragged' path, with the compiler's reason logged."""
+    if backend != "cpu" or engine_config.attention_impl not in ("auto", "cpu_kernel"):
+        return False
+    from cpu_kernels import paged_decode_attention as cpu_attention
+
+    err = cpu_attention.build_error()
+    if err is not None:
+        if engine_config.attention_impl == "cpu_kernel":
+            raise RuntimeError(f"attention_impl='cpu_kernel': the kernel is not available: {err}")
+        logger.warning("CPU attention kernel not available, using 'ragged': %s", err)
+    return err is None
+
+
 class ModelRunner:
     """Implements `jaxserve.core.runner_api.Runner` on the device.
 
@@ -97,8 +113,9 @@ class ModelRunner:
                 data_parallel_size=1,
                 slot_buckets="auto" if buckets == "auto" else _shard_buckets(buckets, d),
             )
+        backend = backend or jax.default_backend()
         self.resolved: Resolved = resolve(
-            shard_config, model_config, backend or jax.default_backend()
+            shard_config, model_config, backend, cpu_kernel=_cpu_kernel(backend, engine_config)
         )
         self.step_fns = data_parallel if d > 1 else steps  # generate / prefill (one shard or all)
         r = self.resolved

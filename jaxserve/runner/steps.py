@@ -56,7 +56,7 @@ class DecodeOutput:
 
     tokens: jax.Array  # i32[k, B]
     valid: jax.Array  # bool[k, B]  the row produced a token at that step
-    logprobs: jax.Array  # f32[k, B]
+    logprobs: jax.Array  # f32[k, B]  the token's log-prob (0 unless want_top)
     top_ids: jax.Array  # i32[k, B, K]  zeros unless want_top
     top_logprobs: jax.Array  # f32[k, B, K]
     ranks: jax.Array  # i32[k, B]  the token's vLLM rank (0 unless want_top)
@@ -77,7 +77,7 @@ class PrefillOutput:
     """One `prefill` call's results: the token each row completing a prompt sampled (R rows)."""
 
     tokens: jax.Array  # i32[R]
-    logprobs: jax.Array  # f32[R]
+    logprobs: jax.Array  # f32[R]  (0 unless want_top)
     top_ids: jax.Array  # i32[R, K]  zeros unless want_top
     top_logprobs: jax.Array  # f32[R, K]
     ranks: jax.Array  # i32[R]  the sampled token's vLLM rank (0 unless want_top)
@@ -200,9 +200,10 @@ def generate(
 
     Slots >= shape.rows are left as they are (the scheduler keeps every occupied slot below it),
     so the matmuls compute [rows, D], not [S, D]. shape.num_flat is the 'ragged' attention's
-    live-page bucket; shape.width the page-table width the other implementations read.
-    want_top (bool[], traced: no second variant is compiled) turns the top-K log-prob search on
-    for steps where some request asked for log-probs; otherwise those outputs are zeros.
+    live-page bucket; shape.width the page-table width the other implementations read (the
+    whole table for 'cpu_kernel', which reads each row's own pages).
+    want_top (bool[], traced: no second variant is compiled) turns the log-probs (the token's and
+    the top-K) on for steps where some request asked for them; otherwise those outputs are zeros.
 
     Returns (cache, state, DecodeOutput).
     """

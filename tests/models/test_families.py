@@ -131,10 +131,13 @@ def agree_up_to_near_tie(got: list[int], record: dict) -> None:
 
 
 # An engine per (family, implementation): ~20 s of CPU each. Every family runs the CPU default
-# ('ragged'); the other two implementations run on the families whose attention differs for them
-# (gemma2: soft-cap + alternating windows; mistral_window: a window on every layer). The kernels
-# themselves are checked against the reference over every option in tests/pallas_kernels.
-ENGINE_CASES = [(f, "ragged") for f in FAMILIES] + [
+# (the C++ decode kernel, 'cpu_kernel'); the other implementations run on the families whose
+# attention differs for them (gemma2: soft-cap + alternating windows; mistral_window: a window on
+# every layer). The kernels themselves are checked against the reference over every option in
+# tests/pallas_kernels and tests/cpu_kernels.
+ENGINE_CASES = [(f, "cpu_kernel") for f in FAMILIES] + [
+    ("gemma2", "ragged"),
+    ("mistral_window", "ragged"),
     ("gemma2", "reference"),
     ("gemma2", "pallas_interpret"),
     ("mistral_window", "pallas_interpret"),

@@ -49,9 +49,11 @@ def assert_greedy_matches(golden: dict, tokens: list[list[int]]) -> None:
     assert compared >= 0.8 * n * len(recs)
 
 
-def test_engine_greedy_tokens_match_hf(smollm2_gguf_path):
-    """The serving path (LLM: paged cache, chunked prefill beside decodes, the CPU default 'ragged'
-    decode attention, on-device sampling) decodes HF's greedy tokens for all five prompts at once."""
+@pytest.mark.parametrize("impl", ["auto", "ragged"])
+def test_engine_greedy_tokens_match_hf(smollm2_gguf_path, impl):
+    """The serving path (LLM: paged cache, chunked prefill beside decodes, the CPU default decode
+    attention -- the C++ kernel -- or the XLA 'ragged' one, on-device sampling) decodes HF's
+    greedy tokens for all five prompts at once."""
     from jaxserve import LLM, SamplingParams
 
     golden = json.loads((GOLDEN_DIR / "smollm2_greedy.json").read_text())
@@ -63,8 +65,10 @@ def test_engine_greedy_tokens_match_hf(smollm2_gguf_path):
         max_model_len=128,
         prefill_chunk_size=16,  # prompts of 35-40 tokens take three chunks
         max_num_batched_tokens=32,
+        attention_impl=impl,
     )
-    assert llm.engine.runner.resolved.ragged
+    want = {"auto": "cpu_kernel", "ragged": "ragged"}[impl]
+    assert llm.engine.runner.resolved.model.attention == want
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in recs], sp, False)
     assert_greedy_matches(golden, [list(o.outputs[0].token_ids) for o in outs])

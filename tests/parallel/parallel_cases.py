@@ -107,13 +107,12 @@ def case_greedy(model: str, **settings) -> dict:
     base = dict(dtype="float32", num_slots=4, max_model_len=64, page_size=8)
     if not os.path.isdir(model):
         base["load_format"] = "dummy"
-    prompts = GREEDY_PROMPTS
     one = {k: v for k, v in settings.items() if k not in _SAME_TOKENS}
     key = (model, tuple(sorted(one.items())))
     if key not in _REFERENCE:
-        _REFERENCE[key] = _greedy(LLM(model, **base, **one), prompts)
+        _REFERENCE[key] = _greedy(LLM(model, **base, **one), GREEDY_PROMPTS)
     llm = LLM(model, **base, **settings)
-    got = _greedy(llm, prompts)
+    got = _greedy(llm, GREEDY_PROMPTS)
     stats = llm.engine.stats()
     return {
         "equal": got == _REFERENCE[key],

@@ -1,6 +1,7 @@
-"""Sliding-window decode on the CPU 'ragged' path: a windowed layer gathers only the pages its
-window touches (a flat bucket of rows * (ceil(window / page_size) + 1) pages, not every live page),
-and the engine's greedy tokens equal the reference attention's, far beyond the window."""
+"""Sliding-window decode on the CPU paths: on 'ragged' a windowed layer gathers only the pages its
+window touches (a flat bucket of rows * (ceil(window / page_size) + 1) pages, not every live page);
+the C++ kernel ('cpu_kernel') starts each row at its window's first page. Both engines' greedy
+tokens equal the reference attention's, far beyond the window."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_window_flat_bucket_follows_the_window():
     assert steps._window_flat(PRESETS["tiny"], rows=8, num_flat=256, ps=4) == 0  # no window
 
 
-def test_ragged_windowed_decode_equals_the_reference():
+def test_cpu_windowed_decode_equals_the_reference():
     prompts = [
         {"prompt_token_ids": [(7 * i + j) % 120 + 3 for j in range(40 + 9 * i)]} for i in range(3)
     ]
@@ -31,7 +32,7 @@ def test_ragged_windowed_decode_equals_the_reference():
             o.outputs[0].token_ids
             for o in LLM(WINDOWED, attention_impl=impl, **kw).generate(prompts, sp, use_tqdm=False)
         ]
-        for impl in ("ragged", "reference")
+        for impl in ("cpu_kernel", "ragged", "reference")
     }
-    assert outs["ragged"] == outs["reference"]
+    assert outs["cpu_kernel"] == outs["ragged"] == outs["reference"]
     assert all(len(t) == 24 for t in outs["ragged"])

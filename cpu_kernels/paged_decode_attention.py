@@ -1,0 +1,210 @@
+"""Paged decode attention on XLA's CPU backend: a C++ kernel called through XLA's FFI.
+
+    paged_decode_attention(q, k_pages, v_pages, kv_lens, page_table, layer, k_scale, v_scale,
+                           window=, softcap=, scale=) -> [B, H, D]
+
+One query token per row (decode), against the row's pages of the whole stacked pool
+[L, KVH, P, ps, D] read in place at the traced `layer`. The kernel (`paged_decode_attention.cc`
+beside this file) runs an online softmax per (row, KV head) in f32, page by page, over the row's
+visible keys only (kv_len - window .. kv_len - 1 under a window), on XLA's intra-op thread pool.
+Why a C++ kernel on CPU: XLA's CPU backend has no fast form of this computation. Its best plain-XLA
+form (`jaxserve/layers/ragged_attention.py`) gathers and converts every live page to f32 and runs
+one tiny batched dot per page; this reads each K/V row once (RESULTS.md section 37).
+
+`paged_decode_attention_reference` at the end of this file is the pure-jnp definition; tests
+compare the two (tests/cpu_kernels/). The kernel is compiled on first use by the system C++
+compiler (`$CXX`, default g++) with `-O3 -march=native` against jaxlib's FFI headers, into
+`$JAXSERVE_CACHE_DIR/cpu_kernels/` (default ~/.cache/jaxserve), keyed by the source, the flags,
+jaxlib's version and this CPU; `available()` says whether that worked (and `build_error()` why
+not), and the engine falls back to the XLA path when it did not (`jaxserve.resolve`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "jaxserve_paged_decode_attention"
+SOURCE = Path(__file__).with_name("paged_decode_attention.cc")
+CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fopenmp-simd", "-w")
+
+
+class BuildError(RuntimeError):
+    """The kernel could not be compiled or loaded here."""
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU's model name and flags (Linux), else the arch."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+        return "\n".join(lines[:2])
+    except OSError:
+        return platform.machine()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("JAXSERVE_CACHE_DIR") or os.path.join("~", ".cache", "jaxserve")
+    return Path(root).expanduser() / "cpu_kernels"
+
+
+def library_path() -> Path:
+    """Where the compiled kernel for this source, compiler flags, jaxlib and CPU lives."""
+    import jaxlib
+
+    cxx = os.environ.get("CXX", "g++")
+    key = "\n".join([SOURCE.read_text(), cxx, " ".join(CXXFLAGS), jaxlib.__version__, _cpu_key()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return _cache_dir() / f"paged_decode_attention-{digest}.so"
+
+
+def _compile(out: Path) -> None:
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise BuildError(f"no C++ compiler {cxx!r} on PATH (set $CXX)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # compile to a temporary name, then rename: concurrent processes (pytest-xdist workers,
+    # data-parallel launches) may build the same library at once
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise BuildError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    os.replace(tmp, out)
+
+
+@functools.cache
+def _register() -> str | None:
+    """Compiles (once per key) and registers the FFI target; None on success, else the reason."""
+    try:
+        path = library_path()
+        if not path.exists():
+            _compile(path)
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(
+            TARGET, jax.ffi.pycapsule(lib.JaxservePagedDecodeAttention), platform="cpu"
+        )
+    except (BuildError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel is compiled and registered for the CPU backend (builds it if needed)."""
+    return _register() is None
+
+
+def build_error() -> str | None:
+    """Why the kernel is not available, or None when it is."""
+    return _register()
+
+
+def paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    layer: jax.Array | int = 0,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    *,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """q [B, H, D] (f32 | bf16 | f16), pools [L, KVH, P, ps, D] (f32 | bf16 | f16 | int8 | fp8
+    e4m3fn, with f32[L, KVH, P, ps] scales for int8 / fp8), kv_lens i32[B] (keys visible to each
+    row's query, which sits at kv_len - 1; 0 = no key, zeros out), page_table i32[B, W]
+    -> [B, H, D] in q.dtype.
+
+    window: i32[] | int | None (<= 0 = global); softcap, scale (static): as in the reference.
+    CPU only (an FFI target registered for the CPU platform).
+    """
+    err = _register()
+    if err is not None:
+        raise BuildError(f"the CPU paged decode attention kernel is not available: {err}")
+    b, h, d = q.shape
+    if k_pages.ndim != 5 or k_pages.shape[-1] != d or h % k_pages.shape[1]:
+        raise ValueError(f"pools {k_pages.shape} do not fit q {q.shape}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("pass both k_scale and v_scale, or neither")
+    empty = jnp.zeros((0,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(
+        q,
+        k_pages,
+        v_pages,
+        empty if k_scale is None else k_scale.astype(jnp.float32),
+        empty if v_scale is None else v_scale.astype(jnp.float32),
+        kv_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        jnp.asarray(layer, jnp.int32),
+        jnp.asarray(0 if window is None else window, jnp.int32),
+        scale=np.float32(1.0 / np.sqrt(d) if scale is None else scale),
+        softcap=np.float32(0.0 if softcap is None else softcap),
+    )
+
+
+def paged_decode_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    layer: jax.Array | int = 0,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    *,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """The definition, in jnp: gather each row's W pages, softmax over its visible keys.
+
+    Row b's query sees keys s with s < kv_len_b and, under a window w > 0, s >= kv_len_b - w.
+    Logits are `softcap * tanh(q.k * scale / softcap)` (no cap when softcap is None), scale
+    defaulting to 1 / sqrt(D); a row with no visible key gives zeros.
+    """
+    b, h, d = q.shape
+    kvh, ps = k_pages.shape[1], k_pages.shape[3]
+    g, w = h // kvh, page_table.shape[1]
+
+    def gather(pages, sc):
+        x = pages[layer][:, page_table].astype(jnp.float32)  # (KVH, B, W, ps, D)
+        if sc is not None:
+            x = x * sc[layer][:, page_table][..., None]
+        return x.reshape(kvh, b, w * ps, d)
+
+    k, v = gather(k_pages, k_scale), gather(v_pages, v_scale)
+    qf = q.astype(jnp.float32).reshape(b, kvh, g, d)
+    s = jnp.einsum("bkgd,kbsd->bkgs", qf, k) * jnp.float32(
+        1.0 / np.sqrt(d) if scale is None else scale
+    )
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    pos = jnp.arange(w * ps)[None, :]
+    lens = jnp.clip(kv_lens, 0, w * ps)[:, None]
+    visible = pos < lens
+    if window is not None:
+        visible &= ~((window > 0) & (pos < lens - window))
+    visible = visible[:, None, None, :]  # (B, 1, 1, S)
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bkgs,kbsd->bkgd", p / jnp.where(denom > 0, denom, 1.0), v)
+    return o.reshape(b, h, d).astype(q.dtype)

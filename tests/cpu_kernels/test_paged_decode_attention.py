@@ -1,0 +1,156 @@
+"""The C++ CPU paged decode attention equals its jnp reference (and the reference equals the Pallas
+file's), for every pool dtype, page size, head layout, length, window, soft-cap and scale."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels import paged_decode_attention as pda
+from pallas_kernels.paged_attention import paged_attention_reference
+
+kernel = jax.jit(pda.paged_decode_attention, static_argnames=("softcap", "scale"))
+reference = jax.jit(pda.paged_decode_attention_reference, static_argnames=("softcap", "scale"))
+
+
+def test_builds_here():
+    assert pda.available(), pda.build_error()
+
+
+def case(kv_lens, w, *, kvh=2, g=3, d=64, ps=8, pool="float32", q_dtype="float32", seed=0):
+    rng = np.random.default_rng(seed)
+    b, num_pages, layers = len(kv_lens), max(64, len(kv_lens) * w + 3), 2
+    shape = (layers, kvh, num_pages, ps, d)
+    ks = vs = None
+    if pool == "int8":
+        k = jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+        v = jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+    elif pool == "fp8":
+        k = jnp.asarray(rng.normal(size=shape) * 40, jnp.float32).astype(jnp.float8_e4m3fn)
+        v = jnp.asarray(rng.normal(size=shape) * 40, jnp.float32).astype(jnp.float8_e4m3fn)
+    else:
+        k = jnp.asarray(rng.normal(size=shape), pool)
+        v = jnp.asarray(rng.normal(size=shape), pool)
+    if pool in ("int8", "fp8"):
+        ks = jnp.asarray(rng.uniform(0.001, 0.02, shape[:-1]), jnp.float32)
+        vs = jnp.asarray(rng.uniform(0.001, 0.02, shape[:-1]), jnp.float32)
+    pt = rng.permutation(num_pages)[: b * w].reshape(b, w)  # pages in any order
+    q = jnp.asarray(rng.normal(size=(b, kvh * g, d)), q_dtype)
+    return q, k, v, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(pt, jnp.int32), ks, vs
+
+
+def close(got, want, dtype):
+    tol = 2e-5 if jnp.dtype(dtype) == jnp.float32 else 1e-2
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol
+    )
+
+
+@pytest.mark.parametrize("pool", ["float32", "bfloat16", "float16", "int8", "fp8"])
+@pytest.mark.parametrize("q_dtype", ["float32", "bfloat16"])
+def test_pool_and_query_dtypes(pool, q_dtype):
+    q, k, v, lens, pt, ks, vs = case([5, 0, 32, 1, 9, 17], 4, pool=pool, q_dtype=q_dtype)
+    for layer in (0, 1):
+        got = kernel(q, k, v, lens, pt, jnp.int32(layer), ks, vs)
+        close(got, reference(q, k, v, lens, pt, layer, ks, vs), q_dtype)
+    assert not np.asarray(got[1], np.float32).any()  # kv_len 0: zeros
+
+
+@pytest.mark.parametrize(
+    "kvh,g,d,ps",
+    [(1, 1, 16, 4), (2, 4, 128, 16), (3, 3, 64, 8), (1, 8, 80, 32), (4, 2, 256, 8), (2, 2, 20, 1)],
+)
+def test_head_layouts_and_page_sizes(kvh, g, d, ps):
+    """GQA groups, MHA, head dims not a multiple of the kernel's 16 lanes, pages of 1-32."""
+    w = -(-70 // ps)
+    q, k, v, lens, pt, _, _ = case([70, 3, ps, ps + 1, 0, 41], w, kvh=kvh, g=g, d=d, ps=ps, seed=1)
+    close(kernel(q, k, v, lens, pt, 1), reference(q, k, v, lens, pt, 1), "float32")
+
+
+def test_windows_softcap_and_scale():
+    q, k, v, lens, pt, _, _ = case([40, 7, 1, 0, 24, 33], 5, seed=2)
+    for window in (None, 0, -1, 1, 5, 8, 9, 16, 64):
+        for softcap, scale in ((None, None), (20.0, None), (None, 0.3), (5.0, 1.7)):
+            win = None if window is None else jnp.int32(window)  # traced, as the model's
+            got = kernel(q, k, v, lens, pt, 0, window=win, softcap=softcap, scale=scale)
+            want = reference(q, k, v, lens, pt, 0, window=win, softcap=softcap, scale=scale)
+            close(got, want, "float32")
+
+
+def test_lengths_beyond_the_page_table_are_clipped():
+    """A kv_len past W * ps reads the row's W pages only (as the ragged path and the reference)."""
+    q, k, v, lens, pt, _, _ = case([100, 16], 2, seed=4)
+    close(kernel(q, k, v, lens, pt, 0), reference(q, k, v, lens, pt, 0), "float32")
+
+
+@pytest.mark.parametrize("pool", ["float32", "int8"])
+def test_reference_is_the_pallas_files_definition(pool):
+    """The reference here equals `paged_attention_reference` at T = 1, query at kv_len - 1."""
+    q, k, v, lens, pt, ks, vs = case([13, 0, 30, 2], 4, pool=pool, seed=5)
+    pos = jnp.maximum(lens - 1, 0)[:, None]
+    for window in (None, jnp.int32(6)):
+        want = paged_attention_reference(
+            q[:, None], k, v, pos, lens, pt, 1, ks, vs, window=window, softcap=30.0
+        )[:, 0]
+        got = reference(q, k, v, lens, pt, 1, ks, vs, window=window, softcap=30.0)
+        close(got, want, "float32")
+
+
+def test_row_result_does_not_depend_on_other_rows():
+    """Batch invariance: a row's output is bitwise the same alone or among others, in any place."""
+    q, k, v, lens, pt, _, _ = case([13, 7, 30, 2, 25], 4, pool="bfloat16", q_dtype="bfloat16")
+    full = np.asarray(kernel(q, k, v, lens, pt, 0), np.float32)
+    for i in range(len(lens)):
+        alone = kernel(q[i : i + 1], k, v, lens[i : i + 1], pt[i : i + 1], 0)
+        np.testing.assert_array_equal(np.asarray(alone, np.float32)[0], full[i])
+    perm = np.array([3, 0, 4, 2, 1])
+    shuffled = np.asarray(kernel(q[perm], k, v, lens[perm], pt[perm], 0), np.float32)
+    np.testing.assert_array_equal(shuffled, full[perm])
+
+
+def test_inside_a_layer_scan_with_a_traced_layer():
+    """As the model calls it: under `lax.scan` over layers, the pool passed whole."""
+    q, k, v, lens, pt, _, _ = case([9, 30, 4], 4, seed=6)
+
+    @jax.jit
+    def both(q):
+        def body(carry, layer):
+            return carry, (
+                pda.paged_decode_attention(q, k, v, lens, pt, layer),
+                pda.paged_decode_attention_reference(q, k, v, lens, pt, layer),
+            )
+
+        return jax.lax.scan(body, 0, jnp.arange(2))[1]
+
+    got, want = both(q)
+    close(got, want, "float32")
+
+
+def test_bad_shapes_are_errors():
+    q, k, v, lens, pt, ks, vs = case([3], 1, pool="int8")
+    with pytest.raises(ValueError, match="do not fit"):
+        pda.paged_decode_attention(q[:, :, :32], k, v, lens, pt)
+    with pytest.raises(ValueError, match="both k_scale and v_scale"):
+        pda.paged_decode_attention(q, k, v, lens, pt, 0, ks, None)
+
+
+def test_a_missing_compiler_is_a_clear_error(tmp_path):
+    """With no compiler the build fails with the reason (the engine then falls back to 'ragged',
+    tests/runner/test_runner.py); a fresh process, since the build is cached per process."""
+    code = (
+        "from cpu_kernels import paged_decode_attention as p; "
+        "print(p.available()); print(p.build_error())"
+    )
+    env = {**os.environ, "CXX": "no-such-compiler", "JAXSERVE_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == "False"
+    assert "no C++ compiler 'no-such-compiler'" in out[1]
