@@ -11,8 +11,9 @@ Why a C++ kernel on CPU: XLA's CPU backend has no fast form of this computation.
 form (`jaxserve/layers/ragged_attention.py`) gathers and converts every live page to f32 and runs
 one tiny batched dot per page; this reads each K/V row once (RESULTS.md section 37).
 
-`paged_decode_attention_reference` at the end of this file is the pure-jnp definition; tests
-compare the two (tests/cpu_kernels/). The kernel is compiled on first use by the system C++
+`paged_decode_attention_reference` at the end of this file is the pure-jnp definition (the
+decode case of the Pallas kernels' reference, which the engine's every path is tested against);
+tests compare the two (tests/cpu_kernels/). The kernel is compiled on first use by the system C++
 compiler (`$CXX`, default g++) with `-O3 -march=native` against jaxlib's FFI headers, into
 `$JAXSERVE_CACHE_DIR/cpu_kernels/` (default ~/.cache/jaxserve), keyed by the source, the flags,
 jaxlib's version and this CPU; `available()` says whether that worked (and `build_error()` why
@@ -34,6 +35,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.paged_attention import paged_attention_reference
 
 TARGET = "jaxserve_paged_decode_attention"
 SOURCE = Path(__file__).with_name("paged_decode_attention.cc")
@@ -173,38 +176,17 @@ def paged_decode_attention_reference(
     softcap: float | None = None,
     scale: float | None = None,
 ) -> jax.Array:
-    """The definition, in jnp: gather each row's W pages, softmax over its visible keys.
+    """The definition: the paged attention reference (`pallas_kernels.paged_attention`, gather +
+    einsum) for one query per row at position kv_len - 1, kv_len clipped to the page table.
 
     Row b's query sees keys s with s < kv_len_b and, under a window w > 0, s >= kv_len_b - w.
     Logits are `softcap * tanh(q.k * scale / softcap)` (no cap when softcap is None), scale
     defaulting to 1 / sqrt(D); a row with no visible key gives zeros.
     """
-    b, h, d = q.shape
-    kvh, ps = k_pages.shape[1], k_pages.shape[3]
-    g, w = h // kvh, page_table.shape[1]
-
-    def gather(pages, sc):
-        x = pages[layer][:, page_table].astype(jnp.float32)  # (KVH, B, W, ps, D)
-        if sc is not None:
-            x = x * sc[layer][:, page_table][..., None]
-        return x.reshape(kvh, b, w * ps, d)
-
-    k, v = gather(k_pages, k_scale), gather(v_pages, v_scale)
-    qf = q.astype(jnp.float32).reshape(b, kvh, g, d)
-    s = jnp.einsum("bkgd,kbsd->bkgs", qf, k) * jnp.float32(
-        1.0 / np.sqrt(d) if scale is None else scale
-    )
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    pos = jnp.arange(w * ps)[None, :]
-    lens = jnp.clip(kv_lens, 0, w * ps)[:, None]
-    visible = pos < lens
-    if window is not None:
-        visible &= ~((window > 0) & (pos < lens - window))
-    visible = visible[:, None, None, :]  # (B, 1, 1, S)
-    s = jnp.where(visible, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bkgs,kbsd->bkgd", p / jnp.where(denom > 0, denom, 1.0), v)
-    return o.reshape(b, h, d).astype(q.dtype)
+    lens = jnp.clip(kv_lens, 0, page_table.shape[1] * k_pages.shape[3])
+    pos = jnp.maximum(lens - 1, 0)[:, None]  # (B, 1)
+    out = paged_attention_reference(
+        q[:, None], k_pages, v_pages, pos, lens, page_table, layer, k_scale, v_scale,
+        window=window, softcap=softcap, scale=scale,
+    )  # fmt: skip
+    return out[:, 0]

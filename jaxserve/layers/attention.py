@@ -79,6 +79,11 @@ def attention(
     return _attention_local(q, cache, layer, meta, impl, window, softcap, scale)
 
 
+def _decode_kv_len(meta: AttentionMetadata) -> jax.Array:
+    """i32[B]: the keys a decode row's query sees, s <= position and s < seq_len (0: none)."""
+    return jnp.maximum(jnp.minimum(meta.seq_lens, meta.positions[:, 0] + 1), 0)
+
+
 def _sharded_attention(q, cache, layer, meta, impl, window, softcap, scale):
     """`_attention_local` per device over the 'model' axis: q's heads (axis 2) and the pool's KV
     heads (axis 1) sharded, everything else replicated."""
@@ -128,16 +133,15 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     opts = dict(window=window, softcap=softcap, scale=scale)
     if impl == "cpu_kernel":
         if q.shape[1] == 1:
-            kv_len = jnp.maximum(jnp.minimum(meta.seq_lens, meta.positions[:, 0] + 1), 0)
             out = cpu_attention.paged_decode_attention(
-                q[:, 0], cache.k, cache.v, kv_len, meta.page_table, layer,
+                q[:, 0], cache.k, cache.v, _decode_kv_len(meta), meta.page_table, layer,
                 cache.k_scale, cache.v_scale, **opts,
             )  # fmt: skip
             return out[:, None]  # (B, 1, H, D)
         impl = "ragged"
     if impl == "ragged":
         if q.shape[1] == 1 and meta.num_flat_pages > 0:
-            kv_len = jnp.maximum(jnp.minimum(meta.seq_lens, meta.positions[:, 0] + 1), 0)
+            kv_len = _decode_kv_len(meta)
 
             def ragged(num_flat):
                 return ragged_decode_attention(
@@ -162,13 +166,11 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     if impl in ("pallas", "pallas_interpret"):
         interpret = impl == "pallas_interpret"
         if q.shape[1] == 1:
-            # Decode sees keys s <= position and s < seq_len: one visible length per row.
-            kv_len = jnp.minimum(meta.seq_lens, meta.positions[:, 0] + 1)
             out = pa.paged_attention(
                 q[:, 0],
                 cache.k,
                 cache.v,
-                jnp.maximum(kv_len, 0),
+                _decode_kv_len(meta),
                 meta.page_table,
                 layer,
                 cache.k_scale,
