@@ -13,95 +13,37 @@ one tiny batched dot per page; this reads each K/V row once (RESULTS.md section 
 
 `paged_decode_attention_reference` at the end of this file is the pure-jnp definition (the
 decode case of the Pallas kernels' reference, which the engine's every path is tested against);
-tests compare the two (tests/cpu_kernels/). The kernel is compiled on first use by the system C++
-compiler (`$CXX`, default g++) with `-O3 -march=native` against jaxlib's FFI headers, into
-`$JAXSERVE_CACHE_DIR/cpu_kernels/` (default ~/.cache/jaxserve), keyed by the source, the flags,
-jaxlib's version and this CPU; `available()` says whether that worked (and `build_error()` why
-not), and the engine falls back to the XLA path when it did not (`jaxserve.resolve`).
+tests compare the two (tests/cpu_kernels/). The kernel is compiled on first use (`build.py`:
+`$CXX -O3 -march=native`, cached in `$JAXSERVE_CACHE_DIR/cpu_kernels/`); `available()` says
+whether that worked (and `build_error()` why not), and the engine falls back to the XLA path when
+it did not (`jaxserve.resolve`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels.build import BuildError, Library
 from pallas_kernels.paged_attention import paged_attention_reference
 
 TARGET = "jaxserve_paged_decode_attention"
-SOURCE = Path(__file__).with_name("paged_decode_attention.cc")
-CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-fopenmp-simd", "-w")
-
-
-class BuildError(RuntimeError):
-    """The kernel could not be compiled or loaded here."""
-
-
-def _cpu_key() -> str:
-    """What -march=native depends on: the CPU's model name and flags (Linux), else the arch."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
-        return "\n".join(lines[:2])
-    except OSError:
-        return platform.machine()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("JAXSERVE_CACHE_DIR") or os.path.join("~", ".cache", "jaxserve")
-    return Path(root).expanduser() / "cpu_kernels"
-
-
-def library_path() -> Path:
-    """Where the compiled kernel for this source, compiler flags, jaxlib and CPU lives."""
-    import jaxlib
-
-    cxx = os.environ.get("CXX", "g++")
-    key = "\n".join([SOURCE.read_text(), cxx, " ".join(CXXFLAGS), jaxlib.__version__, _cpu_key()])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return _cache_dir() / f"paged_decode_attention-{digest}.so"
-
-
-def _compile(out: Path) -> None:
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise BuildError(f"no C++ compiler {cxx!r} on PATH (set $CXX)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # compile to a temporary name, then rename: concurrent processes (pytest-xdist workers,
-    # data-parallel launches) may build the same library at once
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise BuildError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
-    os.replace(tmp, out)
+LIBRARY = Library("paged_decode_attention.cc")
 
 
 @functools.cache
 def _register() -> str | None:
     """Compiles (once per key) and registers the FFI target; None on success, else the reason."""
     try:
-        path = library_path()
-        if not path.exists():
-            _compile(path)
-        lib = ctypes.cdll.LoadLibrary(str(path))
+        lib = LIBRARY.load()
         jax.ffi.register_ffi_target(
             TARGET, jax.ffi.pycapsule(lib.JaxservePagedDecodeAttention), platform="cpu"
         )
     except (BuildError, OSError) as e:
-        return f"{type(e).__name__}: {e}"
+        return str(e)
     return None
 
 

@@ -40,6 +40,7 @@ _SLOTS = flags.DEFINE_integer("num_slots", 32, "Slots.")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed calls per point (median).")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights / activations dtype.")
 _IMPLS = flags.DEFINE_list("impls", ["reference", "ragged"], "Attention implementations to time.")
+_MATMULS = flags.DEFINE_list("matmul_impls", ["auto"], "Dense matmul implementations to time.")
 _JSON = flags.DEFINE_string("json", None, "Write the results here.")
 _OP_PROFILE = flags.DEFINE_bool(
     "op_profile",
@@ -65,6 +66,9 @@ def op_categories(compiled_text: str) -> dict[str, str]:
     out = {}
     for m in re.finditer(r'%([\w.-]+) = .*?metadata=\{op_name="([^"]+)"', compiled_text):
         out[m.group(1)] = "/".join(m.group(2).split("/")[-2:])
+    # a custom call (the C++ CPU kernels) by its target and result shape
+    for m in re.finditer(r'%([\w.-]+) = (\S+) custom-call\(.*?custom_call_target="([^"]+)"', compiled_text):
+        out[m.group(1)] = f"{m.group(3)} {m.group(2)}"
     return out
 
 
@@ -96,7 +100,10 @@ def main(argv):
     s, ps = _SLOTS.value, 16
     params = jax.jit(lambda k: llama.init_params(c, k, jnp.dtype(_DTYPE.value)))(jax.random.key(0))
     results = []
-    for impl, pool in [(i, int(p)) for p in _POOLS.value for i in _IMPLS.value]:
+    points = [
+        (i, mi, int(p)) for p in _POOLS.value for i in _IMPLS.value for mi in _MATMULS.value
+    ]
+    for impl, matmul_impl, pool in points:
         widths = [int(w) for w in _WIDTHS.value]
         ec = EngineConfig(
             num_slots=s,
@@ -105,6 +112,7 @@ def main(argv):
             num_pages=pool,
             dtype=_DTYPE.value,
             attention_impl=impl,
+            matmul_impl=matmul_impl,
             prefill_chunk_size=64,
             max_num_batched_tokens=64 * max(int(r) for r in _ROWS.value),
         )
@@ -131,7 +139,7 @@ def main(argv):
                 runner.state = runner.state.replace(seq_len=jnp.full((s,), ctx, jnp.int32))
                 return runner.generate(shape).tokens
 
-            row = {"impl": impl, "pool_pages": pool, "width": w, "ctx": ctx}
+            row = {"impl": impl, "matmul": matmul_impl, "pool_pages": pool, "width": w, "ctx": ctx}
             row["num_flat"] = shape.num_flat
             row["generate_ms"] = timed(gen, _REPS.value) * 1e3
             if _OP_PROFILE.value:
@@ -149,7 +157,10 @@ def main(argv):
                 total = sum(ops.values())
                 row["generate_xla_cpu_ms"] = total
                 row["generate_ops_cpu_ms"] = {k: round(v, 2) for k, v in ops.items() if v >= 0.1}
-                print(f"decode step, {impl}, width {w}: XLA CPU time {total:.1f} ms per step")
+                print(
+                    f"decode step, {impl}, matmul {matmul_impl}, width {w}: "
+                    f"XLA CPU time {total:.1f} ms per step"
+                )
                 for k, v in list(ops.items())[:15]:
                     print(f"  {v:7.2f} ms  {100 * v / total:4.1f}%  {k}")
             for r in map(int, _ROWS.value):

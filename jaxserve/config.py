@@ -23,6 +23,7 @@ from jaxserve.model_presets import PRESETS
 
 __all__ = [
     "ATTENTION_IMPLS",
+    "MATMUL_IMPLS",
     "BATCHINGS",
     "DTYPES",
     "EngineConfig",
@@ -37,6 +38,7 @@ __all__ = [
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 ATTENTION_IMPLS = ("auto", "cpu_kernel", "ragged", "reference", "pallas", "pallas_interpret")
+MATMUL_IMPLS = ("auto", "cpu_kernel", "xla")
 LOAD_FORMATS = ("auto", "dummy")
 BATCHINGS = ("continuous", "static")
 
@@ -141,6 +143,15 @@ class EngineConfig:
         "pallas = the Pallas kernels; pallas_interpret = the Pallas kernels in interpret mode "
         "(CPU tests). Default: auto.",
         ATTENTION_IMPLS,
+    )
+    matmul_impl: str = _setting(
+        "auto",
+        "Dense bfloat16 matmuls: auto = cpu_kernel on CPU when the C++ kernel compiles there with "
+        "its AVX512-BF16 path, the weights are bfloat16 and the engine runs on one device, else "
+        "xla; cpu_kernel = the C++ CPU matmul (cpu_kernels/matmul.cc, compiled on first use with "
+        "$CXX), which reads each layer's weight in place, for up to 256 rows (larger prefill "
+        "batches take XLA's dot); xla = XLA's dot. Default: auto.",
+        MATMUL_IMPLS,
     )
     max_num_batched_tokens: int | None = _setting(
         None,

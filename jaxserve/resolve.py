@@ -12,6 +12,10 @@ get their shape buckets from here. The choices:
                    section 37) when it built here, else 'ragged' (XLA decode over the step's live
                    pages, its cost following the live tokens); prefill chunks take
                    `ragged_attention.prefill_attention` on CPU
+    dense matmul   auto -> 'cpu_kernel' on CPU for bf16 weights on one device when the C++ matmul
+                   of `cpu_kernels/` built here with its AVX512-BF16 path: it reads each layer's
+                   weight in place, for batches of up to CPU_MATMUL_ROWS rows (RESULTS.md section
+                   38); 'xla' (XLA's dot) otherwise and for larger batches
     int4 matmul    'pallas' (the fused dequantize-matmul kernel) on GPU, 'xla' elsewhere
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
                    1.17-1.42x faster on decode-sized batches; RESULTS.md section 21), else 'in_out'
@@ -46,6 +50,8 @@ class ModelImpl:
     attention: str = "reference"
     min_matmul_rows: int = 1  # plain matmuls of fewer rows are padded up to this
     moe_matmul: str = "ragged_dot"  # 'ragged_dot' | 'tiled': `layers/moe.py`'s grouped path
+    # plain bf16 matmuls of at most this many rows run through the C++ CPU matmul (0: none)
+    cpu_matmul_rows: int = 0
 
 
 REFERENCE_IMPL = ModelImpl()  # the jnp reference attention, no padding: the default of the model
@@ -160,17 +166,23 @@ class Resolved:
         return out
 
 
+CPU_MATMUL_ROWS = 256  # the C++ matmul's largest batch; XLA's dot is as fast beyond (section 38)
+
+
 def resolve(
     engine_config: EngineConfig,
     model_config: ModelConfig,
     backend: str,
     cpu_kernel: bool = False,
+    cpu_matmul: bool = False,
 ) -> Resolved:
     """The engine's choices on `backend` ('cpu', 'gpu', ...), from its filled EngineConfig.
 
     cpu_kernel: whether the C++ CPU attention kernel built and registered in this process
     (`cpu_kernels.paged_decode_attention.available()`, which the runner asks: this module imports
-    no jax). It decides what attention_impl='auto' means on CPU."""
+    no jax). It decides what attention_impl='auto' means on CPU.
+    cpu_matmul: whether the C++ CPU matmul can run for this engine (the runner asks: built here,
+    on one device, and for matmul_impl='auto' with its AVX512-BF16 path)."""
     c, m = engine_config, model_config
     if not c.is_filled:
         raise ValueError("resolve needs a filled EngineConfig: call for_model(model_config) first")
@@ -186,6 +198,14 @@ def resolve(
             f"attention_impl='cpu_kernel' needs the CPU backend and the built C++ kernel "
             f"(backend {backend!r}, kernel built: {cpu_kernel})"
         )
+    matmul = c.matmul_impl
+    if matmul == "auto":
+        matmul = "cpu_kernel" if cpu and cpu_matmul and c.dtype == "bfloat16" else "xla"
+    if matmul == "cpu_kernel" and not (cpu and cpu_matmul and c.dtype == "bfloat16"):
+        raise ValueError(
+            f"matmul_impl='cpu_kernel' needs the CPU backend, the built C++ matmul, one device "
+            f"and bfloat16 weights (backend {backend!r}, usable: {cpu_matmul}, dtype {c.dtype})"
+        )
     if c.slot_buckets == "auto":
         slot_buckets = pow2_buckets(c.num_slots, start=8) if cpu else (c.num_slots,)
     else:
@@ -198,6 +218,7 @@ def resolve(
             attention=attention,
             min_matmul_rows=4 if cpu else 1,
             moe_matmul="tiled" if cpu else "ragged_dot",
+            cpu_matmul_rows=CPU_MATMUL_ROWS if matmul == "cpu_kernel" else 0,
         ),
         int4_matmul="pallas" if backend == "gpu" else "xla",
         weight_layout="out_in" if cpu else "in_out",

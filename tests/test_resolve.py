@@ -10,8 +10,9 @@ from jaxserve.resolve import DecodeShape, PrefillShape, bucket_for, pow2_buckets
 TINY = ModelConfig.preset("tiny")
 
 
-def resolved(backend="cpu", cpu_kernel=False, **kw):
-    return resolve(EngineConfig(**kw).for_model(TINY), TINY, backend, cpu_kernel=cpu_kernel)
+def resolved(backend="cpu", cpu_kernel=False, cpu_matmul=False, **kw):
+    config = EngineConfig(**kw).for_model(TINY)
+    return resolve(config, TINY, backend, cpu_kernel=cpu_kernel, cpu_matmul=cpu_matmul)
 
 
 def test_backend_choices():
@@ -43,6 +44,23 @@ def test_cpu_kernel_attention():
     for backend, built in (("cpu", False), ("gpu", True)):
         with pytest.raises(ValueError, match="cpu_kernel"):
             resolved(backend, cpu_kernel=built, attention_impl="cpu_kernel")
+
+
+def test_cpu_matmul():
+    """'auto' dense matmuls on CPU are the C++ kernel where it can run (the runner says: built
+    with its AVX512-BF16 path, one device) for bf16 weights, up to 256 rows; else XLA's dot.
+    Asking for 'cpu_kernel' where it cannot run, or for f32 weights, is an error."""
+    assert resolved("cpu", cpu_matmul=True).model.cpu_matmul_rows == 256
+    assert resolved("cpu", cpu_matmul=False).model.cpu_matmul_rows == 0
+    assert resolved("cpu", cpu_matmul=True, dtype="float32").model.cpu_matmul_rows == 0
+    assert resolved("cpu", cpu_matmul=True, matmul_impl="xla").model.cpu_matmul_rows == 0
+    assert resolved("gpu", cpu_matmul=True).model.cpu_matmul_rows == 0
+    explicit = resolved("cpu", cpu_matmul=True, matmul_impl="cpu_kernel")
+    assert explicit.model.cpu_matmul_rows == 256
+    for backend, usable, dtype in (("cpu", False, "bfloat16"), ("gpu", True, "bfloat16"),
+                                   ("cpu", True, "float32")):  # fmt: skip
+        with pytest.raises(ValueError, match="matmul_impl='cpu_kernel'"):
+            resolved(backend, cpu_matmul=usable, matmul_impl="cpu_kernel", dtype=dtype)
 
 
 def test_slot_buckets():

@@ -11,6 +11,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels import matmul as cpu_matmul
+
 
 def matmul(
     x: jax.Array, w: jax.Array, *, transposed: bool = False, out_dtype=None, min_rows: int = 1
@@ -44,25 +46,34 @@ class TransposedWeight:
     PyTorch's nn.Linear layout. XLA's CPU GEMM multiplies SmolLM2's 30-layer projection stack
     1.17x faster at 32 rows (1.42x at 4) with the weights stored this way
     (`experiments/cpu_weight_layout.py`, RESULTS section 21), so `ModelRunner` stores plain layer
-    weights like this on CPU (`cpu_layout`, chosen by `jaxserve.resolve`). Slicing a stack (`lax.scan`, `linear(layer=)`)
-    slices `t` on its leading axes: the layer axis stays first.
+    weights like this on CPU (`cpu_layout`, chosen by `jaxserve.resolve`). Slicing a stack
+    (`lax.scan`, `linear(layer=)`) slices `t` on its leading axes: the layer axis stays first.
+
+    kernel_rows (static): > 0 for a bf16 weight multiplied by the C++ CPU matmul
+    (`cpu_kernels/matmul.py`) when x has at most that many rows; such a stack reads its layer in
+    place (`reads_layer_in_place`: `lax.scan` passes it whole, with the layer index), where XLA
+    would copy the layer out first. Larger batches take XLA's dot on the sliced layer.
     """
 
-    def __init__(self, t: jax.Array):
+    def __init__(self, t: jax.Array, kernel_rows: int = 0):
         self.t = t
+        self.kernel_rows = kernel_rows
 
     @classmethod
-    def of(cls, w: jax.Array) -> "TransposedWeight":
+    def of(cls, w: jax.Array, kernel_rows: int = 0) -> "TransposedWeight":
         """From a weight stored [..., in, out] (one copy of it)."""
-        return cls(jnp.swapaxes(w, -1, -2))  # eager: a new, transposed buffer
+        return cls(jnp.swapaxes(w, -1, -2), kernel_rows)  # eager: a new, transposed buffer
 
     def tree_flatten(self):
-        return (self.t,), None
+        return (self.t,), self.kernel_rows
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(*children)
+        return cls(*children, aux)
+
+    @property
+    def reads_layer_in_place(self) -> bool:
+        return self.kernel_rows > 0
 
     @property
     def shape(self) -> tuple[int, ...]:  # the logical [..., in, out]
@@ -72,17 +83,31 @@ class TransposedWeight:
     def dtype(self):
         return self.t.dtype
 
-    def matmul(self, x: jax.Array, min_rows: int = 1) -> jax.Array:
-        return matmul(x, self.t.astype(x.dtype), transposed=True, min_rows=min_rows)
+    def matmul(self, x: jax.Array, min_rows: int = 1, layer=None, out_dtype=None) -> jax.Array:
+        """x[..., in] @ the weight (layer `layer` of the stack when given) -> [..., out] in
+        out_dtype (default x.dtype)."""
+        t = self.t
+        rows = math.prod(x.shape[:-1])
+        if 0 < rows <= self.kernel_rows and x.dtype == jnp.bfloat16 == t.dtype:
+            return cpu_matmul.matmul(x, t, 0 if layer is None else layer, out_dtype or x.dtype)
+        if layer is not None:
+            t = jax.lax.dynamic_index_in_dim(t, layer, keepdims=False)
+        return matmul(x, t.astype(x.dtype), transposed=True, out_dtype=out_dtype, min_rows=min_rows)
 
 
-def cpu_layout(layers: dict) -> dict:
+def cpu_layout(layers: dict, kernel_rows: int = 0) -> dict:
     """The model's layer weights with every plain stacked linear weight ([L, in, out] array) as a
-    `TransposedWeight`; norms, biases and quantized weights unchanged."""
+    `TransposedWeight` (bf16 ones with `kernel_rows`: the C++ CPU matmul up to that many rows);
+    norms, biases and quantized weights unchanged."""
     return {
-        name: TransposedWeight.of(w) if isinstance(w, jax.Array) and w.ndim == 3 else w
+        name: transposed(w, kernel_rows) if isinstance(w, jax.Array) and w.ndim == 3 else w
         for name, w in layers.items()
     }
+
+
+def transposed(w: jax.Array, kernel_rows: int = 0) -> TransposedWeight:
+    """A plain weight [..., in, out] as a `TransposedWeight`; kernel_rows only for bf16 weights."""
+    return TransposedWeight.of(w, kernel_rows if w.dtype == jnp.bfloat16 else 0)
 
 
 def linear(x: jax.Array, w, layer=None, min_rows: int = 1) -> jax.Array:
@@ -90,9 +115,9 @@ def linear(x: jax.Array, w, layer=None, min_rows: int = 1) -> jax.Array:
 
     min_rows: see `matmul` (plain and transposed weights; quantized ones multiply themselves).
 
-    layer (i32[] or int): w is a stack [L, in, out] and the weight is its layer `layer`. A
-    quantized weight whose kernel reads a stack's layer in place (`reads_layer_in_place`: INT4)
-    gets the stack whole; any other weight is sliced out here.
+    layer (i32[] or int): w is a stack [L, in, out] and the weight is its layer `layer`. A weight
+    whose kernel reads a stack's layer in place (`reads_layer_in_place`: INT4, and a
+    `TransposedWeight` for the C++ CPU matmul) gets the stack whole; any other is sliced out here.
     """
     if layer is not None and not getattr(w, "reads_layer_in_place", False):
         w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), w)
@@ -100,5 +125,5 @@ def linear(x: jax.Array, w, layer=None, min_rows: int = 1) -> jax.Array:
     if isinstance(w, jax.Array):
         return matmul(x, w.astype(x.dtype), min_rows=min_rows)
     if isinstance(w, TransposedWeight):
-        return w.matmul(x, min_rows=min_rows)
+        return w.matmul(x, min_rows=min_rows, layer=layer)
     return w.matmul(x) if layer is None else w.matmul(x, layer=layer)

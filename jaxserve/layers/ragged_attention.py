@@ -138,32 +138,42 @@ def prefill_attention(
     g = h // kvh
     s_len = page_table.shape[1] * ps
 
+    w = page_table.shape[1]
+
     def gather(pages, scale):
         x = pages[layer][:, page_table].astype(jnp.float32)  # (KVH, B, W, ps, D)
         if scale is not None:
             x = x * scale[layer][:, page_table][..., None]
-        return jnp.swapaxes(x.reshape(kvh, b, s_len, d), 0, 1)  # (B, KVH, S, D)
+        return jnp.swapaxes(x, 0, 1)  # (B, KVH, W, ps, D)
 
     k = gather(k_pages, k_scale)
     v = gather(v_pages, v_scale)
     q = jax.lax.optimization_barrier(q)  # as in the decode path: RoPE is not fused into the copy
     qf = q.astype(jnp.float32).reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4)  # (B,KVH,G,T,D)
+    # A query's result must not depend on the page-table width W (the other rows of its step, or
+    # a prefix-cache hit's narrower step): XLA's CPU GEMM gives a row of its result the same bits
+    # whatever the number of rows, but neither a column nor a contraction over all S keys. So
+    # the scores are computed with the keys as rows, and the sums over keys run per page (a dot
+    # over each page's ps keys), the pages added in order: pages past a row's keys add exact
+    # zeros (tests/layers/test_ragged_attention.py, tests/test_prefix_cache_identity.py).
     batch = ((0, 1), (0, 1))
-    s = jax.lax.dot_general(qf.reshape(b, kvh, g * t, d), k, (((3,), (3,)), batch))  # (B,KVH,GT,S)
-    s = s / jnp.sqrt(jnp.float32(d)) if scale is None else s * jnp.float32(scale)
-    s = soft_cap(s, softcap).reshape(b, kvh, g, t, s_len)
-    s_idx = jnp.arange(s_len)
-    visible = (s_idx[None, None, :] <= positions[:, :, None]) & (
-        s_idx[None, None, :] < seq_lens[:, None, None]
-    )  # (B, T, S)
+    st = jax.lax.dot_general(k.reshape(b, kvh, s_len, d), qf.reshape(b, kvh, g * t, d),
+                             (((3,), (3,)), batch))  # (B, KVH, S, GT)  # fmt: skip
+    st = st / jnp.sqrt(jnp.float32(d)) if scale is None else st * jnp.float32(scale)
+    st = soft_cap(st, softcap).reshape(b, kvh, w, ps, g, t)
+    s_idx = jnp.arange(s_len).reshape(w, ps, 1)
+    pos = positions[:, None, None, :]  # (B, 1, 1, T)
+    visible = (s_idx[None] <= pos) & (s_idx[None] < seq_lens[:, None, None, None])  # (B,W,ps,T)
     if window is not None:
-        visible &= s_idx[None, None, :] >= window_start(positions, window)[:, :, None]
-    visible = visible[:, None, None]  # (B, 1, 1, T, S)
-    s = jnp.where(visible, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+        visible &= s_idx[None] >= window_start(positions, window)[:, None, None, :]
+    visible = visible[:, None, :, :, None]  # (B, 1, W, ps, 1, T)
+    st = jnp.where(visible, st, -jnp.inf)
+    m = jnp.max(st, axis=(2, 3), keepdims=True)  # (B, KVH, 1, 1, G, T)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(visible, jnp.exp(s - m), 0.0)  # (B, KVH, G, T, S)
-    denom = jnp.sum(p, axis=-1)  # (B, KVH, G, T)
-    o = jax.lax.dot_general(p.reshape(b, kvh, g * t, s_len), v, (((3,), (2,)), batch))
-    o = o.reshape(b, kvh, g, t, d) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    pt = jnp.where(visible, jnp.exp(st - m), 0.0).reshape(b, kvh, s_len, g * t)
+    o = jax.lax.dot_general(
+        pt, v.reshape(b, kvh, s_len, d), (((2,), (2,)), batch)
+    )  # (B, KVH, GT, D)
+    denom = jnp.sum(pt, axis=2)  # (B, KVH, GT)
+    o = o.reshape(b, kvh, g, t, d) / jnp.where(denom > 0, denom, 1.0).reshape(b, kvh, g, t, 1)
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)

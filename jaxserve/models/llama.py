@@ -61,7 +61,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.embedding import embed, is_quantized
-from jaxserve.layers.linear import linear, matmul
+from jaxserve.layers.linear import TransposedWeight, linear
 from jaxserve.layers.moe import moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
@@ -364,14 +364,9 @@ def compute_logits(
         w = params["embed"]
         if is_quantized(w):  # the lm_head view (D, V)
             logits = linear(hidden, w).astype(jnp.float32)
-        else:
-            logits = matmul(
-                hidden,
-                w.astype(hidden.dtype),
-                transposed=True,
-                out_dtype=jnp.float32,
-                min_rows=rows,
-            )
+        else:  # the table [V, D] is the logits' weight stored [out, in]
+            w = TransposedWeight(w, impl.cpu_matmul_rows)
+            logits = w.matmul(hidden, min_rows=rows, out_dtype=jnp.float32)
     else:
         logits = linear(hidden, params["lm_head"], min_rows=rows).astype(jnp.float32)
     cap = config.final_logit_softcap

@@ -67,6 +67,26 @@ def _cpu_kernel(backend: str, engine_config: EngineConfig) -> bool:
     return err is None
 
 
+def _cpu_matmul(backend: str, engine_config: EngineConfig, mesh) -> bool:
+    """Whether the C++ CPU matmul can run for this engine: on the CPU backend, one device (its
+    weights are not partitioned), built here; for matmul_impl='auto' only with its AVX512-BF16
+    path (elsewhere its portable loop is slower than XLA's dot). An explicit 'cpu_kernel' that
+    cannot run is an error."""
+    if backend != "cpu" or engine_config.matmul_impl not in ("auto", "cpu_kernel"):
+        return False
+    from cpu_kernels import matmul as cpu_matmul
+
+    err = cpu_matmul.build_error()
+    if engine_config.matmul_impl == "cpu_kernel":
+        if err is not None or mesh is not None:
+            reason = err or "it runs on one device only (no mesh)"
+            raise RuntimeError(f"matmul_impl='cpu_kernel': the kernel cannot run: {reason}")
+        return True
+    if err is not None:
+        logger.warning("CPU matmul kernel not available, using XLA's dot: %s", err)
+    return err is None and mesh is None and cpu_matmul.has_bf16_dot()
+
+
 class ModelRunner:
     """Implements `jaxserve.core.runner_api.Runner` on the device.
 
@@ -115,13 +135,21 @@ class ModelRunner:
             )
         backend = backend or jax.default_backend()
         self.resolved: Resolved = resolve(
-            shard_config, model_config, backend, cpu_kernel=_cpu_kernel(backend, engine_config)
+            shard_config,
+            model_config,
+            backend,
+            cpu_kernel=_cpu_kernel(backend, engine_config),
+            cpu_matmul=_cpu_matmul(backend, engine_config, mesh),
         )
         self.step_fns = data_parallel if d > 1 else steps  # generate / prefill (one shard or all)
         r = self.resolved
         params = with_matmul_impl(params, r.int4_matmul)
         if r.weight_layout == "out_in":
-            params = {**params, "layers": linear.cpu_layout(params["layers"])}
+            rows = r.model.cpu_matmul_rows
+            params = {**params, "layers": linear.cpu_layout(params["layers"], rows)}
+            head = params.get("lm_head")
+            if rows and isinstance(head, jax.Array):  # untied logits: the C++ matmul too
+                params = {**params, "lm_head": linear.transposed(head, rows)}
         if mesh is not None:
             params = partition.shard_params(params, model_config, mesh)
         self.params = params

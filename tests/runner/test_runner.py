@@ -12,6 +12,7 @@ from jaxserve.bench.core import CompileCounter
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers.linear import TransposedWeight
 from jaxserve.loading.dummy import dummy_params
+from jaxserve.runner import steps
 from jaxserve.runner.runner import ModelRunner
 
 KW = dict(
@@ -160,9 +161,41 @@ def test_cpu_engine_decodes_through_the_cpu_kernel():
     assert tokens["auto"] == tokens["ragged"] == tokens["reference"]
 
 
+def test_cpu_engine_multiplies_through_the_cpu_matmul():
+    """bf16 on CPU: matmul_impl='cpu_kernel' (what 'auto' is where the kernel has its AVX512-BF16
+    path) stores the layer weights for the C++ matmul, which reads each layer in place (the decode
+    program calls it, and slices no weight out of the stacks); its logits equal XLA's dot's to
+    bf16 rounding, and both engines agree on greedy tokens."""
+    from cpu_kernels import matmul as cpu_matmul
+
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 9, 30)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = {**KW, "num_slots": 8, "dtype": "bfloat16"}
+    auto = LLM("tiny", **kw).engine.runner.resolved.model.cpu_matmul_rows
+    assert auto == (256 if cpu_matmul.has_bf16_dot() else 0)
+    tokens = {}
+    for impl in ("cpu_kernel", "xla"):
+        llm = LLM("tiny", matmul_impl=impl, **kw)
+        runner = llm.engine.runner
+        weights = runner.params["layers"]
+        assert {w.kernel_rows for w in weights.values() if isinstance(w, TransposedWeight)} == {
+            256 if impl == "cpu_kernel" else 0
+        }
+        tokens[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        shape = runner.resolved.decode_shape(7, [1] * 8)
+        text = (
+            steps.generate.lower(
+                runner.params, runner.cache, runner.state, np.bool_(False),
+                config=runner.model_config, impl=runner.resolved.model, shape=shape, num_steps=1,
+            ).as_text()
+        )  # fmt: skip
+        assert ("jaxserve_matmul" in text) == (impl == "cpu_kernel")
+    assert tokens["cpu_kernel"] == tokens["xla"]
+
+
 def test_cpu_engine_falls_back_to_ragged_without_a_compiler(tmp_path):
-    """No C++ compiler: 'auto' runs the XLA path (with a warning); asking for 'cpu_kernel' is an
-    error naming the reason. A fresh process: the kernel's build is cached per process."""
+    """No C++ compiler: 'auto' runs the XLA paths, attention and matmuls (with warnings); asking
+    for either 'cpu_kernel' is an error naming the reason. A fresh process: the kernel's build is cached per process."""
     import os
     import subprocess
     import sys
@@ -175,6 +208,12 @@ try:
     LLM("tiny", attention_impl="cpu_kernel", **kw)
 except RuntimeError as e:
     print(e)
+kw["dtype"] = "bfloat16"
+print(LLM("tiny", **kw).engine.runner.resolved.model.cpu_matmul_rows)
+try:
+    LLM("tiny", matmul_impl="cpu_kernel", **kw)
+except RuntimeError as e:
+    print(e)
 """
     env = {**os.environ, "CXX": "no-such-compiler", "JAXSERVE_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run(
@@ -185,3 +224,6 @@ except RuntimeError as e:
     assert lines[0] == "ragged"
     assert "cpu_kernel" in lines[1] and "no C++ compiler" in lines[1]
     assert "CPU attention kernel not available" in proc.stderr
+    assert lines[2] == "0"  # the matmuls: XLA's dot
+    assert "matmul_impl='cpu_kernel'" in lines[3] and "no C++ compiler" in lines[3]
+    assert "CPU matmul kernel not available" in proc.stderr

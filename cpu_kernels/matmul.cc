@@ -1,0 +1,281 @@
+// A bf16 matmul for XLA's CPU backend, as an XLA FFI custom call, reading one layer of a stacked
+// weight in place.
+//
+// Why: XLA's CPU backend copies each layer's weights out of a `lax.scan`'s stacked [L, ...]
+// arrays (a dot's operand must be a buffer at a static offset) and its GEMM reaches about half of
+// what these cores do with AVX512-BF16 dot products on decode-sized batches (experiments/
+// RESULTS.md section 38). This reads the layer where it lies, streams it from memory once per
+// call (prefetching the next rows), and multiplies it with VDPBF16PS. The Python wrapper, its
+// pure-jnp reference and the build live in matmul.py beside this file.
+//
+//   x       bf16 [M, K]
+//   w       bf16 [L, N, K]         weights stored [out, in] (PyTorch's nn.Linear layout)
+//   layer   i32[]                  the layer of w to read
+//   -> y    [M, N] bf16 | f32      y[m, n] = sum_k x[m, k] * w[layer, n, k], accumulated in f32
+//
+// Every output is computed the same way whatever M and whatever the other rows: 16 f32 lanes,
+// lane j accumulating the k pairs (32 i + 2 j, 32 i + 2 j + 1) in increasing i, then one fixed
+// reduction of the lanes. So a row's result never depends on the batch (batch invariance), and
+// a decode step gives a row the bits a prefill chunk would.
+//
+// Work: tiles of (64 rows of x) x (a chunk of columns), claimed from an atomic counter by the
+// calling thread and by tasks on XLA's intra-op thread pool, as in paged_decode_attention.cc.
+// Without AVX512-BF16 (built for another CPU) a portable loop computes the same lane sums in
+// plain f32 (equal to rounding; jaxserve uses the kernel by default only where the fast path is
+// built: JaxserveMatmulHasBf16Dot).
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+constexpr int kMr = 4;          // rows of x per register block
+constexpr int kNr = 4;          // rows of w (output columns) per register block
+constexpr int kPrefetch = 2;    // register blocks of w prefetched ahead
+constexpr int64_t kMTile = 64;  // rows of x per work tile (kept in L2 while w streams past)
+
+inline uint16_t F32ToBf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float Bf16ToF32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// The fixed reduction of 16 lanes: halves added pairwise (8, 4, 2, 1).
+inline float SumLanes(const float* a) {
+  float b[8], c[4];
+  for (int i = 0; i < 8; ++i) b[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) c[i] = b[i] + b[i + 4];
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+struct Problem {
+  const uint16_t* x;
+  const uint16_t* w;  // the layer's [N, K]
+  void* y;
+  bool y_f32;
+  int64_t m, n, k;
+  int64_t chunk;    // output columns per work tile (a multiple of kNr, except the last)
+  int64_t nchunks;  // column chunks
+};
+
+inline void Store(const Problem& p, int64_t row, int64_t col, float v) {
+  if (p.y_f32) {
+    static_cast<float*>(p.y)[row * p.n + col] = v;
+  } else {
+    static_cast<uint16_t*>(p.y)[row * p.n + col] = F32ToBf16(v);
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+inline float SumLanes(__m512 v) {  // the same order as SumLanes(const float*) above
+  const __m256 b = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));  // c0 + c2, c1 + c3
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
+// A 4 x 4 block of accumulators -> one vector of their lane sums, each summed in SumLanes'
+// order: lane 4 i + j holds acc[i][j]'s (the tree below transposes; it takes the accumulators
+// column by column, a(t) = acc[t % 4][t / 4], so that the sums come out row by row).
+inline __m512 SumLanes16(const __m512 (&acc)[4][4]) {
+  __m512 s[8], u[4], r[2];
+  for (int t = 0; t < 8; ++t) {  // lanes i + i+8
+    const __m512 a0 = acc[(2 * t) & 3][(2 * t) >> 2], a1 = acc[(2 * t + 1) & 3][(2 * t + 1) >> 2];
+    s[t] = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  }
+  for (int t = 0; t < 4; ++t) {  // then i + i+4
+    u[t] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * t], s[2 * t + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * t], s[2 * t + 1], 0xDD));
+  }
+  for (int t = 0; t < 2; ++t) {  // then c0 + c2, c1 + c3
+    r[t] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * t], u[2 * t + 1], 0x44),
+                         _mm512_shuffle_ps(u[2 * t], u[2 * t + 1], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xDD));
+}
+
+// Rows [m, m + MR) of y, columns [n, n + NR); `pf` (or null): npf rows of w to prefetch meanwhile.
+template <int MR, int NR>
+inline void Block(const Problem& p, const int64_t m, const int64_t n, const uint16_t* pf,
+                  const int npf) {
+  const int64_t k = p.k;
+  const uint16_t* __restrict x = p.x + m * k;
+  const uint16_t* __restrict w = p.w + n * k;
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t kk = 0;
+  for (; kk + 32 <= k; kk += 32) {
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * k + kk);
+    for (int j = 0; j < npf; ++j) _mm_prefetch((const char*)(pf + j * k + kk), _MM_HINT_T0);
+    for (int i = 0; i < MR; ++i) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * k + kk);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (kk < k) {  // the last k % 32 elements, the rest of the vector zero
+    const __mmask32 mask = static_cast<__mmask32>((1ull << (k - kk)) - 1);
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * k + kk);
+    for (int i = 0; i < MR; ++i) {
+      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * k + kk);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if constexpr (MR == 4 && NR == 4) {
+    const __m512 v = SumLanes16(acc);  // lane 4 i + j: row m + i, column n + j
+    if (p.y_f32) {
+      float* y = static_cast<float*>(p.y) + m * p.n + n;
+      _mm_storeu_ps(y, _mm512_castps512_ps128(v));
+      _mm_storeu_ps(y + p.n, _mm512_extractf32x4_ps(v, 1));
+      _mm_storeu_ps(y + 2 * p.n, _mm512_extractf32x4_ps(v, 2));
+      _mm_storeu_ps(y + 3 * p.n, _mm512_extractf32x4_ps(v, 3));
+    } else {
+      alignas(32) uint64_t h[4];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(h), (__m256i)_mm512_cvtneps_pbh(v));
+      uint16_t* y = static_cast<uint16_t*>(p.y) + m * p.n + n;
+      for (int i = 0; i < 4; ++i) std::memcpy(y + i * p.n, &h[i], sizeof h[i]);
+    }
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) Store(p, m + i, n + j, SumLanes(acc[i][j]));
+  }
+}
+
+template <int NR>
+void Rows(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n_end) {
+  // prefetch kPrefetch blocks ahead, while the first row block reads this one
+  const int64_t ahead = n0 + kPrefetch * kNr;
+  const int npf = ahead + NR <= n_end ? NR : 0;
+  const uint16_t* pf = npf ? p.w + ahead * p.k : nullptr;
+  int64_t m = m0;
+  for (; m + kMr <= m1; m += kMr, pf = nullptr) Block<kMr, NR>(p, m, n0, pf, pf ? npf : 0);
+  switch (m1 - m) {
+    case 3: Block<3, NR>(p, m, n0, pf, pf ? npf : 0); break;
+    case 2: Block<2, NR>(p, m, n0, pf, pf ? npf : 0); break;
+    case 1: Block<1, NR>(p, m, n0, pf, pf ? npf : 0); break;
+    default: break;
+  }
+}
+
+void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kNr <= n1; n += kNr) Rows<kNr>(p, m0, m1, n, p.n);
+  for (; n < n1; ++n) Rows<1>(p, m0, m1, n, p.n);
+}
+#else
+// Portable: the same lanes and reduction in plain f32 arithmetic.
+void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t k = p.k;
+  for (int64_t m = m0; m < m1; ++m) {
+    const uint16_t* x = p.x + m * k;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* w = p.w + n * k;
+      float acc[16] = {};
+      for (int64_t k0 = 0; k0 < k; k0 += 32) {
+        for (int j = 0; j < 16; ++j) {
+          const int64_t e = k0 + 2 * j;
+          if (e + 1 < k) acc[j] += Bf16ToF32(x[e + 1]) * Bf16ToF32(w[e + 1]);
+          if (e < k) acc[j] += Bf16ToF32(x[e]) * Bf16ToF32(w[e]);
+        }
+      }
+      Store(p, m, n, SumLanes(acc));
+    }
+  }
+}
+#endif
+
+struct Counter {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void Drain(const Problem& p, int64_t tiles, Counter& c) {
+  for (int64_t t; (t = c.next.fetch_add(1, std::memory_order_relaxed)) < tiles;) {
+    const int64_t mt = t / p.nchunks, nc = t % p.nchunks;
+    const int64_t m0 = mt * kMTile, n0 = nc * p.chunk;
+    Tile(p, m0, std::min(p.m, m0 + kMTile), n0, std::min(p.n, n0 + p.chunk));
+    c.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("expected x [M, K], w [L, N, K], y [M, N]");
+  }
+  Problem p;
+  p.m = xd[0], p.k = xd[1], p.n = wd[1];
+  if (wd[2] != p.k || yd[0] != p.m || yd[1] != p.n) {
+    return ffi::Error::InvalidArgument("x, w and y shapes disagree");
+  }
+  const auto ydt = y->element_type();
+  if (ydt != ffi::DataType::F32 && ydt != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("y must be f32 or bf16");
+  }
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  p.x = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  p.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) + l * p.n * p.k;
+  p.y = y->untyped_data();
+  p.y_f32 = ydt == ffi::DataType::F32;
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+
+  // Column chunks: about four per thread, for balance; one when the call is too small to share.
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const bool small = p.m * p.n * p.k < (int64_t{1} << 21);
+  const int64_t want = small ? 1 : 4 * workers;
+  p.chunk = std::max<int64_t>(kNr, (p.n + want - 1) / want);
+  p.chunk = (p.chunk + kNr - 1) / kNr * kNr;
+  p.nchunks = (p.n + p.chunk - 1) / p.chunk;
+  const int64_t tiles = p.nchunks * ((p.m + kMTile - 1) / kMTile);
+
+  auto counter = std::make_shared<Counter>();
+  const int64_t helpers = std::min<int64_t>(workers, tiles) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([p, tiles, counter] { Drain(p, tiles, *counter); });
+  }
+  Drain(p, tiles, *counter);
+  while (counter->done.load(std::memory_order_acquire) < tiles) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+extern "C" int JaxserveMatmulHasBf16Dot() { return kBf16Dot ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Ret<ffi::AnyBuffer>());        // y

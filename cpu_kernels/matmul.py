@@ -1,0 +1,97 @@
+"""A bf16 matmul on XLA's CPU backend that reads one layer of a stacked weight in place: a C++
+kernel called through XLA's FFI.
+
+    matmul(x, w, layer=0, out_dtype=None) -> x[..., K] @ w[layer].T  ([..., N])
+
+w is a stack [L, N, K] of weights stored [out, in] (PyTorch's nn.Linear layout; a 2-D [N, K]
+weight is one layer), x and w bf16; the result is bf16 (default) or f32, accumulated in f32.
+Why a kernel: inside `lax.scan`, XLA's CPU backend copies every layer's weights out of the stack
+before its GEMM, and on decode-sized batches that GEMM reaches about half of what AVX512-BF16's
+dot product instruction does here. The kernel (`matmul.cc` beside this file) reads the layer
+where it lies, prefetching, on XLA's intra-op thread pool (RESULTS.md section 38). Each output
+is summed in one fixed order whatever the number of rows, so a row's result never depends on the
+batch.
+
+`matmul_reference` at the end of this file is the pure-jnp definition; tests compare the two
+(tests/cpu_kernels/). The kernel is compiled on first use (`build.py`); `available()` says whether
+that worked (`build_error()` why not) and `has_bf16_dot()` whether this CPU runs its AVX512-BF16
+path (elsewhere a portable loop computes the same sums, slower than XLA: jaxserve's 'auto' then
+keeps XLA's dot, `jaxserve.resolve`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from cpu_kernels.build import BuildError, Library
+
+TARGET = "jaxserve_matmul"
+LIBRARY = Library("matmul.cc")
+
+
+@functools.cache
+def _register() -> str | None:
+    """Compiles (once per key) and registers the FFI target; None on success, else the reason."""
+    try:
+        lib = LIBRARY.load()
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveMatmul), platform="cpu")
+    except (BuildError, OSError) as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel is compiled and registered for the CPU backend (builds it if needed)."""
+    return _register() is None
+
+
+def build_error() -> str | None:
+    """Why the kernel is not available, or None when it is."""
+    return _register()
+
+
+def has_bf16_dot() -> bool:
+    """Whether the kernel was built with its AVX512-BF16 path (this CPU has the instructions)."""
+    return available() and bool(LIBRARY.load().JaxserveMatmulHasBf16Dot())
+
+
+def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dtype=None) -> jax.Array:
+    """x bf16[..., K], w bf16[L, N, K] (or [N, K]), layer i32[] | int -> [..., N] in out_dtype
+    (bf16 or f32; default bf16). CPU only (an FFI target registered for the CPU platform)."""
+    err = _register()
+    if err is not None:
+        raise BuildError(f"the CPU matmul kernel is not available: {err}")
+    if w.ndim == 2:
+        w = w[None]
+    if w.ndim != 3 or x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"matmul: x {x.shape} does not fit w {w.shape} ([L, N, K])")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"matmul: x and w must be bfloat16, got {x.dtype} and {w.dtype}")
+    out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"matmul: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.shape[1]), out_dtype))
+    y = call(x2, w, jnp.asarray(layer, jnp.int32))
+    return y.reshape(*lead, w.shape[1])
+
+
+def matmul_reference(
+    x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dtype=None
+) -> jax.Array:
+    """The definition: sum_k x[..., k] * w[layer, n, k] in f32 (inputs widened exactly), then
+    rounded once to out_dtype (default bf16)."""
+    if w.ndim == 2:
+        w = w[None]
+    wl = jax.lax.dynamic_index_in_dim(w, jnp.asarray(layer, jnp.int32), keepdims=False)
+    y = jnp.einsum(
+        "...k,nk->...n",
+        x.astype(jnp.float32),
+        wl.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return y.astype(out_dtype or jnp.bfloat16)

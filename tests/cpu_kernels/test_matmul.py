@@ -1,0 +1,125 @@
+"""The C++ CPU matmul equals its jnp reference for every batch size, weight shape (K not a
+multiple of the vector width included), layer of a stack and output dtype; a row's result never
+depends on the other rows; its portable (non-AVX512-BF16) path does too."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels import matmul as mm
+
+kernel = jax.jit(mm.matmul, static_argnames="out_dtype")
+reference = jax.jit(mm.matmul_reference, static_argnames="out_dtype")
+
+
+def test_builds_here():
+    assert mm.available(), mm.build_error()
+
+
+def case(m, n, k, layers=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(layers, n, k)) / np.sqrt(k), jnp.bfloat16)
+    return x, w
+
+
+def close(got, want):
+    """f32 results agree to f32 summation order; bf16 ones to one rounding of those (1 ulp)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = 1e-5 if got.dtype == jnp.float32 else 8e-3
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol
+    )
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 17, 64, 65, 130])
+@pytest.mark.parametrize("n,k", [(4, 32), (7, 33), (20, 80), (96, 576), (33, 1), (6, 1000)])
+def test_equals_the_reference(m, n, k):
+    x, w = case(m, n, k)
+    for layer in (0, 2):
+        for out in (jnp.bfloat16, jnp.float32):
+            close(kernel(x, w, jnp.int32(layer), out_dtype=out), reference(x, w, layer, out))
+
+
+def test_leading_dims_and_a_single_layer():
+    x, w = case(12, 40, 64, layers=1)
+    x3 = x.reshape(2, 6, 64)
+    got = kernel(x3, w[0], 0)  # a 2-D weight is one layer
+    assert got.shape == (2, 6, 40)
+    close(got, reference(x3, w, 0))
+    assert kernel(x[:0], w, 0).shape == (0, 40)
+
+
+def test_row_result_does_not_depend_on_other_rows():
+    """Bitwise: a row alone, or at any place among others, gets the same output (batch
+    invariance across the engine's decode buckets and prefill chunks)."""
+    x, w = case(37, 100, 576)
+    full = np.asarray(kernel(x, w, 1, out_dtype=jnp.float32))
+    for i in (0, 5, 36):
+        for rows in (slice(i, i + 1), slice(max(0, i - 3), i + 1), slice(0, 37)):
+            part = np.asarray(kernel(x[rows], w, 1, out_dtype=jnp.float32))
+            np.testing.assert_array_equal(part[i - rows.start], full[i])
+
+
+def test_inside_a_layer_scan_with_a_traced_layer():
+    x, w = case(8, 48, 96, layers=4)
+
+    def body(h, layer):
+        return h, mm.matmul(h, w, layer)
+
+    _, ys = jax.jit(lambda x: jax.lax.scan(body, x, jnp.arange(4)))(x)
+    for layer in range(4):
+        close(ys[layer], reference(x, w, layer))
+
+
+def test_bad_inputs_are_errors():
+    x, w = case(4, 8, 16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        mm.matmul(x.astype(jnp.float32), w, 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        mm.matmul(x[:, :8], w, 0)
+    with pytest.raises(ValueError, match="out_dtype"):
+        mm.matmul(x, w, 0, out_dtype=jnp.float16)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="-march=x86-64-v3 is an x86 target")
+def test_the_portable_path_equals_the_reference(tmp_path):
+    """Built for AVX2 only (no AVX512-BF16), the kernel takes its portable loop; a fresh process
+    and cache, since a build is loaded once per process."""
+    code = (
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "from cpu_kernels import matmul as mm\n"
+        "assert mm.available(), mm.build_error()\n"
+        "print(mm.has_bf16_dot())\n"
+        "rng = np.random.default_rng(0)\n"
+        "for m, n, k in [(1, 5, 33), (8, 96, 576), (65, 7, 1000)]:\n"
+        "    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)\n"
+        "    w = jnp.asarray(rng.normal(size=(2, n, k)) / np.sqrt(k), jnp.bfloat16)\n"
+        "    got = mm.matmul(x, w, 1, jnp.float32)\n"
+        "    want = mm.matmul_reference(x, w, 1, jnp.float32)\n"
+        "    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "JAXSERVE_CPU_KERNELS_MARCH": "x86-64-v3", "JAXSERVE_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == ["False", "ok"]
+
+
+def test_a_missing_compiler_is_a_clear_error(tmp_path):
+    code = "from cpu_kernels import matmul as m; print(m.available()); print(m.build_error())"
+    env = {**os.environ, "CXX": "no-such-compiler", "JAXSERVE_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == "False"
+    assert "no C++ compiler 'no-such-compiler'" in out[1]
