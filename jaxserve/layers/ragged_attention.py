@@ -27,12 +27,14 @@ kv_len 0 owns no page and gets zeros, as in the reference. Quantized (int8/fp8) 
 per-token scales in after the gather. Decode only (one query token per row).
 
 Prefill chunks (T > 1 query tokens per row) take `prefill_attention`: the reference's gather of
-each row's W pages and its masks, with the arrays laid out for XLA's CPU dots. The reference's
-einsums leave XLA to transpose the [B, KVH, G, T, S] scores and probabilities around its dots;
-here q is [B, KVH, G*T, D] and K, V are [B, KVH, S, D], so both dots batch over (B, KVH) and
-contract the last axes, the softmax runs along the scores' last axis, and the division by the
-softmax sum happens after the PV dot, on [.., D] instead of [.., S]. 0.85-0.97x the reference's
-prefill step on SmolLM2, the more the longer the rows (RESULTS section 36).
+each row's W pages and its masks, with the arrays laid out so that a query's result does not
+depend on W (the step's page-table width, set by its longest row): XLA's CPU GEMM gives a row of
+its result the same bits whatever the other rows, but not a column. So the scores are one dot
+with the keys as rows, [B, KVH, S, G*T] = K [S, D] . q [G*T, D], the softmax runs along S, and
+the PV dot contracts S from the front of both operands; keys past a row's end add exact zeros.
+The division by the softmax sum happens after the PV dot, on [.., D] instead of [.., S]. (Until
+RESULTS section 38 the scores were [.., G*T, S], which a prefix-cache hit's narrower step summed
+into other bits; about 1.1-1.5x faster per call than this.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,84 @@
+"""The C++ CPU matmul (`cpu_kernels/matmul.py`) vs XLA's dot on SmolLM2's layer shapes, as the
+engine runs them: 30 layers under `lax.scan`, the kernel reading each layer of the stacked
+[L, out, in] bf16 weight in place, XLA slicing it out of the stack (the engine's form before).
+Median of --reps calls of the 30-layer scan, per layer; the two forms alternate in one process.
+
+    .venv/bin/python experiments/cpu_matmul.py [--rows 8 32 128] [--reps 11] [--json FILE]
+
+Name the CPU beside every figure (shared/NOTES.md): these VMs vary between sessions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cpu_kernels import matmul as cpu_matmul
+from jaxserve.bench.core import cpu_name
+
+LAYERS = 30
+SHAPES = {  # name: (out, in), SmolLM2-135M
+    "q/o (576x576)": (576, 576),
+    "k/v (192x576)": (192, 576),
+    "gate/up (1536x576)": (1536, 576),
+    "down (576x1536)": (576, 1536),
+}
+
+
+@jax.jit
+def xla_scan(x, w):  # the engine's form with matmul_impl='xla'
+    return jax.lax.scan(lambda c, wl: (c, jnp.einsum("ni,oi->no", x, wl)), 0, w)[1]
+
+
+@jax.jit
+def kernel_scan(x, w):  # matmul_impl='cpu_kernel': the stack whole, the layer index traced
+    layers = jnp.arange(w.shape[0])
+    return jax.lax.scan(lambda c, li: (c, cpu_matmul.matmul(x, w, li)), 0, layers)[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    assert cpu_matmul.available(), cpu_matmul.build_error()
+    print(f"CPU: {cpu_name()}; AVX512-BF16 path: {cpu_matmul.has_bf16_dot()}")
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        w = jnp.asarray(rng.normal(size=(LAYERS, n, k)) / np.sqrt(k), jnp.bfloat16)
+        for m in a.rows:
+            x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+            got, want = kernel_scan(x, w), xla_scan(x, w)
+            diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+            ms = {xla_scan: [], kernel_scan: []}
+            for _ in range(a.reps):  # alternate, so that drift on this VM hits both
+                for fn, ts in ms.items():
+                    t = time.perf_counter()
+                    fn(x, w).block_until_ready()
+                    ts.append(time.perf_counter() - t)
+            xla_us, kernel_us = (1e6 * float(np.median(v)) / LAYERS for v in ms.values())
+            row = {
+                "shape": name,
+                "rows": m,
+                "xla_us_per_layer": round(xla_us, 1),
+                "kernel_us_per_layer": round(kernel_us, 1),
+                "kernel_over_xla": round(kernel_us / xla_us, 2),
+                "kernel_gflops": round(2 * m * n * k / kernel_us / 1e3, 1),
+                "max_abs_diff": diff,
+            }
+            print(json.dumps(row))
+            rows.append(row)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"cpu": cpu_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
