@@ -67,7 +67,9 @@ def op_categories(compiled_text: str) -> dict[str, str]:
     for m in re.finditer(r'%([\w.-]+) = .*?metadata=\{op_name="([^"]+)"', compiled_text):
         out[m.group(1)] = "/".join(m.group(2).split("/")[-2:])
     # a custom call (the C++ CPU kernels) by its target and result shape
-    for m in re.finditer(r'%([\w.-]+) = (\S+) custom-call\(.*?custom_call_target="([^"]+)"', compiled_text):
+    for m in re.finditer(
+        r'%([\w.-]+) = (\S+) custom-call\(.*?custom_call_target="([^"]+)"', compiled_text
+    ):
         out[m.group(1)] = f"{m.group(3)} {m.group(2)}"
     return out
 
@@ -100,9 +102,7 @@ def main(argv):
     s, ps = _SLOTS.value, 16
     params = jax.jit(lambda k: llama.init_params(c, k, jnp.dtype(_DTYPE.value)))(jax.random.key(0))
     results = []
-    points = [
-        (i, mi, int(p)) for p in _POOLS.value for i in _IMPLS.value for mi in _MATMULS.value
-    ]
+    points = [(i, mi, int(p)) for p in _POOLS.value for i in _IMPLS.value for mi in _MATMULS.value]
     for impl, matmul_impl, pool in points:
         widths = [int(w) for w in _WIDTHS.value]
         ec = EngineConfig(

@@ -108,7 +108,11 @@ def test_the_portable_path_equals_the_reference(tmp_path):
         "    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "JAXSERVE_CPU_KERNELS_MARCH": "x86-64-v3", "JAXSERVE_CACHE_DIR": str(tmp_path)}
+    env = {
+        **os.environ,
+        "JAXSERVE_CPU_KERNELS_MARCH": "x86-64-v3",
+        "JAXSERVE_CACHE_DIR": str(tmp_path),
+    }
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout.splitlines()
