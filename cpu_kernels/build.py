@@ -115,3 +115,24 @@ class Library:
         """Why the library does not load here, or None when it does."""
         lib = self._load()
         return lib if isinstance(lib, str) else None
+
+
+class FfiTarget:
+    """An XLA FFI handler of a `Library`, registered for the CPU platform on first use."""
+
+    def __init__(self, source: str, target: str, symbol: str):
+        self.library = Library(source)
+        self.target, self.symbol = target, symbol
+        self._error: str | None = None
+        self._done = False
+
+    def error(self) -> str | None:
+        """None once the target is registered (compiling the library if needed), else why not."""
+        if not self._done:
+            try:
+                handler = getattr(self.library.load(), self.symbol)
+                jax.ffi.register_ffi_target(self.target, jax.ffi.pycapsule(handler), platform="cpu")
+            except (BuildError, OSError) as e:
+                self._error = str(e)
+            self._done = True
+        return self._error

@@ -21,47 +21,34 @@ keeps XLA's dot, `jaxserve.resolve`).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from cpu_kernels.build import BuildError, Library
+from cpu_kernels.build import BuildError, FfiTarget
 
 TARGET = "jaxserve_matmul"
-LIBRARY = Library("matmul.cc")
-
-
-@functools.cache
-def _register() -> str | None:
-    """Compiles (once per key) and registers the FFI target; None on success, else the reason."""
-    try:
-        lib = LIBRARY.load()
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveMatmul), platform="cpu")
-    except (BuildError, OSError) as e:
-        return str(e)
-    return None
+KERNEL = FfiTarget("matmul.cc", TARGET, "JaxserveMatmul")
 
 
 def available() -> bool:
     """Whether the kernel is compiled and registered for the CPU backend (builds it if needed)."""
-    return _register() is None
+    return KERNEL.error() is None
 
 
 def build_error() -> str | None:
     """Why the kernel is not available, or None when it is."""
-    return _register()
+    return KERNEL.error()
 
 
 def has_bf16_dot() -> bool:
     """Whether the kernel was built with its AVX512-BF16 path (this CPU has the instructions)."""
-    return available() and bool(LIBRARY.load().JaxserveMatmulHasBf16Dot())
+    return available() and bool(KERNEL.library.load().JaxserveMatmulHasBf16Dot())
 
 
 def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dtype=None) -> jax.Array:
     """x bf16[..., K], w bf16[L, N, K] (or [N, K]), layer i32[] | int -> [..., N] in out_dtype
     (bf16 or f32; default bf16). CPU only (an FFI target registered for the CPU platform)."""
-    err = _register()
+    err = KERNEL.error()
     if err is not None:
         raise BuildError(f"the CPU matmul kernel is not available: {err}")
     if w.ndim == 2:

@@ -21,40 +21,25 @@ it did not (`jaxserve.resolve`).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cpu_kernels.build import BuildError, Library
+from cpu_kernels.build import BuildError, FfiTarget
 from pallas_kernels.paged_attention import paged_attention_reference
 
 TARGET = "jaxserve_paged_decode_attention"
-LIBRARY = Library("paged_decode_attention.cc")
-
-
-@functools.cache
-def _register() -> str | None:
-    """Compiles (once per key) and registers the FFI target; None on success, else the reason."""
-    try:
-        lib = LIBRARY.load()
-        jax.ffi.register_ffi_target(
-            TARGET, jax.ffi.pycapsule(lib.JaxservePagedDecodeAttention), platform="cpu"
-        )
-    except (BuildError, OSError) as e:
-        return str(e)
-    return None
+KERNEL = FfiTarget("paged_decode_attention.cc", TARGET, "JaxservePagedDecodeAttention")
 
 
 def available() -> bool:
     """Whether the kernel is compiled and registered for the CPU backend (builds it if needed)."""
-    return _register() is None
+    return KERNEL.error() is None
 
 
 def build_error() -> str | None:
     """Why the kernel is not available, or None when it is."""
-    return _register()
+    return KERNEL.error()
 
 
 def paged_decode_attention(
@@ -79,7 +64,7 @@ def paged_decode_attention(
     window: i32[] | int | None (<= 0 = global); softcap, scale (static): as in the reference.
     CPU only (an FFI target registered for the CPU platform).
     """
-    err = _register()
+    err = KERNEL.error()
     if err is not None:
         raise BuildError(f"the CPU paged decode attention kernel is not available: {err}")
     b, h, d = q.shape
