@@ -39,7 +39,7 @@ from jaxserve.parallel import partition
 from jaxserve.parallel.mesh import make_mesh, mesh_sizes
 from jaxserve.quant import with_matmul_impl
 from jaxserve.resolve import DecodeShape, PrefillShape, Resolved, resolve
-from jaxserve.runner import data_parallel, input_batch, memory, steps
+from jaxserve.runner import cpu_backend, data_parallel, input_batch, memory, steps
 from jaxserve.runner.memory import check_memory, device_memory_bytes, state_bytes  # noqa: F401
 from jaxserve.runner.step_handle import StepHandle, fetch_outputs
 
@@ -49,42 +49,6 @@ logger = logging.getLogger(__name__)
 def _shard_buckets(buckets: tuple[int, ...], d: int) -> tuple[int, ...]:
     """The user's decode row buckets (over all slots) as one data shard's: each divided by D."""
     return tuple(sorted({max(1, b // d) for b in buckets}))
-
-
-def _cpu_kernel(backend: str, engine_config: EngineConfig) -> bool:
-    """Whether the C++ CPU attention kernel is there to use: built only when the CPU backend's
-    attention_impl asks for it ('auto' or 'cpu_kernel'); a failed build leaves 'auto' on the
-    XLA 'ragged' path, with the compiler's reason logged."""
-    if backend != "cpu" or engine_config.attention_impl not in ("auto", "cpu_kernel"):
-        return False
-    from cpu_kernels import paged_decode_attention as cpu_attention
-
-    err = cpu_attention.build_error()
-    if err is not None:
-        if engine_config.attention_impl == "cpu_kernel":
-            raise RuntimeError(f"attention_impl='cpu_kernel': the kernel is not available: {err}")
-        logger.warning("CPU attention kernel not available, using 'ragged': %s", err)
-    return err is None
-
-
-def _cpu_matmul(backend: str, engine_config: EngineConfig, mesh) -> bool:
-    """Whether the C++ CPU matmul can run for this engine: on the CPU backend, one device (its
-    weights are not partitioned), built here; for matmul_impl='auto' only with its AVX512-BF16
-    path (elsewhere its portable loop is slower than XLA's dot). An explicit 'cpu_kernel' that
-    cannot run is an error."""
-    if backend != "cpu" or engine_config.matmul_impl not in ("auto", "cpu_kernel"):
-        return False
-    from cpu_kernels import matmul as cpu_matmul
-
-    err = cpu_matmul.build_error()
-    if engine_config.matmul_impl == "cpu_kernel":
-        if err is not None or mesh is not None:
-            reason = err or "it runs on one device only (no mesh)"
-            raise RuntimeError(f"matmul_impl='cpu_kernel': the kernel cannot run: {reason}")
-        return True
-    if err is not None:
-        logger.warning("CPU matmul kernel not available, using XLA's dot: %s", err)
-    return err is None and mesh is None and cpu_matmul.has_bf16_dot()
 
 
 class ModelRunner:
@@ -138,8 +102,8 @@ class ModelRunner:
             shard_config,
             model_config,
             backend,
-            cpu_kernel=_cpu_kernel(backend, engine_config),
-            cpu_matmul=_cpu_matmul(backend, engine_config, mesh),
+            cpu_kernel=cpu_backend.attention_kernel(backend, engine_config),
+            cpu_matmul=cpu_backend.matmul_kernel(backend, engine_config, mesh),
         )
         self.step_fns = data_parallel if d > 1 else steps  # generate / prefill (one shard or all)
         r = self.resolved
