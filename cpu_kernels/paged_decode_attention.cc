@@ -2,8 +2,9 @@
 //
 // One query token per row reads its row's pages of the stacked pool in place: no gather, no f32
 // copy of the live K/V, no per-page batched dots (what the XLA 'ragged' path spends its time on,
-// experiments/RESULTS.md section 37). The Python wrapper, its pure-jnp reference and the build
-// live in paged_decode_attention.py beside this file.
+// experiments/RESULTS.md section 37). A second handler, below the decode one, runs prefill chunks
+// (T query tokens per row, blocks of them sharing each K/V load). The Python wrappers, their
+// pure-jnp references and the build live in paged_decode_attention.py beside this file.
 //
 //   q            [B, H, D]                 f32 | bf16 | f16
 //   k, v pools   [L, KVH, P, ps, D]        f32 | bf16 | f16 | s8 | f8e4m3fn
@@ -198,9 +199,7 @@ inline float ExpNonPositive(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
+  return p * __builtin_bit_cast(float, bits);  // 2^n (not memcpy: this loop must vectorize)
 }
 
 // One (row, KV head): the online softmax over the row's visible pages, a page at a time.
@@ -226,13 +225,14 @@ void Item(const Problem& p, int64_t item, std::vector<float>& buf) {
   const int64_t kv_len = std::clamp<int64_t>(p.kv_lens[row], 0, p.w * ps);
   const int64_t first = p.window > 0 ? std::max<int64_t>(0, kv_len - p.window) : 0;
   const int64_t pool_base = (static_cast<int64_t>(p.layer) * p.kvh + head) * p.num_pages;
+  const int32_t* table = p.page_table + row * p.w;
   for (int64_t j = first / ps; j * ps < kv_len; ++j) {
-    const int64_t page = std::clamp<int64_t>(p.page_table[row * p.w + j], 0, p.num_pages - 1);
+    const int64_t page = std::clamp<int64_t>(table[j], 0, p.num_pages - 1);
     const int64_t t0 = std::max(first, j * ps) - j * ps;
     const int64_t t1 = std::min(kv_len, j * ps + ps) - j * ps;
     const int64_t block = (pool_base + page) * ps;  // the page's first token
     if ((j + 1) * ps < kv_len) {  // the next page: pages are scattered, so no hardware prefetch
-      const int64_t next = std::clamp<int64_t>(p.page_table[row * p.w + j + 1], 0, p.num_pages - 1);
+      const int64_t next = std::clamp<int64_t>(table[j + 1], 0, p.num_pages - 1);
       const int64_t bytes = ps * d * p.kv_bytes, at = (pool_base + next) * bytes;
       for (int64_t o = 0; o < bytes; o += 64) {
         __builtin_prefetch(p.k + at + o);
@@ -362,6 +362,356 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::A
   return ffi::Error::Success();
 }
 
+
+// ---- Prefill: a chunk's T query tokens per row, blocks of them sharing each K/V load ----------
+//
+// Work item = (row, KV head, block of kQueryBlock query tokens). The block's keys are read a tile
+// at a time (tiles at absolute key positions, kKeyTile keys), converted to f32 once for all of
+// its G * tokens query vectors, the scores computed in 4 x 4 register blocks (each dot in
+// HorizontalSum's order, so a score has the same bits in a block or alone), then every query runs
+// the online softmax over its own visible keys of the tile: keys s with max(0, p + 1 - window)
+// <= s <= p for a query at position p (every s <= p for a global layer). Everything a query's
+// result depends on is fixed by its position, its keys and the tile grid: not by its block, its
+// chunk, the other rows or the page-table width. Tokens at positions outside [0, seq_len) are
+// padding and get zeros.
+
+constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kKeyTile = 128;
+
+struct PrefillProblem {
+  int64_t b, t, h, kvh, g, d, dp, num_layers, num_pages, ps, w, qblocks;
+  const uint8_t *q, *k, *v;
+  const float *k_scale, *v_scale;  // null for unquantized pools
+  const int32_t *positions, *seq_lens, *page_table;
+  int32_t layer, window;
+  float scale, softcap;
+  ffi::DataType q_dt, kv_dt;
+  size_t q_bytes, kv_bytes;
+  uint8_t* out;
+};
+
+typedef int32_t I16v __attribute__((vector_size(64), aligned(4)));
+
+// ExpNonPositive on 16 lanes, in vector arithmetic (GCC does not vectorize the scalar loop).
+inline F16v ExpNonPositive16(F16v x) {
+  x = x < -87.0f ? F16v{} - 87.0f : x;
+  const F16v t = x * 1.44269504088896341f + 0.5f;
+  I16v ni = __builtin_convertvector(t, I16v);  // truncation, then floor
+  ni += (__builtin_convertvector(ni, F16v) > t);  // -1 where truncation rounded up
+  const F16v n = __builtin_convertvector(ni, F16v);
+  const F16v r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F16v q = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  q = q * r + 8.3334519073e-3f;
+  q = q * r + 4.1665795894e-2f;
+  q = q * r + 1.6666665459e-1f;
+  q = q * r + 5.0000001201e-1f;
+  q = q * r * r + r + 1.0f;
+  return q * (F16v)((ni + 127) << 23);
+}
+
+// x[j] = exp(x[j] - m) for j < n (x[j] <= m), every element by the same vector code.
+inline void ExpShifted(float* x, int64_t n, float m) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) StoreV(x + j, ExpNonPositive16(LoadV(x + j) - m));
+  if (j < n) {
+    F16v v = {};
+    std::memcpy(&v, x + j, (n - j) * sizeof(float));
+    v = ExpNonPositive16(v - m);
+    std::memcpy(x + j, &v, (n - j) * sizeof(float));
+  }
+}
+
+// 16 accumulators -> one vector whose lane i is HorizontalSum(a[i]) (the same adds, in the same
+// order, four at a time).
+inline F16v SumLanes16(const F16v* a) {
+  F16v s[8], u[4], r[2];
+  for (int i = 0; i < 8; ++i) {  // x[j] + x[j + 8]
+    s[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                   20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {  // then j + j+4
+    u[i] = __builtin_shufflevector(s[2 * i], s[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(s[2 * i], s[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {  // then (b0 + b2), (b1 + b3)
+    r[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(r[0], r[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                 30) +
+         __builtin_shufflevector(r[0], r[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                 31);
+}
+
+// dp (a multiple of 16) elements, lanes of 16 summed in HorizontalSum's order.
+inline float DotPadded(const float* a, const float* b, int64_t dp) {
+  F16v acc = {};
+  for (int64_t e = 0; e < dp; e += 16) acc += LoadV(a + e) * LoadV(b + e);
+  return HorizontalSum(acc);
+}
+
+// s[r * lds + j] = q_r . k_j for rows r < m of qf and keys j < n of kf (both [*, dp]).
+void Scores(const float* qf, int64_t m, const float* kf, int64_t n, int64_t dp, float* s,
+            int64_t lds) {
+  int64_t r = 0;
+  for (; r + 4 <= m; r += 4) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      F16v acc[16] = {};  // acc[4 i + jj]: row r + i, key j + jj
+      for (int64_t e = 0; e < dp; e += 16) {
+        F16v kv[4];
+        for (int jj = 0; jj < 4; ++jj) kv[jj] = LoadV(kf + (j + jj) * dp + e);
+        for (int i = 0; i < 4; ++i) {
+          const F16v qv = LoadV(qf + (r + i) * dp + e);
+          for (int jj = 0; jj < 4; ++jj) acc[4 * i + jj] += qv * kv[jj];
+        }
+      }
+      const F16v sums = SumLanes16(acc);
+      for (int i = 0; i < 4; ++i) std::memcpy(s + (r + i) * lds + j, &sums[4 * i], 4 * sizeof(float));
+    }
+    for (; j < n; ++j) {
+      for (int i = 0; i < 4; ++i) s[(r + i) * lds + j] = DotPadded(qf + (r + i) * dp, kf + j * dp, dp);
+    }
+  }
+  for (; r < m; ++r) {
+    for (int64_t j = 0; j < n; ++j) s[r * lds + j] = DotPadded(qf + r * dp, kf + j * dp, dp);
+  }
+}
+
+// acc[i][c] = acc[i][c] * alpha[i] + sum over keys j in [j0, j1) of p[i][j] * vf[j][c], for R rows
+// and C chunks of 16 lanes (in registers), keys in increasing order.
+template <int R, int C>
+void PvBlock(float* const* acc, const float* const* p, const float* alpha, const float* vf,
+             int64_t dp, int64_t j0, int64_t j1) {
+  F16v a[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) a[i][c] = LoadV(acc[i] + 16 * c) * alpha[i];
+  for (int64_t j = j0; j < j1; ++j) {
+    F16v v[C];
+    for (int c = 0; c < C; ++c) v[c] = LoadV(vf + j * dp + 16 * c);
+    for (int i = 0; i < R; ++i) {
+      const float pj = p[i][j];
+      for (int c = 0; c < C; ++c) a[i][c] += pj * v[c];
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) StoreV(acc[i] + 16 * c, a[i][c]);
+}
+
+template <int R>
+void PvRows(float* const* acc, const float* const* p, const float* alpha, const float* vf,
+            int64_t dp, int64_t j0, int64_t j1) {
+  for (int64_t c0 = 0; c0 < dp; c0 += 64) {  // up to 4 chunks of 16 lanes at a time
+    float* a[R];
+    for (int i = 0; i < R; ++i) a[i] = acc[i] + c0;
+    const float* v = vf + c0;
+    switch ((std::min<int64_t>(dp - c0, 64)) / 16) {
+      case 1: PvBlock<R, 1>(a, p, alpha, v, dp, j0, j1); break;
+      case 2: PvBlock<R, 2>(a, p, alpha, v, dp, j0, j1); break;
+      case 3: PvBlock<R, 3>(a, p, alpha, v, dp, j0, j1); break;
+      default: PvBlock<R, 4>(a, p, alpha, v, dp, j0, j1); break;
+    }
+  }
+}
+
+void PrefillItem(const PrefillProblem& p, int64_t item, std::vector<float>& buf) {
+  const int64_t qb = item % p.qblocks, head = item / p.qblocks % p.kvh;
+  const int64_t row = item / (p.qblocks * p.kvh);
+  const int64_t t0 = qb * kQueryBlock, nq = std::min(kQueryBlock, p.t - t0);
+  const int64_t g = p.g, d = p.d, dp = p.dp, m = nq * g, ps = p.ps;
+  int64_t lo[kQueryBlock], hi[kQueryBlock];  // the visible keys [lo, hi) of each query
+  int64_t kmin = INT64_MAX, kmax = 0;
+  const int64_t seq_len = p.seq_lens[row], cap = p.w * ps;
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t pos = p.positions[row * p.t + t0 + i];
+    int64_t h = pos >= 0 && pos < seq_len ? std::min(pos + 1, cap) : 0;
+    int64_t l = p.window > 0 ? std::max<int64_t>(0, h - p.window) : 0;
+    if (l >= h) l = h = 0;
+    lo[i] = l, hi[i] = h;
+    if (h > l) kmin = std::min(kmin, l), kmax = std::max(kmax, h);
+  }
+  buf.resize(2 * m * dp + 2 * m + 2 * kKeyTile * dp + m * kKeyTile + m);
+  float* qf = buf.data();           // [m, dp] the block's query vectors, row i * g + gi
+  float* acc = qf + m * dp;         // [m, dp]
+  float* mx = acc + m * dp;         // [m] running max
+  float* l = mx + m;                // [m] running sum
+  float* kf = l + m;                // [kKeyTile, dp]
+  float* vf = kf + kKeyTile * dp;   // [kKeyTile, dp]
+  float* s = vf + kKeyTile * dp;    // [m, kKeyTile] scores, then probabilities
+  float* alpha = s + m * kKeyTile;  // [m]
+  std::fill(buf.begin(), buf.begin() + 2 * m * dp, 0.0f);
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const int64_t off = ((row * p.t + t0 + i) * p.h + head * g + gi) * d;
+      ToF32(p.q_dt, p.q + off * p.q_bytes, d, qf + (i * g + gi) * dp);
+    }
+  }
+  std::fill(mx, mx + m, -INFINITY);
+  std::fill(l, l + m, 0.0f);
+  const int64_t pool_base = (static_cast<int64_t>(p.layer) * p.kvh + head) * p.num_pages;
+  const int32_t* table = p.page_table + row * p.w;
+  for (int64_t ts = kmax > 0 ? kmin / kKeyTile * kKeyTile : 0; ts < kmax; ts += kKeyTile) {
+    const int64_t a = std::max(ts, kmin), e = std::min(ts + kKeyTile, kmax), n = e - a;
+    for (int64_t key = a; key < e;) {  // the tile's keys [a, e) -> kf, vf rows key - a
+      const int64_t j = key / ps, off = key - j * ps, run = std::min(e - key, ps - off);
+      const int64_t page = std::clamp<int64_t>(table[j], 0, p.num_pages - 1);
+      const int64_t tok = (pool_base + page) * ps + off;
+      for (int64_t x = 0; x < run; ++x) {
+        float* kr = kf + (key - a + x) * dp;
+        float* vr = vf + (key - a + x) * dp;
+        ToF32(p.kv_dt, p.k + (tok + x) * d * p.kv_bytes, d, kr);
+        ToF32(p.kv_dt, p.v + (tok + x) * d * p.kv_bytes, d, vr);
+        if (p.k_scale != nullptr) {
+          const float ks = p.k_scale[tok + x], vs = p.v_scale[tok + x];
+          for (int64_t c = 0; c < d; ++c) kr[c] *= ks, vr[c] *= vs;
+        }
+        std::fill(kr + d, kr + dp, 0.0f);
+        std::fill(vr + d, vr + dp, 0.0f);
+      }
+      key += run;
+    }
+    Scores(qf, m, kf, n, dp, s, kKeyTile);
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t j0 = std::max(lo[i], a) - a, j1 = std::min(hi[i], e) - a;  // tile-relative
+      if (j1 <= j0) continue;
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const int64_t r = i * g + gi;
+        float* sr = s + r * kKeyTile;
+        const float scale = p.scale, cap = p.softcap;
+#pragma omp simd
+        for (int64_t j = j0; j < j1; ++j) sr[j] *= scale;
+        if (cap > 0.0f) {
+          for (int64_t j = j0; j < j1; ++j) sr[j] = cap * std::tanh(sr[j] / cap);
+        }
+        F16v lane_max = {};  // a max: the same whatever the order
+        lane_max -= INFINITY;
+        int64_t j = j0;
+        for (; j + 16 <= j1; j += 16) {
+          const F16v x = LoadV(sr + j);
+          lane_max = x > lane_max ? x : lane_max;
+        }
+        float tile_max = -INFINITY;
+        for (int c = 0; c < 16; ++c) tile_max = std::max(tile_max, lane_max[c]);
+        for (; j < j1; ++j) tile_max = std::max(tile_max, sr[j]);
+        const float new_m = std::max(mx[r], tile_max);
+        if (new_m == -INFINITY) {  // no finite logit yet: nothing to add
+          alpha[r] = 1.0f;
+          std::fill(sr + j0, sr + j1, 0.0f);
+          continue;
+        }
+        alpha[r] = mx[r] == -INFINITY ? 0.0f : ExpNonPositive(mx[r] - new_m);
+        ExpShifted(sr + j0, j1 - j0, new_m);
+        F16v lanes = {};  // the sum of the probabilities, lanes of 16 from j0
+        for (j = j0; j + 16 <= j1; j += 16) lanes += LoadV(sr + j);
+        float sum = HorizontalSum(lanes);
+        for (; j < j1; ++j) sum += sr[j];
+        l[r] = l[r] * alpha[r] + sum;
+        mx[r] = new_m;
+      }
+      for (int64_t g0 = 0; g0 < g; g0 += 4) {  // the query's heads, 4 at a time
+        const int64_t rows = std::min<int64_t>(4, g - g0);
+        float* ar[4];
+        const float* pr[4];
+        for (int64_t x = 0; x < rows; ++x) {
+          ar[x] = acc + (i * g + g0 + x) * dp;
+          pr[x] = s + (i * g + g0 + x) * kKeyTile;
+        }
+        const float* al = alpha + i * g + g0;
+        switch (rows) {
+          case 1: PvRows<1>(ar, pr, al, vf, dp, j0, j1); break;
+          case 2: PvRows<2>(ar, pr, al, vf, dp, j0, j1); break;
+          case 3: PvRows<3>(ar, pr, al, vf, dp, j0, j1); break;
+          default: PvRows<4>(ar, pr, al, vf, dp, j0, j1); break;
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    float* ar = acc + r * dp;
+    for (int64_t c = 0; c < d; ++c) ar[c] = l[r] > 0.0f ? ar[c] * inv : 0.0f;
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const int64_t off = ((row * p.t + t0 + i) * p.h + head * g + gi) * d;
+      FromF32(p.q_dt, acc + (i * g + gi) * dp, d, p.out + off * p.q_bytes);
+    }
+  }
+}
+
+void PrefillDrain(const PrefillProblem& p, int64_t items, Counter& c) {
+  std::vector<float> buf;
+  for (int64_t i; (i = c.next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+    PrefillItem(p, i, buf);
+    c.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                       ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> seq_lens,
+                       ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> layer,
+                       ffi::Buffer<ffi::S32> window, ffi::Result<ffi::AnyBuffer> out, float scale,
+                       float softcap) {
+  auto qd = q.dimensions(), kd = k.dimensions(), td = page_table.dimensions();
+  auto pd = positions.dimensions(), sd = seq_lens.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || pd.size() != 2 || sd.size() != 1) {
+    return ffi::Error::InvalidArgument("expected q [B, T, H, D], pools [L, KVH, P, ps, D], "
+                                       "positions [B, T], seq_lens [B], page_table [B, W]");
+  }
+  PrefillProblem p;
+  p.b = qd[0], p.t = qd[1], p.h = qd[2], p.d = qd[3];
+  p.num_layers = kd[0], p.kvh = kd[1], p.num_pages = kd[2], p.ps = kd[3], p.w = td[1];
+  if (kd[4] != p.d || p.kvh <= 0 || p.h % p.kvh != 0 || td[0] != p.b || pd[0] != p.b ||
+      pd[1] != p.t || sd[0] != p.b || v.dimensions().size() != 5 ||
+      v.element_type() != k.element_type()) {
+    return ffi::Error::InvalidArgument("q, pools, positions, seq_lens and page_table shapes or "
+                                       "dtypes disagree");
+  }
+  p.g = p.h / p.kvh, p.dp = (p.d + 15) / 16 * 16;
+  p.q_dt = q.element_type(), p.kv_dt = k.element_type();
+  p.q_bytes = KernelBytes(p.q_dt), p.kv_bytes = KernelBytes(p.kv_dt);
+  if (p.q_dt != ffi::DataType::F32 && p.q_dt != ffi::DataType::BF16 &&
+      p.q_dt != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("q must be f32, bf16 or f16");
+  }
+  if (p.kv_bytes == 0) return ffi::Error::InvalidArgument("unsupported KV pool dtype");
+  const bool quantized = k_scale.element_count() > 0;
+  if (quantized != (p.kv_dt == ffi::DataType::S8 || p.kv_dt == ffi::DataType::F8E4M3FN)) {
+    return ffi::Error::InvalidArgument("int8 / fp8 pools need scales, other pools none");
+  }
+  p.layer = layer.typed_data()[0], p.window = window.typed_data()[0];
+  if (p.layer < 0 || p.layer >= p.num_layers) {
+    return ffi::Error::InvalidArgument("layer out of range");
+  }
+  p.q = static_cast<const uint8_t*>(q.untyped_data());
+  p.k = static_cast<const uint8_t*>(k.untyped_data());
+  p.v = static_cast<const uint8_t*>(v.untyped_data());
+  p.k_scale = quantized ? k_scale.typed_data() : nullptr;
+  p.v_scale = quantized ? v_scale.typed_data() : nullptr;
+  p.positions = positions.typed_data(), p.seq_lens = seq_lens.typed_data();
+  p.page_table = page_table.typed_data();
+  p.scale = scale, p.softcap = softcap;
+  p.out = static_cast<uint8_t*>(out->untyped_data());
+  p.qblocks = (p.t + kQueryBlock - 1) / kQueryBlock;
+
+  const int64_t items = p.b * p.kvh * p.qblocks;
+  auto counter = std::make_shared<Counter>();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([p, items, counter] { PrefillDrain(p, items, *counter); });
+  }
+  PrefillDrain(p, items, *counter);
+  while (counter->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecodeAttention, Impl,
@@ -377,5 +727,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecodeAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Ret<ffi::AnyBuffer>()      // out
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedPrefillAttention, PrefillImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k pool
+                                  .Arg<ffi::AnyBuffer>()         // v pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Ret<ffi::AnyBuffer>()         // out
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap"));

@@ -1,8 +1,10 @@
-"""The CPU prefill attention (`layers/ragged_attention.prefill_attention`) vs the layout it had
-until RESULTS.md section 38 (scores as one dot q . K^T, softmax along the keys' minor axis): time
-per call, and whether a chunk's output changes with the page-table width (bitwise mismatches
-between widths W, 2W, 4W for the same queries and keys; the engine's rows must not depend on the
-other rows of their step, nor on a prefix-cache hit's narrower step).
+"""The CPU prefill attention: the C++ kernel (`cpu_kernels/paged_decode_attention.py`'s
+`paged_prefill_attention`, the default where it builds, RESULTS.md section 39), the XLA form of
+`layers/ragged_attention.prefill_attention` (the fallback), and the layout that had until section
+38 (scores as one dot q . K^T, softmax along the keys' minor axis): time per call, and whether a
+chunk's output changes with the page-table width (bitwise mismatches between widths W, 2W, 4W for
+the same queries and keys; the engine's rows must not depend on the other rows of their step, nor
+on a prefix-cache hit's narrower step).
 
 SmolLM2's heads (9 query heads, 3 KV heads, head dim 64), pages of 16, bf16 pools, 64-token chunks
 ending at the last page; median of --reps calls of one layer, the two layouts in turn.
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import paged_decode_attention as cpu_attention
 from jaxserve.bench.core import cpu_name
 from jaxserve.layers.ragged_attention import prefill_attention
 from pallas_kernels.paged_common import soft_cap
@@ -59,8 +62,9 @@ def transposed_prefill_attention(q, k_pages, v_pages, positions, seq_lens, page_
 
 
 LAYOUTS = {
-    "keys_as_rows (now)": prefill_attention,
-    "transposed (before)": transposed_prefill_attention,
+    "cpu_kernel": cpu_attention.paged_prefill_attention,
+    "keys_as_rows (ragged)": prefill_attention,
+    "transposed (before 38)": transposed_prefill_attention,
 }
 
 

@@ -7,11 +7,11 @@ that lowers a GPU engine's steps on this CPU). Nothing below it asks the backend
 kernels get their implementation as static arguments (`ModelImpl`), and the runner and scheduler
 get their shape buckets from here. The choices:
 
-    attention      auto -> 'pallas' (Triton kernels) on GPU; on CPU 'cpu_kernel' (decode through
-                   the C++ kernel of `cpu_kernels/`, read in place from the pool; RESULTS.md
-                   section 37) when it built here, else 'ragged' (XLA decode over the step's live
-                   pages, its cost following the live tokens); prefill chunks take
-                   `ragged_attention.prefill_attention` on CPU
+    attention      auto -> 'pallas' (Triton kernels) on GPU; on CPU 'cpu_kernel' (decode and
+                   prefill through the C++ kernel of `cpu_kernels/`, read in place from the pool;
+                   RESULTS.md sections 37 and 39) when it built here, else 'ragged' (XLA decode
+                   over the step's live pages, its cost following the live tokens; prefill
+                   chunks through `ragged_attention.prefill_attention`)
     dense matmul   auto -> 'cpu_kernel' on CPU for bf16 weights on one device when the C++ matmul
                    of `cpu_kernels/` built here with its AVX512-BF16 path: it reads each layer's
                    weight in place, for batches of up to CPU_MATMUL_ROWS rows (RESULTS.md section
@@ -28,8 +28,9 @@ get their shape buckets from here. The choices:
     widths         page-table width buckets (powers of two of pages, capped at max_pages_per_seq)
     prefill rows   prefill row buckets (powers of two of chunks up to the step's chunk budget)
     flat buckets   'ragged' decode: live-page buckets per slot bucket (powers of two from 8)
-                   ('cpu_kernel' decode: one program per slot bucket, the whole page table, since
-                   its cost follows each row's own pages whatever the table's width)
+                   ('cpu_kernel': one decode program per slot bucket and one prefill program per
+                   row bucket, over the whole page table, since the kernel's cost follows each
+                   row's own pages whatever the table's width)
 
 Host only: no jax import (tests/core/test_host_only.py imports core/, which imports this).
 """
@@ -143,7 +144,10 @@ class Resolved:
         rows = (
             self.prefill_rows[-1] if prompt_logprobs else bucket_for(num_chunks, self.prefill_rows)
         )
-        return PrefillShape(rows, self.width_for(num_pages), prompt_logprobs, self.num_top)
+        width = self.width_for(num_pages)  # checks max_pages_per_seq
+        if self.model.attention == "cpu_kernel":
+            width = self.max_pages
+        return PrefillShape(rows, width, prompt_logprobs, self.num_top)
 
     def decode_shapes(self) -> list[DecodeShape]:
         """Every shape `decode_shape` can return."""
@@ -160,7 +164,8 @@ class Resolved:
     def prefill_shapes(self) -> list[PrefillShape]:
         """Every shape `prefill_shape` can return."""
         out = []
-        for w in self.widths:
+        widths = [self.max_pages] if self.model.attention == "cpu_kernel" else self.widths
+        for w in widths:
             out += [PrefillShape(r, w, False, self.num_top) for r in self.prefill_rows]
             out.append(PrefillShape(self.prefill_rows[-1], w, True, self.num_top))
         return out

@@ -120,9 +120,10 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     'pallas' / 'pallas_interpret': T == 1 runs the flash-decoding kernel, T > 1 the ragged
     chunked-prefill kernel; both read the whole stacked pool at the traced `layer`, and a
     windowed layer's loop starts at its window's first page.
-    'cpu_kernel' (the CPU default where it builds): decode through the C++ kernel of
+    'cpu_kernel' (the CPU default where it builds): the C++ kernel of
     `cpu_kernels/paged_decode_attention.py`, which reads each row's pages of the whole pool at
-    the traced `layer` in place; prefill chunks as 'ragged'.
+    the traced `layer` in place; a prefill chunk's tokens run as decode rows at their positions
+    (only the keys each one sees, the bits a decode step would give it).
     'ragged' (XLA): decode over the step's live pages laid end to end
     (`ragged_attention.py`, needs meta.num_flat_pages); prefill chunks take its
     `prefill_attention`, the reference laid out for the CPU's dots.
@@ -138,7 +139,10 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
                 cache.k_scale, cache.v_scale, **opts,
             )  # fmt: skip
             return out[:, None]  # (B, 1, H, D)
-        impl = "ragged"
+        return cpu_attention.paged_prefill_attention(
+            q, cache.k, cache.v, meta.positions, meta.seq_lens, meta.page_table, layer,
+            cache.k_scale, cache.v_scale, **opts,
+        )  # fmt: skip
     if impl == "ragged":
         if q.shape[1] == 1 and meta.num_flat_pages > 0:
             kv_len = _decode_kv_len(meta)

@@ -1,5 +1,6 @@
-"""The C++ CPU paged decode attention equals its jnp reference (the Pallas kernels' reference at one
-query per row), for every pool dtype, page size, head layout, length, window, soft-cap and scale."""
+"""The C++ CPU paged attention equals its jnp references (the Pallas kernels' reference at one query
+per row, and over prefill chunks), for every pool dtype, page size, head layout, length, window,
+soft-cap and scale; a prefill token's result is a decode row's, whatever its chunk and width."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from cpu_kernels import paged_decode_attention as pda
 
 kernel = jax.jit(pda.paged_decode_attention, static_argnames=("softcap", "scale"))
 reference = jax.jit(pda.paged_decode_attention_reference, static_argnames=("softcap", "scale"))
+prefill = jax.jit(pda.paged_prefill_attention, static_argnames=("softcap", "scale"))
+prefill_reference = jax.jit(
+    pda.paged_prefill_attention_reference, static_argnames=("softcap", "scale")
+)
 
 
 def test_builds_here():
@@ -121,3 +126,74 @@ def test_bad_shapes_are_errors():
         pda.paged_decode_attention(q[:, :, :32], k, v, lens, pt)
     with pytest.raises(ValueError, match="both k_scale and v_scale"):
         pda.paged_decode_attention(q, k, v, lens, pt, 0, ks, None)
+
+
+def chunks(starts, lengths, t, w, *, pool="float32", q_dtype="float32", ps=8, seed=0):
+    """Prefill chunks: row b holds tokens [start_b, start_b + length_b) of its sequence, padded to
+    t (length 0: a padding row); the pools and tables of `case`."""
+    q, k, v, _, pt, ks, vs = case([0] * len(starts), w, pool=pool, q_dtype=q_dtype, ps=ps,
+                                  seed=seed)  # fmt: skip
+    rng = np.random.default_rng(seed + 100)
+    qc = jnp.asarray(rng.normal(size=(len(starts), t, q.shape[1], q.shape[2])), q_dtype)
+    starts, lengths = np.asarray(starts), np.asarray(lengths)
+    pos = jnp.asarray(starts[:, None] + np.arange(t)[None, :], jnp.int32)
+    lens = jnp.asarray(np.where(lengths > 0, starts + lengths, 0), jnp.int32)
+    return qc, k, v, pos, lens, pt, ks, vs
+
+
+@pytest.mark.parametrize("pool", ["float32", "bfloat16", "int8", "fp8"])
+def test_prefill_chunks_equal_the_reference(pool):
+    """Chunks at the start of a sequence and in its middle, partly padded, and a padding row
+    (zeros at padding tokens); every window, soft-cap and scale."""
+    q_dtype = "float32" if pool == "float32" else "bfloat16"
+    q, k, v, pos, lens, pt, ks, vs = chunks(
+        [0, 21, 5, 0, 40], [12, 9, 1, 0, 16], 16, 8, pool=pool, q_dtype=q_dtype
+    )
+    for window in (None, 1, 6, 17):
+        for softcap, scale in ((None, None), (5.0, 0.3)):
+            win = None if window is None else jnp.int32(window)
+            opts = dict(window=win, softcap=softcap, scale=scale)
+            got = prefill(q, k, v, pos, lens, pt, jnp.int32(1), ks, vs, **opts)
+            close(got, prefill_reference(q, k, v, pos, lens, pt, 1, ks, vs, **opts), q_dtype)
+    assert not np.asarray(got[3], np.float32).any()  # a padding row
+    assert not np.asarray(got[0, 12:], np.float32).any()  # padding tokens
+
+
+def test_prefill_token_does_not_depend_on_its_chunk_rows_or_width():
+    """Bitwise: a prefill token's result is the same whether its chunk is split (a prefix-cache
+    hit, a chunked prompt), its row sits among others, or the page table is wider; across a key
+    tile boundary (128) too."""
+    q, k, v, pos, lens, pt, _, _ = chunks([0, 7, 120], [24, 17, 20], 24, 18, pool="bfloat16",
+                                          q_dtype="bfloat16", seed=3)  # fmt: skip
+    full = np.asarray(prefill(q, k, v, pos, lens, pt, 0), np.float32)
+    for b in range(3):
+        alone = prefill(q[b : b + 1], k, v, pos[b : b + 1], lens[b : b + 1], pt[b : b + 1], 0)
+        np.testing.assert_array_equal(np.asarray(alone, np.float32)[0], full[b])
+        for cut in (1, 10, 17):  # the first `cut` tokens, then the rest as a second chunk
+            first = prefill(q[b : b + 1, :cut], k, v, pos[b : b + 1, :cut],
+                            pos[b : b + 1, cut - 1] + 1, pt[b : b + 1], 0)  # fmt: skip
+            rest = prefill(q[b : b + 1, cut:], k, v, pos[b : b + 1, cut:], lens[b : b + 1],
+                           pt[b : b + 1], 0)  # fmt: skip
+            both = np.concatenate([np.asarray(first, np.float32), np.asarray(rest, np.float32)], 1)
+            np.testing.assert_array_equal(both[0], full[b])
+    wide = jnp.concatenate([pt, jnp.zeros((3, 12), jnp.int32)], axis=1)
+    np.testing.assert_array_equal(
+        np.asarray(prefill(q, k, v, pos, lens, wide, 0), np.float32), full
+    )
+
+
+def test_prefill_single_tokens_equal_the_decode_kernel():
+    """A chunk of one token per row is a decode step: both handlers agree with the reference."""
+    q, k, v, pos, lens, pt, ks, vs = chunks([4, 0, 30], [1, 1, 1], 1, 5, pool="int8", seed=5)
+    got = prefill(q, k, v, pos, lens, pt, 1, ks, vs)
+    close(got[:, 0], kernel(q[:, 0], k, v, pos[:, 0] + 1, pt, 1, ks, vs), "float32")
+
+
+def test_prefill_bad_shapes_are_errors():
+    q, k, v, pos, lens, pt, _, _ = chunks([0, 4], [3, 2], 4, 2)
+    with pytest.raises(ValueError, match="do not fit"):
+        pda.paged_prefill_attention(q, k, v, pos[:, :3], lens, pt)
+    with pytest.raises(ValueError, match="do not fit"):
+        pda.paged_prefill_attention(q, k, v, pos, lens, pt[:1])
+    with pytest.raises(ValueError, match="does not fit"):
+        pda.paged_decode_attention(q[:, 0], k, v, lens, pt[:1])
