@@ -142,16 +142,62 @@ size_t KernelBytes(ffi::DataType dt) {
   }
 }
 
-struct Problem {
-  int64_t b, h, kvh, g, d, num_layers, num_pages, ps, w;
+// What both handlers read the same way: q's heads, the pools, the layer, the logits' options.
+struct Common {
+  int64_t h, kvh, g, d, num_layers, num_pages, ps;
   const uint8_t *q, *k, *v;
   const float *k_scale, *v_scale;  // null for unquantized pools
-  const int32_t *kv_lens, *page_table;
   int32_t layer, window;
   float scale, softcap;
   ffi::DataType q_dt, kv_dt;
   size_t q_bytes, kv_bytes;
   uint8_t* out;
+};
+
+// Checks and reads the Common part of a call; q's last two dimensions are [H, D].
+ffi::Error ReadCommon(Common& p, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                      ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
+                      ffi::Result<ffi::AnyBuffer>& out, float scale, float softcap) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (kd.size() != 5 || qd.size() < 2) {
+    return ffi::Error::InvalidArgument("expected pools [L, KVH, P, ps, D] and q [..., H, D]");
+  }
+  p.h = qd[qd.size() - 2], p.d = qd[qd.size() - 1];
+  p.num_layers = kd[0], p.kvh = kd[1], p.num_pages = kd[2], p.ps = kd[3];
+  if (kd[4] != p.d || p.kvh <= 0 || p.h % p.kvh != 0 || v.dimensions().size() != 5 ||
+      v.element_type() != k.element_type()) {
+    return ffi::Error::InvalidArgument("q and pools shapes or dtypes disagree");
+  }
+  p.g = p.h / p.kvh;
+  p.q_dt = q.element_type(), p.kv_dt = k.element_type();
+  p.q_bytes = KernelBytes(p.q_dt), p.kv_bytes = KernelBytes(p.kv_dt);
+  if (p.q_dt != ffi::DataType::F32 && p.q_dt != ffi::DataType::BF16 &&
+      p.q_dt != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("q must be f32, bf16 or f16");
+  }
+  if (p.kv_bytes == 0) return ffi::Error::InvalidArgument("unsupported KV pool dtype");
+  const bool quantized = k_scale.element_count() > 0;
+  if (quantized != (p.kv_dt == ffi::DataType::S8 || p.kv_dt == ffi::DataType::F8E4M3FN)) {
+    return ffi::Error::InvalidArgument("int8 / fp8 pools need scales, other pools none");
+  }
+  p.layer = layer.typed_data()[0], p.window = window.typed_data()[0];
+  if (p.layer < 0 || p.layer >= p.num_layers) {
+    return ffi::Error::InvalidArgument("layer out of range");
+  }
+  p.q = static_cast<const uint8_t*>(q.untyped_data());
+  p.k = static_cast<const uint8_t*>(k.untyped_data());
+  p.v = static_cast<const uint8_t*>(v.untyped_data());
+  p.k_scale = quantized ? k_scale.typed_data() : nullptr;
+  p.v_scale = quantized ? v_scale.typed_data() : nullptr;
+  p.scale = scale, p.softcap = softcap;
+  p.out = static_cast<uint8_t*>(out->untyped_data());
+  return ffi::Error::Success();
+}
+
+struct Problem : Common {
+  int64_t b, w;
+  const int32_t *kv_lens, *page_table;
 };
 
 // 16 f32 lanes (GCC lowers this to one zmm register with AVX-512, two ymm with AVX2).
@@ -296,17 +342,27 @@ void Item(const Problem& p, int64_t item, std::vector<float>& buf) {
   FromF32(p.q_dt, acc, g * d, p.out + q_off * p.q_bytes);
 }
 
-struct Counter {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void Drain(const Problem& p, int64_t items, Counter& c) {
-  std::vector<float> buf;
-  for (int64_t i; (i = c.next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-    Item(p, i, buf);
-    c.done.fetch_add(1, std::memory_order_release);
-  }
+// Runs item(p, i, buf) for i < items on the calling thread and on XLA's intra-op pool: items are
+// claimed from an atomic counter, and the caller waits only for items already claimed, so a task
+// the pool starts late finds nothing to do.
+template <class P, class F>
+void RunItems(ffi::ThreadPool& pool, const P& p, int64_t items, F item) {
+  struct Counter {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto counter = std::make_shared<Counter>();
+  auto drain = [p, items, counter, item] {
+    std::vector<float> buf;
+    for (int64_t i; (i = counter->next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      item(p, i, buf);
+      counter->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(drain)(drain));  // a copy each
+  drain();
+  while (counter->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
 }
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -314,51 +370,17 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::A
                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> window,
                 ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
-  auto qd = q.dimensions(), kd = k.dimensions(), td = page_table.dimensions();
-  if (qd.size() != 3 || kd.size() != 5 || td.size() != 2) {
-    return ffi::Error::InvalidArgument("expected q [B, H, D], pools [L, KVH, P, ps, D], "
-                                       "page_table [B, W]");
+  auto qd = q.dimensions(), td = page_table.dimensions();
+  if (qd.size() != 3 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("expected q [B, H, D] and page_table [B, W]");
   }
   Problem p;
-  p.b = qd[0], p.h = qd[1], p.d = qd[2];
-  p.num_layers = kd[0], p.kvh = kd[1], p.num_pages = kd[2], p.ps = kd[3], p.w = td[1];
-  if (kd[4] != p.d || p.kvh <= 0 || p.h % p.kvh != 0 || td[0] != p.b ||
-      v.dimensions().size() != 5 || v.element_type() != k.element_type()) {
-    return ffi::Error::InvalidArgument("q, pools and page_table shapes or dtypes disagree");
-  }
-  p.g = p.h / p.kvh;
-  p.q_dt = q.element_type(), p.kv_dt = k.element_type();
-  p.q_bytes = KernelBytes(p.q_dt), p.kv_bytes = KernelBytes(p.kv_dt);
-  if (p.q_dt != ffi::DataType::F32 && p.q_dt != ffi::DataType::BF16 &&
-      p.q_dt != ffi::DataType::F16) {
-    return ffi::Error::InvalidArgument("q must be f32, bf16 or f16");
-  }
-  if (p.kv_bytes == 0) return ffi::Error::InvalidArgument("unsupported KV pool dtype");
-  const bool quantized = k_scale.element_count() > 0;
-  if (quantized != (p.kv_dt == ffi::DataType::S8 || p.kv_dt == ffi::DataType::F8E4M3FN)) {
-    return ffi::Error::InvalidArgument("int8 / fp8 pools need scales, other pools none");
-  }
-  p.layer = layer.typed_data()[0], p.window = window.typed_data()[0];
-  if (p.layer < 0 || p.layer >= p.num_layers) {
-    return ffi::Error::InvalidArgument("layer out of range");
-  }
-  p.q = static_cast<const uint8_t*>(q.untyped_data());
-  p.k = static_cast<const uint8_t*>(k.untyped_data());
-  p.v = static_cast<const uint8_t*>(v.untyped_data());
-  p.k_scale = quantized ? k_scale.typed_data() : nullptr;
-  p.v_scale = quantized ? v_scale.typed_data() : nullptr;
+  ffi::Error err = ReadCommon(p, q, k, v, k_scale, v_scale, layer, window, out, scale, softcap);
+  if (err.failure()) return err;
+  p.b = qd[0], p.w = td[1];
+  if (td[0] != p.b) return ffi::Error::InvalidArgument("q and page_table rows disagree");
   p.kv_lens = kv_lens.typed_data(), p.page_table = page_table.typed_data();
-  p.scale = scale, p.softcap = softcap;
-  p.out = static_cast<uint8_t*>(out->untyped_data());
-
-  const int64_t items = p.b * p.kvh;
-  auto counter = std::make_shared<Counter>();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([p, items, counter] { Drain(p, items, *counter); });
-  }
-  Drain(p, items, *counter);
-  while (counter->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+  RunItems(pool, p, p.b * p.kvh, Item);
   return ffi::Error::Success();
 }
 
@@ -378,16 +400,9 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::A
 constexpr int64_t kQueryBlock = 16;
 constexpr int64_t kKeyTile = 128;
 
-struct PrefillProblem {
-  int64_t b, t, h, kvh, g, d, dp, num_layers, num_pages, ps, w, qblocks;
-  const uint8_t *q, *k, *v;
-  const float *k_scale, *v_scale;  // null for unquantized pools
+struct PrefillProblem : Common {
+  int64_t b, t, w, dp, qblocks;  // dp: d rounded up to 16 lanes
   const int32_t *positions, *seq_lens, *page_table;
-  int32_t layer, window;
-  float scale, softcap;
-  ffi::DataType q_dt, kv_dt;
-  size_t q_bytes, kv_bytes;
-  uint8_t* out;
 };
 
 typedef int32_t I16v __attribute__((vector_size(64), aligned(4)));
@@ -645,70 +660,29 @@ void PrefillItem(const PrefillProblem& p, int64_t item, std::vector<float>& buf)
   }
 }
 
-void PrefillDrain(const PrefillProblem& p, int64_t items, Counter& c) {
-  std::vector<float> buf;
-  for (int64_t i; (i = c.next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-    PrefillItem(p, i, buf);
-    c.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error PrefillImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                        ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> seq_lens,
                        ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> layer,
                        ffi::Buffer<ffi::S32> window, ffi::Result<ffi::AnyBuffer> out, float scale,
                        float softcap) {
-  auto qd = q.dimensions(), kd = k.dimensions(), td = page_table.dimensions();
+  auto qd = q.dimensions(), td = page_table.dimensions();
   auto pd = positions.dimensions(), sd = seq_lens.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || pd.size() != 2 || sd.size() != 1) {
-    return ffi::Error::InvalidArgument("expected q [B, T, H, D], pools [L, KVH, P, ps, D], "
-                                       "positions [B, T], seq_lens [B], page_table [B, W]");
+  if (qd.size() != 4 || td.size() != 2 || pd.size() != 2 || sd.size() != 1) {
+    return ffi::Error::InvalidArgument("expected q [B, T, H, D], positions [B, T], seq_lens [B], "
+                                       "page_table [B, W]");
   }
   PrefillProblem p;
-  p.b = qd[0], p.t = qd[1], p.h = qd[2], p.d = qd[3];
-  p.num_layers = kd[0], p.kvh = kd[1], p.num_pages = kd[2], p.ps = kd[3], p.w = td[1];
-  if (kd[4] != p.d || p.kvh <= 0 || p.h % p.kvh != 0 || td[0] != p.b || pd[0] != p.b ||
-      pd[1] != p.t || sd[0] != p.b || v.dimensions().size() != 5 ||
-      v.element_type() != k.element_type()) {
-    return ffi::Error::InvalidArgument("q, pools, positions, seq_lens and page_table shapes or "
-                                       "dtypes disagree");
+  ffi::Error err = ReadCommon(p, q, k, v, k_scale, v_scale, layer, window, out, scale, softcap);
+  if (err.failure()) return err;
+  p.b = qd[0], p.t = qd[1], p.w = td[1], p.dp = (p.d + 15) / 16 * 16;
+  if (td[0] != p.b || pd[0] != p.b || pd[1] != p.t || sd[0] != p.b) {
+    return ffi::Error::InvalidArgument("q, positions, seq_lens and page_table shapes disagree");
   }
-  p.g = p.h / p.kvh, p.dp = (p.d + 15) / 16 * 16;
-  p.q_dt = q.element_type(), p.kv_dt = k.element_type();
-  p.q_bytes = KernelBytes(p.q_dt), p.kv_bytes = KernelBytes(p.kv_dt);
-  if (p.q_dt != ffi::DataType::F32 && p.q_dt != ffi::DataType::BF16 &&
-      p.q_dt != ffi::DataType::F16) {
-    return ffi::Error::InvalidArgument("q must be f32, bf16 or f16");
-  }
-  if (p.kv_bytes == 0) return ffi::Error::InvalidArgument("unsupported KV pool dtype");
-  const bool quantized = k_scale.element_count() > 0;
-  if (quantized != (p.kv_dt == ffi::DataType::S8 || p.kv_dt == ffi::DataType::F8E4M3FN)) {
-    return ffi::Error::InvalidArgument("int8 / fp8 pools need scales, other pools none");
-  }
-  p.layer = layer.typed_data()[0], p.window = window.typed_data()[0];
-  if (p.layer < 0 || p.layer >= p.num_layers) {
-    return ffi::Error::InvalidArgument("layer out of range");
-  }
-  p.q = static_cast<const uint8_t*>(q.untyped_data());
-  p.k = static_cast<const uint8_t*>(k.untyped_data());
-  p.v = static_cast<const uint8_t*>(v.untyped_data());
-  p.k_scale = quantized ? k_scale.typed_data() : nullptr;
-  p.v_scale = quantized ? v_scale.typed_data() : nullptr;
   p.positions = positions.typed_data(), p.seq_lens = seq_lens.typed_data();
   p.page_table = page_table.typed_data();
-  p.scale = scale, p.softcap = softcap;
-  p.out = static_cast<uint8_t*>(out->untyped_data());
   p.qblocks = (p.t + kQueryBlock - 1) / kQueryBlock;
-
-  const int64_t items = p.b * p.kvh * p.qblocks;
-  auto counter = std::make_shared<Counter>();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([p, items, counter] { PrefillDrain(p, items, *counter); });
-  }
-  PrefillDrain(p, items, *counter);
-  while (counter->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+  RunItems(pool, p, p.b * p.kvh * p.qblocks, PrefillItem);
   return ffi::Error::Success();
 }
 

