@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import paged_decode_attention as cpu_attention
-from jaxserve.bench.core import cpu_name, median_ms
+from jaxserve.bench.core import cpu_name, median_ms, write_rows_json
 from jaxserve.layers.ragged_attention import ragged_decode_attention
 
 LAYERS, KVH, HEADS, D = 30, 3, 9, 64
@@ -99,9 +99,7 @@ def main() -> None:
         }
         print(json.dumps(row))
         rows.append(row)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"cpu": cpu_name(), "rows": rows}, f, indent=1)
+    write_rows_json(a.json, rows)
 
 
 if __name__ == "__main__":

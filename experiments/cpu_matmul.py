@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import matmul as cpu_matmul
-from jaxserve.bench.core import cpu_name
+from jaxserve.bench.core import alternating_medians_ms, cpu_name, write_rows_json
 
 LAYERS = 30
 SHAPES = {  # name: (out, in), SmolLM2-135M
@@ -57,13 +56,8 @@ def main() -> None:
             x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
             got, want = kernel_scan(x, w), xla_scan(x, w)
             diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-            ms = {xla_scan: [], kernel_scan: []}
-            for _ in range(a.reps):  # alternate, so that drift on this VM hits both
-                for fn, ts in ms.items():
-                    t = time.perf_counter()
-                    fn(x, w).block_until_ready()
-                    ts.append(time.perf_counter() - t)
-            xla_us, kernel_us = (1e6 * float(np.median(v)) / LAYERS for v in ms.values())
+            ms = alternating_medians_ms({"xla": xla_scan, "kernel": kernel_scan}, x, w, reps=a.reps)
+            xla_us, kernel_us = (1e3 * ms[side] / LAYERS for side in ("xla", "kernel"))
             row = {
                 "shape": name,
                 "rows": m,
@@ -75,9 +69,7 @@ def main() -> None:
             }
             print(json.dumps(row))
             rows.append(row)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"cpu": cpu_name(), "rows": rows}, f, indent=1)
+    write_rows_json(a.json, rows)
 
 
 if __name__ == "__main__":

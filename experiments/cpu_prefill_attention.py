@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import paged_decode_attention as cpu_attention
-from jaxserve.bench.core import cpu_name
+from jaxserve.bench.core import alternating_medians_ms, cpu_name
 from jaxserve.layers.ragged_attention import prefill_attention
 from pallas_kernels.paged_common import soft_cap
 
@@ -91,16 +90,9 @@ def main() -> None:
     for b, t, w in [(1, 64, 8), (8, 64, 8), (8, 64, 32), (2, 64, 32)]:
         q, k, v, pos, lens, table = case(rng, b, t, w)
         args = (q, k, v, pos, lens, table[:, :w], jnp.int32(1))
-        ms = {name: [] for name in fns}
-        for f in fns.values():
-            f(*args).block_until_ready()
-        for _ in range(a.reps):
-            for name, f in fns.items():
-                t0 = time.perf_counter()
-                f(*args).block_until_ready()
-                ms[name].append(1e3 * (time.perf_counter() - t0))
+        ms = alternating_medians_ms(fns, *args, reps=a.reps)
         row = {"rows": b, "chunk": t, "pages": w}
-        row.update({f"{n} ms": round(float(np.median(x)), 3) for n, x in ms.items()})
+        row.update({f"{n} ms": round(x, 3) for n, x in ms.items()})
         print(json.dumps(row))
     for name, f in fns.items():  # the same chunk at page-table widths W, 2W, 4W
         bad = 0

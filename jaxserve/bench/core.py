@@ -11,6 +11,7 @@ experiments/ call `run_benchmark` directly, several engines in one process.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import platform
@@ -62,6 +63,30 @@ def median_ms(fn, *args, reps: int) -> float:
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)) * 1e3
+
+
+def alternating_medians_ms(fns: dict, *args, reps: int) -> dict:
+    """{name: median wall ms} of `reps` rounds that call every fn(*args) in turn, each waited for,
+    after one untimed call each (the compile): the A/B timer of the kernel experiments
+    (cpu_matmul.py, cpu_prefill_attention.py), so that this VM's drift hits every side alike."""
+    import jax
+
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))
+    ts = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts[name].append(time.perf_counter() - t)
+    return {name: float(np.median(v)) * 1e3 for name, v in ts.items()}
+
+
+def write_rows_json(path: str | None, rows: list[dict]) -> None:
+    """An experiment's rows as {"cpu": cpu_name(), "rows": rows} at `path` (nothing if None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"cpu": cpu_name(), "rows": rows}, f, indent=1)
 
 
 def cpu_name() -> str:
