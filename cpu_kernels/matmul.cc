@@ -5,8 +5,8 @@
 // arrays (a dot's operand must be a buffer at a static offset) and its GEMM reaches about half of
 // what these cores do with AVX512-BF16 dot products on decode-sized batches (experiments/
 // RESULTS.md section 38). This reads the layer where it lies, streams it from memory once per
-// call (prefetching the next rows), and multiplies it with VDPBF16PS. The Python wrapper, its
-// pure-jnp reference and the build live in matmul.py beside this file.
+// call (prefetching the next rows), and multiplies it with the CPU's fastest bf16 dot product.
+// The Python wrapper, its pure-jnp reference and the build live in matmul.py beside this file.
 //
 //   x       bf16 [M, K]
 //   w       bf16 [L, N, K]         weights stored [out, in] (PyTorch's nn.Linear layout)
@@ -20,9 +20,10 @@
 //
 // Work: tiles of (64 rows of x) x (a chunk of columns), claimed from an atomic counter by the
 // calling thread and by tasks on XLA's intra-op thread pool, as in paged_decode_attention.cc.
-// Without AVX512-BF16 (built for another CPU) a portable loop computes the same lane sums in
-// plain f32 (equal to rounding; jaxserve uses the kernel by default only where the fast path is
-// built: JaxserveMatmulHasBf16Dot).
+// Three loops compute those same lane sums, whichever the build's -march allows
+// (JaxserveMatmulPath): VDPBF16PS with AVX512-BF16; 8-lane FMAs on bf16 widened by bit operations
+// with AVX2 (Zen 3, Haswell and later); plain C++ elsewhere. Their bits agree (denormal inputs
+// aside, which VDPBF16PS flushes to zero).
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -34,6 +35,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -41,10 +43,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Which loop this build runs (JaxserveMatmulPath): 2 AVX512-BF16, 1 AVX2 + FMA, 0 portable.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
-constexpr bool kBf16Dot = true;
+constexpr int kPath = 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kPath = 1;
 #else
-constexpr bool kBf16Dot = false;
+constexpr int kPath = 0;
 #endif
 
 constexpr int kMr = 4;          // rows of x per register block
@@ -190,6 +195,121 @@ void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   for (; n + kNr <= n1; n += kNr) Rows<kNr>(p, m0, m1, n, p.n);
   for (; n < n1; ++n) Rows<1>(p, m0, m1, n, p.n);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA (no bf16 instructions): the same 16 lanes as two 8-lane halves, lo (lanes 0-7, a
+// 32-element block's first 16 elements) and hi (lanes 8-15). A bf16 pair is widened exactly by
+// bit operations on its dword: the odd element is the high half (dword & 0xffff0000), the even
+// one the low half shifted up (dword << 16). Each lane adds the odd product, then the even one,
+// as VDPBF16PS does (a product of two bf16 is exact in f32, so the FMA rounds once, as the add
+// does): the bits of the other paths. x is widened once per work tile into a thread-local
+// buffer; w is widened in registers as it streams past.
+
+constexpr int kMr2 = 2;  // rows of x per register block: 8 accumulators, 4 x and 2 w registers
+constexpr int kNr2 = 2;  // columns per register block
+
+// Row `src` (k elements) widened: per 32-element block, lo odd, lo even, hi odd, hi even (8
+// floats each); a last partial block is padded with zeros.
+inline void Widen(const uint16_t* src, int64_t k, float* dst) {
+  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  auto block = [&](const uint16_t* s, float* d) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 * h));
+      _mm256_storeu_ps(d + 16 * h, _mm256_castsi256_ps(_mm256_and_si256(v, odd)));
+      _mm256_storeu_ps(d + 16 * h + 8, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+  };
+  int64_t kk = 0;
+  for (; kk + 32 <= k; kk += 32) block(src + kk, dst + kk);
+  if (kk < k) {
+    uint16_t tail[32] = {};
+    std::memcpy(tail, src + kk, (k - kk) * sizeof(uint16_t));
+    block(tail, dst + kk);
+  }
+}
+
+inline float SumLanes(__m256 lo, __m256 hi) {  // SumLanes(const float*)'s order
+  const __m256 b = _mm256_add_ps(lo, hi);
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));  // c0 + c2, c1 + c3
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
+// Rows [m, m + MR) of y (their widened x at xw, `xs` floats apart), columns [n, n + NR); `pf`
+// (or null): npf rows of w to prefetch meanwhile.
+template <int MR, int NR>
+inline void Block(const Problem& p, const float* xw, int64_t xs, const int64_t m, const int64_t n,
+                  const uint16_t* pf, const int npf) {
+  const int64_t k = p.k;
+  const uint16_t* __restrict w = p.w + n * k;
+  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 acc[MR][NR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  auto step = [&](int64_t kk, const uint16_t* const (&wr)[NR]) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 xo[MR], xe[MR];
+      for (int i = 0; i < MR; ++i) {
+        xo[i] = _mm256_loadu_ps(xw + i * xs + kk + 16 * h);
+        xe[i] = _mm256_loadu_ps(xw + i * xs + kk + 16 * h + 8);
+      }
+      for (int j = 0; j < NR; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + 16 * h));
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        for (int i = 0; i < MR; ++i) {
+          acc[i][j][h] = _mm256_fmadd_ps(xo[i], wo, acc[i][j][h]);
+          acc[i][j][h] = _mm256_fmadd_ps(xe[i], we, acc[i][j][h]);
+        }
+      }
+    }
+  };
+  int64_t kk = 0;
+  for (; kk + 32 <= k; kk += 32) {
+    const uint16_t* wr[NR];
+    for (int j = 0; j < NR; ++j) wr[j] = w + j * k + kk;
+    for (int j = 0; j < npf; ++j) _mm_prefetch((const char*)(pf + j * k + kk), _MM_HINT_T0);
+    step(kk, wr);
+  }
+  if (kk < k) {  // the last k % 32 elements, the rest zero (x's widened tail is zero already)
+    uint16_t tail[NR][32] = {};
+    const uint16_t* wr[NR];
+    for (int j = 0; j < NR; ++j) {
+      std::memcpy(tail[j], w + j * k + kk, (k - kk) * sizeof(uint16_t));
+      wr[j] = tail[j];
+    }
+    step(kk, wr);
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) Store(p, m + i, n + j, SumLanes(acc[i][j][0], acc[i][j][1]));
+}
+
+template <int NR>
+void Rows(const Problem& p, const float* xw, int64_t xs, int64_t rows, int64_t m0, int64_t n0,
+          int64_t n_end) {
+  const int64_t ahead = n0 + kPrefetch * kNr2;
+  const int npf = ahead + NR <= n_end ? NR : 0;
+  const uint16_t* pf = npf ? p.w + ahead * p.k : nullptr;
+  int64_t r = 0;
+  for (; r + kMr2 <= rows; r += kMr2, pf = nullptr)
+    Block<kMr2, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, pf ? npf : 0);
+  if (r < rows) Block<1, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, pf ? npf : 0);
+}
+
+void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t xs = (p.k + 31) / 32 * 32;  // widened floats per row
+  thread_local std::vector<float> widened;
+  widened.resize(static_cast<size_t>((m1 - m0) * xs));
+  for (int64_t m = m0; m < m1; ++m) Widen(p.x + m * p.k, p.k, widened.data() + (m - m0) * xs);
+  // Rows in groups whose widened x stays in L1 (about 24 KB) while the tile's columns pass.
+  const int64_t group = std::max<int64_t>(kMr2, (24576 / (4 * xs)) / kMr2 * kMr2);
+  for (int64_t g = m0; g < m1; g += group) {
+    const int64_t rows = std::min(group, m1 - g);
+    const float* xg = widened.data() + (g - m0) * xs;
+    int64_t n = n0;
+    for (; n + kNr2 <= n1; n += kNr2) Rows<kNr2>(p, xg, xs, rows, g, n, p.n);
+    for (; n < n1; ++n) Rows<1>(p, xg, xs, rows, g, n, p.n);
+  }
+}
 #else
 // Portable: the same lanes and reduction in plain f32 arithmetic.
 void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
@@ -270,7 +390,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi:
 
 }  // namespace
 
-extern "C" int JaxserveMatmulHasBf16Dot() { return kBf16Dot ? 1 : 0; }
+extern "C" int JaxserveMatmulPath() { return kPath; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, Impl,
                               ffi::Ffi::Bind()

@@ -5,18 +5,18 @@ kernel called through XLA's FFI.
 
 w is a stack [L, N, K] of weights stored [out, in] (PyTorch's nn.Linear layout; a 2-D [N, K]
 weight is one layer), x and w bf16; the result is bf16 (default) or f32, accumulated in f32.
-Why a kernel: inside `lax.scan`, XLA's CPU backend copies every layer's weights out of the stack
-before its GEMM, and on decode-sized batches that GEMM reaches about half of what AVX512-BF16's
-dot product instruction does here. The kernel (`matmul.cc` beside this file) reads the layer
-where it lies, prefetching, on XLA's intra-op thread pool (RESULTS.md section 38). Each output
-is summed in one fixed order whatever the number of rows, so a row's result never depends on the
-batch.
+Why a kernel:
+inside `lax.scan`, XLA's CPU backend copies every layer's weights out of the stack before its
+GEMM, and on decode-sized batches that GEMM reaches about half of what AVX512-BF16's dot product
+instruction does here. The kernel (`matmul.cc` beside this file) reads the layer where it lies,
+prefetching, on XLA's intra-op thread pool (RESULTS.md sections 38 and 40). Each output is summed
+in one fixed order whatever the number of rows, so a row's result never depends on the batch.
 
 `matmul_reference` at the end of this file is the pure-jnp definition; tests compare the two
 (tests/cpu_kernels/). The kernel is compiled on first use (`build.py`); `available()` says whether
-that worked (`build_error()` why not) and `has_bf16_dot()` whether this CPU runs its AVX512-BF16
-path (elsewhere a portable loop computes the same sums, slower than XLA: jaxserve's 'auto' then
-keeps XLA's dot, `jaxserve.resolve`).
+that worked (`build_error()` why not) and `path()` which loop this CPU's build runs: VDPBF16PS
+with AVX512-BF16, FMAs on bit-widened bf16 with AVX2, or a portable loop (slower than XLA:
+jaxserve's 'auto' then keeps XLA's dot, `jaxserve.resolve`). The three give the same bits.
 """
 
 from __future__ import annotations
@@ -40,9 +40,16 @@ def build_error() -> str | None:
     return KERNEL.error()
 
 
-def has_bf16_dot() -> bool:
-    """Whether the kernel was built with its AVX512-BF16 path (this CPU has the instructions)."""
-    return available() and bool(KERNEL.library.load().JaxserveMatmulHasBf16Dot())
+PATHS = ("portable", "avx2", "avx512bf16")
+
+
+def path() -> str | None:
+    """The loop this CPU's build runs: 'avx512bf16' (VDPBF16PS), 'avx2' (AVX2 + FMA, bf16 widened
+    by bit operations) or 'portable' (plain C++); None when the kernel does not build here. All
+    three compute the same sums in the same order."""
+    if not available():
+        return None
+    return PATHS[KERNEL.library.load().JaxserveMatmulPath()]
 
 
 def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dtype=None) -> jax.Array:

@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     assert cpu_matmul.available(), cpu_matmul.build_error()
-    print(f"CPU: {cpu_name()}; AVX512-BF16 path: {cpu_matmul.has_bf16_dot()}")
+    print(f"CPU: {cpu_name()}; kernel path: {cpu_matmul.path()}")
     rng = np.random.default_rng(0)
     rows = []
     for name, (n, k) in SHAPES.items():

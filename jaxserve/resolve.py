@@ -13,9 +13,10 @@ get their shape buckets from here. The choices:
                    over the step's live pages, its cost following the live tokens; prefill
                    chunks through `ragged_attention.prefill_attention`)
     dense matmul   auto -> 'cpu_kernel' on CPU for bf16 weights on one device when the C++ matmul
-                   of `cpu_kernels/` built here with its AVX512-BF16 path: it reads each layer's
-                   weight in place, for batches of up to CPU_MATMUL_ROWS rows (RESULTS.md section
-                   38); 'xla' (XLA's dot) otherwise and for larger batches
+                   of `cpu_kernels/` built here with a vector path (AVX512-BF16 or AVX2): it reads
+                   each layer's weight in place, for batches of up to CPU_MATMUL_ROWS[path] rows
+                   (RESULTS.md sections 38 and 40); 'xla' (XLA's dot) otherwise and for larger
+                   batches
     int4 matmul    'pallas' (the fused dequantize-matmul kernel) on GPU, 'xla' elsewhere
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
                    1.17-1.42x faster on decode-sized batches; RESULTS.md section 21), else 'in_out'
@@ -171,7 +172,11 @@ class Resolved:
         return out
 
 
-CPU_MATMUL_ROWS = 256  # the C++ matmul's largest batch; XLA's dot is as fast beyond (section 38)
+# The C++ matmul's largest batch per loop it runs ('auto' uses it only on these): beyond, XLA's dot
+# is as fast (AVX512-BF16, Zen 5: section 38b; AVX2, Zen 3: section 40b). An explicit 'cpu_kernel'
+# on another path (the portable loop) uses it up to CPU_MATMUL_ROWS_DEFAULT rows.
+CPU_MATMUL_ROWS = {"avx512bf16": 256, "avx2": 32}
+CPU_MATMUL_ROWS_DEFAULT = 256
 
 
 def resolve(
@@ -179,15 +184,16 @@ def resolve(
     model_config: ModelConfig,
     backend: str,
     cpu_kernel: bool = False,
-    cpu_matmul: bool = False,
+    cpu_matmul: str | None = None,
 ) -> Resolved:
     """The engine's choices on `backend` ('cpu', 'gpu', ...), from its filled EngineConfig.
 
     cpu_kernel: whether the C++ CPU attention kernel built and registered in this process
     (`cpu_kernels.paged_decode_attention.available()`, which the runner asks: this module imports
     no jax). It decides what attention_impl='auto' means on CPU.
-    cpu_matmul: whether the C++ CPU matmul can run for this engine (the runner asks: built here,
-    on one device, and for matmul_impl='auto' with its AVX512-BF16 path)."""
+    cpu_matmul: the loop the C++ CPU matmul runs here ('avx512bf16', 'avx2', 'portable';
+    `cpu_kernels.matmul.path()`) when it can run for this engine (the runner asks: built here, on
+    one device), else None."""
     c, m = engine_config, model_config
     if not c.is_filled:
         raise ValueError("resolve needs a filled EngineConfig: call for_model(model_config) first")
@@ -205,11 +211,13 @@ def resolve(
         )
     matmul = c.matmul_impl
     if matmul == "auto":
-        matmul = "cpu_kernel" if cpu and cpu_matmul and c.dtype == "bfloat16" else "xla"
+        fast = cpu_matmul in CPU_MATMUL_ROWS
+        matmul = "cpu_kernel" if cpu and fast and c.dtype == "bfloat16" else "xla"
     if matmul == "cpu_kernel" and not (cpu and cpu_matmul and c.dtype == "bfloat16"):
         raise ValueError(
             f"matmul_impl='cpu_kernel' needs the CPU backend, the built C++ matmul, one device "
-            f"and bfloat16 weights (backend {backend!r}, usable: {cpu_matmul}, dtype {c.dtype})"
+            f"and bfloat16 weights (backend {backend!r}, kernel path: {cpu_matmul}, "
+            f"dtype {c.dtype})"
         )
     if c.slot_buckets == "auto":
         slot_buckets = pow2_buckets(c.num_slots, start=8) if cpu else (c.num_slots,)
@@ -223,7 +231,11 @@ def resolve(
             attention=attention,
             min_matmul_rows=4 if cpu else 1,
             moe_matmul="tiled" if cpu else "ragged_dot",
-            cpu_matmul_rows=CPU_MATMUL_ROWS if matmul == "cpu_kernel" else 0,
+            cpu_matmul_rows=(
+                CPU_MATMUL_ROWS.get(cpu_matmul, CPU_MATMUL_ROWS_DEFAULT)
+                if matmul == "cpu_kernel"
+                else 0
+            ),
         ),
         int4_matmul="pallas" if backend == "gpu" else "xla",
         weight_layout="out_in" if cpu else "in_out",

@@ -10,7 +10,7 @@ from jaxserve.resolve import DecodeShape, PrefillShape, bucket_for, pow2_buckets
 TINY = ModelConfig.preset("tiny")
 
 
-def resolved(backend="cpu", cpu_kernel=False, cpu_matmul=False, **kw):
+def resolved(backend="cpu", cpu_kernel=False, cpu_matmul=None, **kw):
     config = EngineConfig(**kw).for_model(TINY)
     return resolve(config, TINY, backend, cpu_kernel=cpu_kernel, cpu_matmul=cpu_matmul)
 
@@ -47,20 +47,24 @@ def test_cpu_kernel_attention():
 
 
 def test_cpu_matmul():
-    """'auto' dense matmuls on CPU are the C++ kernel where it can run (the runner says: built
-    with its AVX512-BF16 path, one device) for bf16 weights, up to 256 rows; else XLA's dot.
-    Asking for 'cpu_kernel' where it cannot run, or for f32 weights, is an error."""
-    assert resolved("cpu", cpu_matmul=True).model.cpu_matmul_rows == 256
-    assert resolved("cpu", cpu_matmul=False).model.cpu_matmul_rows == 0
-    assert resolved("cpu", cpu_matmul=True, dtype="float32").model.cpu_matmul_rows == 0
-    assert resolved("cpu", cpu_matmul=True, matmul_impl="xla").model.cpu_matmul_rows == 0
-    assert resolved("gpu", cpu_matmul=True).model.cpu_matmul_rows == 0
-    explicit = resolved("cpu", cpu_matmul=True, matmul_impl="cpu_kernel")
-    assert explicit.model.cpu_matmul_rows == 256
-    for backend, usable, dtype in (("cpu", False, "bfloat16"), ("gpu", True, "bfloat16"),
-                                   ("cpu", True, "float32")):  # fmt: skip
+    """'auto' dense matmuls on CPU are the C++ kernel where it can run with a vector loop (the
+    runner says which: AVX512-BF16 up to 256 rows, AVX2 up to 32) for bf16 weights; else XLA's
+    dot. An explicit 'cpu_kernel' runs any loop (the portable one up to 256 rows). Asking for it
+    where it cannot run, or for f32 weights, is an error."""
+    assert resolved("cpu", cpu_matmul="avx512bf16").model.cpu_matmul_rows == 256
+    assert resolved("cpu", cpu_matmul="avx2").model.cpu_matmul_rows == 32
+    assert resolved("cpu", cpu_matmul="portable").model.cpu_matmul_rows == 0
+    assert resolved("cpu", cpu_matmul=None).model.cpu_matmul_rows == 0
+    assert resolved("cpu", cpu_matmul="avx2", dtype="float32").model.cpu_matmul_rows == 0
+    assert resolved("cpu", cpu_matmul="avx2", matmul_impl="xla").model.cpu_matmul_rows == 0
+    assert resolved("gpu", cpu_matmul="avx512bf16").model.cpu_matmul_rows == 0
+    for path, rows in (("avx512bf16", 256), ("avx2", 32), ("portable", 256)):
+        explicit = resolved("cpu", cpu_matmul=path, matmul_impl="cpu_kernel")
+        assert explicit.model.cpu_matmul_rows == rows
+    for backend, path, dtype in (("cpu", None, "bfloat16"), ("gpu", "avx2", "bfloat16"),
+                                 ("cpu", "avx2", "float32")):  # fmt: skip
         with pytest.raises(ValueError, match="matmul_impl='cpu_kernel'"):
-            resolved(backend, cpu_matmul=usable, matmul_impl="cpu_kernel", dtype=dtype)
+            resolved(backend, cpu_matmul=path, matmul_impl="cpu_kernel", dtype=dtype)
 
 
 def test_slot_buckets():

@@ -28,21 +28,21 @@ def attention_kernel(backend: str, engine_config: EngineConfig) -> bool:
     return err is None
 
 
-def matmul_kernel(backend: str, engine_config: EngineConfig, mesh) -> bool:
-    """Whether the C++ CPU matmul can run for this engine: on the CPU backend, one device (its
-    weights are not partitioned), built here; for matmul_impl='auto' only with its AVX512-BF16
-    path (elsewhere its portable loop is slower than XLA's dot). An explicit 'cpu_kernel' that
-    cannot run is an error."""
+def matmul_kernel(backend: str, engine_config: EngineConfig, mesh) -> str | None:
+    """The loop the C++ CPU matmul runs here ('avx512bf16', 'avx2' or 'portable';
+    `cpu_kernels.matmul.path()`) when it can run for this engine: on the CPU backend, one device
+    (its weights are not partitioned), built here; else None. `jaxserve.resolve` decides from the
+    path whether 'auto' uses it (not the portable loop, slower than XLA's dot). An explicit
+    'cpu_kernel' that cannot run is an error."""
     if backend != "cpu" or engine_config.matmul_impl not in ("auto", "cpu_kernel"):
-        return False
+        return None
     from cpu_kernels import matmul as cpu_matmul
 
     err = cpu_matmul.build_error()
-    if engine_config.matmul_impl == "cpu_kernel":
-        if err is not None or mesh is not None:
-            reason = err or "it runs on one device only (no mesh)"
-            raise RuntimeError(f"matmul_impl='cpu_kernel': the kernel cannot run: {reason}")
-        return True
+    if engine_config.matmul_impl == "cpu_kernel" and (err is not None or mesh is not None):
+        reason = err or "it runs on one device only (no mesh)"
+        raise RuntimeError(f"matmul_impl='cpu_kernel': the kernel cannot run: {reason}")
     if err is not None:
         logger.warning("CPU matmul kernel not available, using XLA's dot: %s", err)
-    return err is None and mesh is None and cpu_matmul.has_bf16_dot()
+        return None
+    return cpu_matmul.path() if mesh is None else None

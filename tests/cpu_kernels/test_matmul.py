@@ -90,31 +90,49 @@ def test_bad_inputs_are_errors():
         mm.matmul(x, w, 0, out_dtype=jnp.float16)
 
 
-def test_the_portable_path_equals_the_reference(tmp_path):
-    """Built without AVX512-BF16 (for AVX2, `-march=x86-64-v3`, on x86; a native build elsewhere
-    has no such instructions either), the kernel takes its portable loop; a fresh process and
-    cache, since a build is loaded once per process."""
-    march = "x86-64-v3" if platform.machine() in ("x86_64", "AMD64") else "native"
+CASES = [(1, 5, 33), (8, 96, 576), (65, 7, 1000), (3, 9, 31)]
+
+
+def run_build(march: str, tmp_path) -> tuple[str, list[np.ndarray]]:
+    """The kernel built for `march` in a fresh process and cache (a build is loaded once per
+    process): its path and its f32 results on CASES, each checked against the reference there."""
+    out = tmp_path / f"{march}.npz"
     code = (
-        "import jax, jax.numpy as jnp, numpy as np\n"
+        "import sys, jax, jax.numpy as jnp, numpy as np\n"
         "from cpu_kernels import matmul as mm\n"
         "assert mm.available(), mm.build_error()\n"
-        "print(mm.has_bf16_dot())\n"
         "rng = np.random.default_rng(0)\n"
-        "for m, n, k in [(1, 5, 33), (8, 96, 576), (65, 7, 1000)]:\n"
+        "ys = []\n"
+        f"for m, n, k in {CASES!r}:\n"
         "    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)\n"
         "    w = jnp.asarray(rng.normal(size=(2, n, k)) / np.sqrt(k), jnp.bfloat16)\n"
         "    got = mm.matmul(x, w, 1, jnp.float32)\n"
         "    want = mm.matmul_reference(x, w, 1, jnp.float32)\n"
         "    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)\n"
-        "print('ok')\n"
+        "    ys.append(np.asarray(got))\n"
+        "np.savez(sys.argv[1], *ys)\n"
+        "print(mm.path())\n"
     )
-    env = {
-        **os.environ,
-        "JAXSERVE_CPU_KERNELS_MARCH": march,
-        "JAXSERVE_CACHE_DIR": str(tmp_path),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout.splitlines()
-    assert out == ["False", "ok"]
+    env = {**os.environ, "JAXSERVE_CPU_KERNELS_MARCH": march, "JAXSERVE_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(out) as z:
+        return proc.stdout.split()[-1], [z[f"arr_{i}"] for i in range(len(CASES))]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march levels")
+def test_every_path_gives_the_same_bits(tmp_path):
+    """Built for plain x86-64 the kernel runs its portable loop, for x86-64-v3 its AVX2 + FMA loop;
+    each equals the reference, and both give this CPU's native build's bits (the lanes and their
+    reduction are one order on every path), so outputs do not depend on which CPU ran them."""
+    paths = {}
+    for march in ("x86-64", "x86-64-v3"):
+        paths[march], ys = run_build(march, tmp_path)
+        rng = np.random.default_rng(0)
+        for (m, n, k), y in zip(CASES, ys):
+            x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+            w = jnp.asarray(rng.normal(size=(2, n, k)) / np.sqrt(k), jnp.bfloat16)
+            np.testing.assert_array_equal(y, np.asarray(kernel(x, w, 1, out_dtype=jnp.float32)))
+    assert paths == {"x86-64": "portable", "x86-64-v3": "avx2"}

@@ -162,24 +162,25 @@ def test_cpu_engine_decodes_through_the_cpu_kernel():
 
 
 def test_cpu_engine_multiplies_through_the_cpu_matmul():
-    """bf16 on CPU: matmul_impl='cpu_kernel' (what 'auto' is where the kernel has its AVX512-BF16
-    path) stores the layer weights for the C++ matmul, which reads each layer in place (the decode
-    program calls it, and slices no weight out of the stacks); its logits equal XLA's dot's to
-    bf16 rounding, and both engines agree on greedy tokens."""
+    """bf16 on CPU: matmul_impl='cpu_kernel' (what 'auto' is where the kernel has a vector loop,
+    AVX512-BF16 or AVX2) stores the layer weights for the C++ matmul, which reads each layer in
+    place (the decode program calls it, and slices no weight out of the stacks); its logits equal
+    XLA's dot's to bf16 rounding, and both engines agree on greedy tokens."""
     from cpu_kernels import matmul as cpu_matmul
 
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 9, 30)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     kw = {**KW, "num_slots": 8, "dtype": "bfloat16"}
+    rows = {"avx512bf16": 256, "avx2": 32}.get(cpu_matmul.path())  # per loop (jaxserve.resolve)
     auto = LLM("tiny", **kw).engine.runner.resolved.model.cpu_matmul_rows
-    assert auto == (256 if cpu_matmul.has_bf16_dot() else 0)
+    assert auto == (rows or 0)
     tokens = {}
     for impl in ("cpu_kernel", "xla"):
         llm = LLM("tiny", matmul_impl=impl, **kw)
         runner = llm.engine.runner
         weights = runner.params["layers"]
         assert {w.kernel_rows for w in weights.values() if isinstance(w, TransposedWeight)} == {
-            256 if impl == "cpu_kernel" else 0
+            (rows or 256) if impl == "cpu_kernel" else 0
         }
         tokens[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         shape = runner.resolved.decode_shape(7, [1] * 8)
