@@ -292,7 +292,7 @@ void Rows(const Problem& p, const float* xw, int64_t xs, int64_t rows, int64_t m
   int64_t r = 0;
   for (; r + kMr2 <= rows; r += kMr2, pf = nullptr)
     Block<kMr2, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, pf ? npf : 0);
-  if (r < rows) Block<1, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, pf ? npf : 0);
+  for (; r < rows; ++r, pf = nullptr) Block<1, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, pf ? npf : 0);
 }
 
 void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
