@@ -22,8 +22,9 @@
 // calling thread and by tasks on XLA's intra-op thread pool, as in paged_decode_attention.cc.
 // Three loops compute those same lane sums, whichever the build's -march allows
 // (JaxserveMatmulPath): VDPBF16PS with AVX512-BF16; 8-lane FMAs on bf16 widened by bit operations
-// with AVX2 (Zen 3, Haswell and later); plain C++ elsewhere. Their bits agree (denormal inputs
-// aside, which VDPBF16PS flushes to zero).
+// with AVX2 (Zen 3, Haswell and later); plain C++ elsewhere. The AVX2 and portable loops give
+// the same bits (tested); VDPBF16PS follows that order as Intel's manual defines it (it also
+// flushes denormals), which the tests check to f32 rounding only, not bit for bit.
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -200,8 +201,8 @@ void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
 // 32-element block's first 16 elements) and hi (lanes 8-15). A bf16 pair is widened exactly by
 // bit operations on its dword: the odd element is the high half (dword & 0xffff0000), the even
 // one the low half shifted up (dword << 16). Each lane adds the odd product, then the even one,
-// as VDPBF16PS does (a product of two bf16 is exact in f32, so the FMA rounds once, as the add
-// does): the bits of the other paths. x is widened once per work tile into a thread-local
+// as VDPBF16PS is defined to (a product of two bf16 is exact in f32, so the FMA rounds once, as
+// the add does): the portable loop's bits. x is widened once per work tile into a thread-local
 // buffer; w is widened in registers as it streams past.
 
 constexpr int kMr2 = 2;  // rows of x per register block: 8 accumulators, 4 x and 2 w registers
