@@ -13,10 +13,9 @@ get their shape buckets from here. The choices:
                    over the step's live pages, its cost following the live tokens; prefill
                    chunks through `ragged_attention.prefill_attention`)
     dense matmul   auto -> 'cpu_kernel' on CPU for bf16 weights on one device when the C++ matmul
-                   of `cpu_kernels/` built here with a vector path (AVX512-BF16 or AVX2): it reads
-                   each layer's weight in place, for batches of up to CPU_MATMUL_ROWS[path] rows
-                   (RESULTS.md sections 38 and 40); 'xla' (XLA's dot) otherwise and for larger
-                   batches
+                   of `cpu_kernels/` built here with its AVX512-BF16 loop: it reads each layer's
+                   weight in place, for batches of up to CPU_MATMUL_ROWS[path] rows (RESULTS.md
+                   sections 38 and 40); 'xla' (XLA's dot) otherwise and for larger batches
     int4 matmul    'pallas' (the fused dequantize-matmul kernel) on GPU, 'xla' elsewhere
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
                    1.17-1.42x faster on decode-sized batches; RESULTS.md section 21), else 'in_out'
@@ -172,10 +171,12 @@ class Resolved:
         return out
 
 
-# The C++ matmul's largest batch per loop it runs ('auto' uses it only on these): beyond, XLA's dot
-# is as fast (AVX512-BF16, Zen 5: section 38b; AVX2, Zen 3: section 40b). An explicit 'cpu_kernel'
-# on another path (the portable loop) uses it up to CPU_MATMUL_ROWS_DEFAULT rows.
-CPU_MATMUL_ROWS = {"avx512bf16": 256, "avx2": 32}
+# The C++ matmul's largest batch per loop that 'auto' uses (beyond, XLA's dot is as fast: section
+# 38b). Not the AVX2 loop: it beats XLA only up to about 32 rows (section 40b), and a kernel that
+# takes decode batches while XLA takes prefill batches gives a row different bits (at bf16
+# rounding) alone and in a batch (section 40e). An explicit 'cpu_kernel' on another loop uses it
+# up to CPU_MATMUL_ROWS_DEFAULT rows.
+CPU_MATMUL_ROWS = {"avx512bf16": 256}
 CPU_MATMUL_ROWS_DEFAULT = 256
 
 

@@ -47,18 +47,18 @@ def test_cpu_kernel_attention():
 
 
 def test_cpu_matmul():
-    """'auto' dense matmuls on CPU are the C++ kernel where it can run with a vector loop (the
-    runner says which: AVX512-BF16 up to 256 rows, AVX2 up to 32) for bf16 weights; else XLA's
-    dot. An explicit 'cpu_kernel' runs any loop (the portable one up to 256 rows). Asking for it
-    where it cannot run, or for f32 weights, is an error."""
+    """'auto' dense matmuls on CPU are the C++ kernel where it can run with its AVX512-BF16 loop
+    (the runner says which loop), up to 256 rows, for bf16 weights; else XLA's dot. An explicit
+    'cpu_kernel' runs any loop (up to 256 rows). Asking for it where it cannot run, or for f32
+    weights, is an error."""
     assert resolved("cpu", cpu_matmul="avx512bf16").model.cpu_matmul_rows == 256
-    assert resolved("cpu", cpu_matmul="avx2").model.cpu_matmul_rows == 32
+    assert resolved("cpu", cpu_matmul="avx2").model.cpu_matmul_rows == 0
     assert resolved("cpu", cpu_matmul="portable").model.cpu_matmul_rows == 0
     assert resolved("cpu", cpu_matmul=None).model.cpu_matmul_rows == 0
     assert resolved("cpu", cpu_matmul="avx2", dtype="float32").model.cpu_matmul_rows == 0
     assert resolved("cpu", cpu_matmul="avx2", matmul_impl="xla").model.cpu_matmul_rows == 0
     assert resolved("gpu", cpu_matmul="avx512bf16").model.cpu_matmul_rows == 0
-    for path, rows in (("avx512bf16", 256), ("avx2", 32), ("portable", 256)):
+    for path, rows in (("avx512bf16", 256), ("avx2", 256), ("portable", 256)):
         explicit = resolved("cpu", cpu_matmul=path, matmul_impl="cpu_kernel")
         assert explicit.model.cpu_matmul_rows == rows
     for backend, path, dtype in (("cpu", None, "bfloat16"), ("gpu", "avx2", "bfloat16"),

@@ -162,8 +162,8 @@ def test_cpu_engine_decodes_through_the_cpu_kernel():
 
 
 def test_cpu_engine_multiplies_through_the_cpu_matmul():
-    """bf16 on CPU: matmul_impl='cpu_kernel' (what 'auto' is where the kernel has a vector loop,
-    AVX512-BF16 or AVX2) stores the layer weights for the C++ matmul, which reads each layer in
+    """bf16 on CPU: matmul_impl='cpu_kernel' (what 'auto' is where the kernel has its AVX512-BF16
+    loop) stores the layer weights for the C++ matmul, which reads each layer in
     place (the decode program calls it, and slices no weight out of the stacks); its logits equal
     XLA's dot's to bf16 rounding, and both engines agree on greedy tokens."""
     from cpu_kernels import matmul as cpu_matmul
@@ -171,7 +171,7 @@ def test_cpu_engine_multiplies_through_the_cpu_matmul():
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 9, 30)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     kw = {**KW, "num_slots": 8, "dtype": "bfloat16"}
-    rows = {"avx512bf16": 256, "avx2": 32}.get(cpu_matmul.path())  # per loop (jaxserve.resolve)
+    rows = {"avx512bf16": 256}.get(cpu_matmul.path())  # per loop (jaxserve.resolve)
     auto = LLM("tiny", **kw).engine.runner.resolved.model.cpu_matmul_rows
     assert auto == (rows or 0)
     tokens = {}
