@@ -208,15 +208,22 @@ void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
 constexpr int kMr2 = 2;  // rows of x per register block: 8 accumulators, 4 x and 2 w registers
 constexpr int kNr2 = 2;  // columns per register block
 
+// 16 bf16 at `s` (8 pairs) -> their odd and their even elements as f32, exactly.
+inline void Widen16(const uint16_t* s, __m256& odd, __m256& even) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
 // Row `src` (k elements) widened: per 32-element block, lo odd, lo even, hi odd, hi even (8
 // floats each); a last partial block is padded with zeros.
 inline void Widen(const uint16_t* src, int64_t k, float* dst) {
-  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  auto block = [&](const uint16_t* s, float* d) {
+  auto block = [](const uint16_t* s, float* d) {
     for (int h = 0; h < 2; ++h) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 * h));
-      _mm256_storeu_ps(d + 16 * h, _mm256_castsi256_ps(_mm256_and_si256(v, odd)));
-      _mm256_storeu_ps(d + 16 * h + 8, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+      __m256 odd, even;
+      Widen16(s + 16 * h, odd, even);
+      _mm256_storeu_ps(d + 16 * h, odd);
+      _mm256_storeu_ps(d + 16 * h + 8, even);
     }
   };
   int64_t kk = 0;
@@ -242,7 +249,6 @@ inline void Block(const Problem& p, const float* xw, int64_t xs, const int64_t m
                   const uint16_t* pf, const int npf) {
   const int64_t k = p.k;
   const uint16_t* __restrict w = p.w + n * k;
-  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 acc[MR][NR][2];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
@@ -254,9 +260,8 @@ inline void Block(const Problem& p, const float* xw, int64_t xs, const int64_t m
         xe[i] = _mm256_loadu_ps(xw + i * xs + kk + 16 * h + 8);
       }
       for (int j = 0; j < NR; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[j] + 16 * h));
-        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
-        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        __m256 wo, we;
+        Widen16(wr[j] + 16 * h, wo, we);
         for (int i = 0; i < MR; ++i) {
           acc[i][j][h] = _mm256_fmadd_ps(xo[i], wo, acc[i][j][h]);
           acc[i][j][h] = _mm256_fmadd_ps(xe[i], we, acc[i][j][h]);
@@ -293,7 +298,8 @@ void Rows(const Problem& p, const float* xw, int64_t xs, int64_t rows, int64_t m
   int64_t r = 0;
   for (; r + kMr2 <= rows; r += kMr2, pf = nullptr)
     Block<kMr2, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, pf ? npf : 0);
-  for (; r < rows; ++r, pf = nullptr) Block<1, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, pf ? npf : 0);
+  for (; r < rows; ++r, pf = nullptr)
+    Block<1, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, pf ? npf : 0);
 }
 
 void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {

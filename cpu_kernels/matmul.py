@@ -16,9 +16,8 @@ in one fixed order whatever the number of rows, so a row's result never depends 
 (tests/cpu_kernels/). The kernel is compiled on first use (`build.py`); `available()` says whether
 that worked (`build_error()` why not) and `path()` which loop this CPU's build runs: VDPBF16PS
 with AVX512-BF16, FMAs on bit-widened bf16 with AVX2, or a portable loop (jaxserve's 'auto'
-uses only the first, `jaxserve.resolve`). The AVX2 and portable loops give
-the same bits; the AVX512-BF16 loop sums in their order as VDPBF16PS is defined (tested to f32
-rounding).
+uses only the first, `jaxserve.resolve`). The AVX2 and portable loops give the same bits; the
+AVX512-BF16 loop sums in their order as VDPBF16PS is defined (tested to f32 rounding).
 """
 
 from __future__ import annotations
