@@ -55,8 +55,8 @@ def _cache_dir() -> Path:
 class Library:
     """One C++ source file of this package, compiled once per key and loaded once per process."""
 
-    def __init__(self, source: str):
-        self.source = Path(__file__).with_name(source)
+    def __init__(self, source: str | Path):
+        self.source = Path(__file__).parent / source  # a file of this package, or a path
         self._loaded: ctypes.CDLL | str | None = None  # the library, or why it does not load
 
     def path(self) -> Path:

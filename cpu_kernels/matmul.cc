@@ -205,8 +205,8 @@ void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
 // the add does): the portable loop's bits. x is widened once per work tile into a thread-local
 // buffer; w is widened in registers as it streams past.
 
-constexpr int kMr2 = 2;  // rows of x per register block: 8 accumulators, 4 x and 2 w registers
-constexpr int kNr2 = 2;  // columns per register block
+constexpr int kMr2 = 4;  // rows of x per register block
+constexpr int kNr2 = 2;  // columns per register block: 8 accumulators, 4 w registers
 
 // 16 bf16 at `s` (8 pairs) -> their odd and their even elements as f32, exactly.
 inline void Widen16(const uint16_t* s, __m256& odd, __m256& even) {
@@ -242,37 +242,31 @@ inline float SumLanes(__m256 lo, __m256 hi) {  // SumLanes(const float*)'s order
   return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
 }
 
-// Rows [m, m + MR) of y (their widened x at xw, `xs` floats apart), columns [n, n + NR); `pf`
-// (or null): npf rows of w to prefetch meanwhile.
+// One half (h = 0: lanes 0-7, h = 1: lanes 8-15) of rows [0, MR) x columns [0, NR) of a block:
+// acc[i][j] over all of k. The halves are independent sums, so a block runs one after the other
+// (the second reads w from L1), and MR x NR accumulators fit in the 16 registers beside NR
+// widened w pairs. `w` has `npf` rows prefetched meanwhile from `pf`.
 template <int MR, int NR>
-inline void Block(const Problem& p, const float* xw, int64_t xs, const int64_t m, const int64_t n,
-                  const uint16_t* pf, const int npf) {
-  const int64_t k = p.k;
-  const uint16_t* __restrict w = p.w + n * k;
-  __m256 acc[MR][NR][2];
+inline void Half(const float* xw, int64_t xs, const uint16_t* const (&w)[NR], int64_t k, int h,
+                 const uint16_t* pf, int npf, __m256 (&acc)[MR][NR]) {
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   auto step = [&](int64_t kk, const uint16_t* const (&wr)[NR]) {
-    for (int h = 0; h < 2; ++h) {
-      __m256 xo[MR], xe[MR];
-      for (int i = 0; i < MR; ++i) {
-        xo[i] = _mm256_loadu_ps(xw + i * xs + kk + 16 * h);
-        xe[i] = _mm256_loadu_ps(xw + i * xs + kk + 16 * h + 8);
-      }
+    __m256 wo[NR], we[NR];
+    for (int j = 0; j < NR; ++j) Widen16(wr[j] + 16 * h, wo[j], we[j]);
+    for (int i = 0; i < MR; ++i) {
+      const float* xi = xw + i * xs + kk + 16 * h;
+      const __m256 xo = _mm256_loadu_ps(xi), xe = _mm256_loadu_ps(xi + 8);
       for (int j = 0; j < NR; ++j) {
-        __m256 wo, we;
-        Widen16(wr[j] + 16 * h, wo, we);
-        for (int i = 0; i < MR; ++i) {
-          acc[i][j][h] = _mm256_fmadd_ps(xo[i], wo, acc[i][j][h]);
-          acc[i][j][h] = _mm256_fmadd_ps(xe[i], we, acc[i][j][h]);
-        }
+        acc[i][j] = _mm256_fmadd_ps(xo, wo[j], acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(xe, we[j], acc[i][j]);
       }
     }
   };
   int64_t kk = 0;
   for (; kk + 32 <= k; kk += 32) {
     const uint16_t* wr[NR];
-    for (int j = 0; j < NR; ++j) wr[j] = w + j * k + kk;
+    for (int j = 0; j < NR; ++j) wr[j] = w[j] + kk;
     for (int j = 0; j < npf; ++j) _mm_prefetch((const char*)(pf + j * k + kk), _MM_HINT_T0);
     step(kk, wr);
   }
@@ -280,13 +274,25 @@ inline void Block(const Problem& p, const float* xw, int64_t xs, const int64_t m
     uint16_t tail[NR][32] = {};
     const uint16_t* wr[NR];
     for (int j = 0; j < NR; ++j) {
-      std::memcpy(tail[j], w + j * k + kk, (k - kk) * sizeof(uint16_t));
+      std::memcpy(tail[j], w[j] + kk, (k - kk) * sizeof(uint16_t));
       wr[j] = tail[j];
     }
     step(kk, wr);
   }
+}
+
+// Rows [m, m + MR) of y (their widened x at xw, `xs` floats apart), columns [n, n + NR); `pf`
+// (or null): npf rows of w to prefetch meanwhile.
+template <int MR, int NR>
+inline void Block(const Problem& p, const float* xw, int64_t xs, const int64_t m, const int64_t n,
+                  const uint16_t* pf, const int npf) {
+  const uint16_t* w[NR];
+  for (int j = 0; j < NR; ++j) w[j] = p.w + (n + j) * p.k;
+  __m256 lo[MR][NR], hi[MR][NR];
+  Half<MR, NR>(xw, xs, w, p.k, 0, pf, npf, lo);
+  Half<MR, NR>(xw, xs, w, p.k, 1, nullptr, 0, hi);
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) Store(p, m + i, n + j, SumLanes(acc[i][j][0], acc[i][j][1]));
+    for (int j = 0; j < NR; ++j) Store(p, m + i, n + j, SumLanes(lo[i][j], hi[i][j]));
 }
 
 template <int NR>
@@ -298,8 +304,13 @@ void Rows(const Problem& p, const float* xw, int64_t xs, int64_t rows, int64_t m
   int64_t r = 0;
   for (; r + kMr2 <= rows; r += kMr2, pf = nullptr)
     Block<kMr2, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, pf ? npf : 0);
-  for (; r < rows; ++r, pf = nullptr)
-    Block<1, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, pf ? npf : 0);
+  const int npf_rest = pf ? npf : 0;
+  switch (rows - r) {
+    case 3: Block<3, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, npf_rest); break;
+    case 2: Block<2, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, npf_rest); break;
+    case 1: Block<1, NR>(p, xw + r * xs, xs, m0 + r, n0, pf, npf_rest); break;
+    default: break;
+  }
 }
 
 void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {

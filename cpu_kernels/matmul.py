@@ -9,14 +9,14 @@ Why a kernel:
 inside `lax.scan`, XLA's CPU backend copies every layer's weights out of the stack before its
 GEMM, and on decode-sized batches that GEMM reaches about half of what AVX512-BF16's dot product
 instruction does here. The kernel (`matmul.cc` beside this file) reads the layer where it lies,
-prefetching, on XLA's intra-op thread pool (RESULTS.md sections 38 and 40). Each output is summed
+prefetching, on XLA's intra-op thread pool (RESULTS.md sections 38, 40 and 41). Each output is summed
 in one fixed order whatever the number of rows, so a row's result never depends on the batch.
 
 `matmul_reference` at the end of this file is the pure-jnp definition; tests compare the two
 (tests/cpu_kernels/). The kernel is compiled on first use (`build.py`); `available()` says whether
 that worked (`build_error()` why not) and `path()` which loop this CPU's build runs: VDPBF16PS
 with AVX512-BF16, FMAs on bit-widened bf16 with AVX2, or a portable loop (jaxserve's 'auto'
-uses only the first, `jaxserve.resolve`). The AVX2 and portable loops give the same bits; the
+uses the first two, `jaxserve.resolve`). The AVX2 and portable loops give the same bits; the
 AVX512-BF16 loop sums in their order as VDPBF16PS is defined (tested to f32 rounding).
 """
 

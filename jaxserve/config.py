@@ -147,10 +147,10 @@ class EngineConfig:
     matmul_impl: str = _setting(
         "auto",
         "Dense bfloat16 matmuls: auto = cpu_kernel on CPU when the C++ kernel compiles there with "
-        "its AVX512-BF16 loop, the weights are bfloat16 and the engine runs on one device, else "
-        "xla; cpu_kernel = the C++ CPU matmul (cpu_kernels/matmul.cc, compiled on first use with "
-        "$CXX; AVX512-BF16, AVX2 or portable loop), which reads each layer's weight in place, "
-        "for up to 256 rows (larger batches take XLA's dot); xla = XLA's dot. Default: auto.",
+        "its AVX512-BF16 or AVX2 loop, the weights are bfloat16 and the engine runs on one "
+        "device, else xla; cpu_kernel = the C++ CPU matmul (cpu_kernels/matmul.cc, compiled on "
+        "first use with $CXX; AVX512-BF16, AVX2 or portable loop), which reads each layer's "
+        "weight in place, for every batch size; xla = XLA's dot. Default: auto.",
         MATMUL_IMPLS,
     )
     max_num_batched_tokens: int | None = _setting(

@@ -13,9 +13,10 @@ get their shape buckets from here. The choices:
                    over the step's live pages, its cost following the live tokens; prefill
                    chunks through `ragged_attention.prefill_attention`)
     dense matmul   auto -> 'cpu_kernel' on CPU for bf16 weights on one device when the C++ matmul
-                   of `cpu_kernels/` built here with its AVX512-BF16 loop: it reads each layer's
-                   weight in place, for batches of up to CPU_MATMUL_ROWS[path] rows (RESULTS.md
-                   sections 38 and 40); 'xla' (XLA's dot) otherwise and for larger batches
+                   of `cpu_kernels/` built here with a loop in AUTO_CPU_MATMUL: it reads each
+                   layer's weight in place, and takes every batch, decode and prefill alike (one
+                   implementation, so a row's bits never depend on its batch; RESULTS.md
+                   sections 38, 40 and 41); 'xla' (XLA's dot) otherwise
     int4 matmul    'pallas' (the fused dequantize-matmul kernel) on GPU, 'xla' elsewhere
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
                    1.17-1.42x faster on decode-sized batches; RESULTS.md section 21), else 'in_out'
@@ -51,8 +52,8 @@ class ModelImpl:
     attention: str = "reference"
     min_matmul_rows: int = 1  # plain matmuls of fewer rows are padded up to this
     moe_matmul: str = "ragged_dot"  # 'ragged_dot' | 'tiled': `layers/moe.py`'s grouped path
-    # plain bf16 matmuls of at most this many rows run through the C++ CPU matmul (0: none)
-    cpu_matmul_rows: int = 0
+    # plain bf16 matmuls run through the C++ CPU matmul (every batch size)
+    cpu_matmul: bool = False
 
 
 REFERENCE_IMPL = ModelImpl()  # the jnp reference attention, no padding: the default of the model
@@ -171,13 +172,12 @@ class Resolved:
         return out
 
 
-# The C++ matmul's largest batch per loop that 'auto' uses (beyond, XLA's dot is as fast: section
-# 38b). Not the AVX2 loop: it beats XLA only up to about 32 rows (section 40b), and a kernel that
-# takes decode batches while XLA takes prefill batches gives a row different bits (at bf16
-# rounding) alone and in a batch (section 40e). An explicit 'cpu_kernel' on another loop uses it
-# up to CPU_MATMUL_ROWS_DEFAULT rows.
-CPU_MATMUL_ROWS = {"avx512bf16": 256}
-CPU_MATMUL_ROWS_DEFAULT = 256
+# The C++ matmul's loops that 'auto' takes (`cpu_kernels.matmul.path()`): both beat XLA's dot
+# on a SmolLM2 decode step and prefill chunk (sections 38 and 41). Not the portable loop. When
+# chosen it takes every batch: a kernel for decode batches beside XLA's dot for prefill batches
+# gave a row other bits (at bf16 rounding) alone than in a batch (section 40e). An explicit
+# 'cpu_kernel' takes any loop.
+AUTO_CPU_MATMUL = ("avx512bf16", "avx2")
 
 
 def resolve(
@@ -212,7 +212,7 @@ def resolve(
         )
     matmul = c.matmul_impl
     if matmul == "auto":
-        fast = cpu_matmul in CPU_MATMUL_ROWS
+        fast = cpu_matmul in AUTO_CPU_MATMUL
         matmul = "cpu_kernel" if cpu and fast and c.dtype == "bfloat16" else "xla"
     if matmul == "cpu_kernel" and not (cpu and cpu_matmul and c.dtype == "bfloat16"):
         raise ValueError(
@@ -232,11 +232,7 @@ def resolve(
             attention=attention,
             min_matmul_rows=4 if cpu else 1,
             moe_matmul="tiled" if cpu else "ragged_dot",
-            cpu_matmul_rows=(
-                CPU_MATMUL_ROWS.get(cpu_matmul, CPU_MATMUL_ROWS_DEFAULT)
-                if matmul == "cpu_kernel"
-                else 0
-            ),
+            cpu_matmul=matmul == "cpu_kernel",
         ),
         int4_matmul="pallas" if backend == "gpu" else "xla",
         weight_layout="out_in" if cpu else "in_out",

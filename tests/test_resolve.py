@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.resolve import DecodeShape, PrefillShape, bucket_for, pow2_buckets, resolve
+from jaxserve.resolve import (
+    AUTO_CPU_MATMUL,
+    DecodeShape,
+    PrefillShape,
+    bucket_for,
+    pow2_buckets,
+    resolve,
+)
 
 TINY = ModelConfig.preset("tiny")
 
@@ -47,20 +54,18 @@ def test_cpu_kernel_attention():
 
 
 def test_cpu_matmul():
-    """'auto' dense matmuls on CPU are the C++ kernel where it can run with its AVX512-BF16 loop
-    (the runner says which loop), up to 256 rows, for bf16 weights; else XLA's dot. An explicit
-    'cpu_kernel' runs any loop (up to 256 rows). Asking for it where it cannot run, or for f32
+    """'auto' dense matmuls on CPU are the C++ kernel (for every batch size) where it can run
+    with a loop in AUTO_CPU_MATMUL (the runner says which loop), for bf16 weights; else XLA's dot.
+    An explicit 'cpu_kernel' runs any loop. Asking for it where it cannot run, or for f32
     weights, is an error."""
-    assert resolved("cpu", cpu_matmul="avx512bf16").model.cpu_matmul_rows == 256
-    assert resolved("cpu", cpu_matmul="avx2").model.cpu_matmul_rows == 0
-    assert resolved("cpu", cpu_matmul="portable").model.cpu_matmul_rows == 0
-    assert resolved("cpu", cpu_matmul=None).model.cpu_matmul_rows == 0
-    assert resolved("cpu", cpu_matmul="avx2", dtype="float32").model.cpu_matmul_rows == 0
-    assert resolved("cpu", cpu_matmul="avx2", matmul_impl="xla").model.cpu_matmul_rows == 0
-    assert resolved("gpu", cpu_matmul="avx512bf16").model.cpu_matmul_rows == 0
-    for path, rows in (("avx512bf16", 256), ("avx2", 256), ("portable", 256)):
-        explicit = resolved("cpu", cpu_matmul=path, matmul_impl="cpu_kernel")
-        assert explicit.model.cpu_matmul_rows == rows
+    for path in ("avx512bf16", "avx2", "portable"):
+        assert resolved("cpu", cpu_matmul=path).model.cpu_matmul == (path in AUTO_CPU_MATMUL)
+        assert resolved("cpu", cpu_matmul=path, matmul_impl="cpu_kernel").model.cpu_matmul
+        assert not resolved("cpu", cpu_matmul=path, matmul_impl="xla").model.cpu_matmul
+        assert not resolved("cpu", cpu_matmul=path, dtype="float32").model.cpu_matmul
+        assert not resolved("gpu", cpu_matmul=path).model.cpu_matmul
+    assert set(AUTO_CPU_MATMUL) == {"avx512bf16", "avx2"}  # not the portable loop
+    assert not resolved("cpu", cpu_matmul=None).model.cpu_matmul
     for backend, path, dtype in (("cpu", None, "bfloat16"), ("gpu", "avx2", "bfloat16"),
                                  ("cpu", "avx2", "float32")):  # fmt: skip
         with pytest.raises(ValueError, match="matmul_impl='cpu_kernel'"):

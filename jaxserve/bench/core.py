@@ -68,16 +68,19 @@ def median_ms(fn, *args, reps: int) -> float:
 def alternating_medians_ms(fns: dict, *args, reps: int) -> dict:
     """{name: median wall ms} of `reps` rounds that call every fn(*args) in turn, each waited for,
     after one untimed call each (the compile): the A/B timer of the kernel experiments
-    (cpu_matmul.py, cpu_prefill_attention.py), so that this VM's drift hits every side alike."""
+    (cpu_matmul.py, cpu_prefill_attention.py), so that this VM's drift hits every side alike.
+    Each round starts one side later than the last, so that no side always runs after the same
+    one (whose caches and clocks it would inherit)."""
     import jax
 
     for fn in fns.values():
         jax.block_until_ready(fn(*args))
     ts = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(reps):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             t = time.perf_counter()
-            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(fns[name](*args))
             ts[name].append(time.perf_counter() - t)
     return {name: float(np.median(v)) * 1e3 for name, v in ts.items()}
 

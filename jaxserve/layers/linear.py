@@ -49,23 +49,24 @@ class TransposedWeight:
     weights like this on CPU (`cpu_layout`, chosen by `jaxserve.resolve`). Slicing a stack
     (`lax.scan`, `linear(layer=)`) slices `t` on its leading axes: the layer axis stays first.
 
-    kernel_rows (static): > 0 for a bf16 weight multiplied by the C++ CPU matmul
-    (`cpu_kernels/matmul.py`) when x has at most that many rows; such a stack reads its layer in
-    place (`reads_layer_in_place`: `lax.scan` passes it whole, with the layer index), where XLA
-    would copy the layer out first. Larger batches take XLA's dot on the sliced layer.
+    kernel (static): True for a bf16 weight multiplied by the C++ CPU matmul
+    (`cpu_kernels/matmul.py`), whatever the number of rows: one implementation for every batch,
+    so a row gets the same bits in a decode step as in any prefill step (batch invariance).
+    Such a stack reads its layer in place (`reads_layer_in_place`: `lax.scan` passes it whole,
+    with the layer index), where XLA would copy the layer out first.
     """
 
-    def __init__(self, t: jax.Array, kernel_rows: int = 0):
+    def __init__(self, t: jax.Array, kernel: bool = False):
         self.t = t
-        self.kernel_rows = kernel_rows
+        self.kernel = kernel
 
     @classmethod
-    def of(cls, w: jax.Array, kernel_rows: int = 0) -> "TransposedWeight":
+    def of(cls, w: jax.Array, kernel: bool = False) -> "TransposedWeight":
         """From a weight stored [..., in, out] (one copy of it)."""
-        return cls(jnp.swapaxes(w, -1, -2), kernel_rows)  # eager: a new, transposed buffer
+        return cls(jnp.swapaxes(w, -1, -2), kernel)  # eager: a new, transposed buffer
 
     def tree_flatten(self):
-        return (self.t,), self.kernel_rows
+        return (self.t,), self.kernel
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -73,7 +74,7 @@ class TransposedWeight:
 
     @property
     def reads_layer_in_place(self) -> bool:
-        return self.kernel_rows > 0
+        return self.kernel
 
     @property
     def shape(self) -> tuple[int, ...]:  # the logical [..., in, out]
@@ -87,27 +88,26 @@ class TransposedWeight:
         """x[..., in] @ the weight (layer `layer` of the stack when given) -> [..., out] in
         out_dtype (default x.dtype)."""
         t = self.t
-        rows = math.prod(x.shape[:-1])
-        if 0 < rows <= self.kernel_rows and x.dtype == jnp.bfloat16 == t.dtype:
+        if self.kernel and x.dtype == jnp.bfloat16 == t.dtype:
             return cpu_matmul.matmul(x, t, 0 if layer is None else layer, out_dtype or x.dtype)
         if layer is not None:
             t = jax.lax.dynamic_index_in_dim(t, layer, keepdims=False)
         return matmul(x, t.astype(x.dtype), transposed=True, out_dtype=out_dtype, min_rows=min_rows)
 
 
-def cpu_layout(layers: dict, kernel_rows: int = 0) -> dict:
+def cpu_layout(layers: dict, kernel: bool = False) -> dict:
     """The model's layer weights with every plain stacked linear weight ([L, in, out] array) as a
-    `TransposedWeight` (bf16 ones with `kernel_rows`: the C++ CPU matmul up to that many rows);
+    `TransposedWeight` (bf16 ones with `kernel`: multiplied by the C++ CPU matmul);
     norms, biases and quantized weights unchanged."""
     return {
-        name: transposed(w, kernel_rows) if isinstance(w, jax.Array) and w.ndim == 3 else w
+        name: transposed(w, kernel) if isinstance(w, jax.Array) and w.ndim == 3 else w
         for name, w in layers.items()
     }
 
 
-def transposed(w: jax.Array, kernel_rows: int = 0) -> TransposedWeight:
-    """A plain weight [..., in, out] as a `TransposedWeight`; kernel_rows only for bf16 weights."""
-    return TransposedWeight.of(w, kernel_rows if w.dtype == jnp.bfloat16 else 0)
+def transposed(w: jax.Array, kernel: bool = False) -> TransposedWeight:
+    """A plain weight [..., in, out] as a `TransposedWeight`; `kernel` only for bf16 weights."""
+    return TransposedWeight.of(w, kernel and w.dtype == jnp.bfloat16)
 
 
 def linear(x: jax.Array, w, layer=None, min_rows: int = 1) -> jax.Array:

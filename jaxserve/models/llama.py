@@ -365,7 +365,7 @@ def compute_logits(
         if is_quantized(w):  # the lm_head view (D, V)
             logits = linear(hidden, w).astype(jnp.float32)
         else:  # the table [V, D] is the logits' weight stored [out, in]
-            w = TransposedWeight(w, impl.cpu_matmul_rows)
+            w = TransposedWeight(w, impl.cpu_matmul)
             logits = w.matmul(hidden, min_rows=rows, out_dtype=jnp.float32)
     else:
         logits = linear(hidden, params["lm_head"], min_rows=rows).astype(jnp.float32)

@@ -32,7 +32,7 @@ def matmul_kernel(backend: str, engine_config: EngineConfig, mesh) -> str | None
     """The loop the C++ CPU matmul runs here ('avx512bf16', 'avx2' or 'portable';
     `cpu_kernels.matmul.path()`) when it can run for this engine: on the CPU backend, one device
     (its weights are not partitioned), built here; else None. `jaxserve.resolve` decides from the
-    path whether 'auto' uses it (only the AVX512-BF16 loop). An explicit 'cpu_kernel' that cannot
+    path whether 'auto' uses it (the AVX512-BF16 and AVX2 loops). An explicit 'cpu_kernel' that cannot
     run is an error."""
     if backend != "cpu" or engine_config.matmul_impl not in ("auto", "cpu_kernel"):
         return None

@@ -109,11 +109,11 @@ class ModelRunner:
         r = self.resolved
         params = with_matmul_impl(params, r.int4_matmul)
         if r.weight_layout == "out_in":
-            rows = r.model.cpu_matmul_rows
-            params = {**params, "layers": linear.cpu_layout(params["layers"], rows)}
+            kernel = r.model.cpu_matmul
+            params = {**params, "layers": linear.cpu_layout(params["layers"], kernel)}
             head = params.get("lm_head")
-            if rows and isinstance(head, jax.Array):  # untied logits: the C++ matmul too
-                params = {**params, "lm_head": linear.transposed(head, rows)}
+            if kernel and isinstance(head, jax.Array):  # untied logits: the C++ matmul too
+                params = {**params, "lm_head": linear.transposed(head, kernel)}
         if mesh is not None:
             params = partition.shard_params(params, model_config, mesh)
         self.params = params

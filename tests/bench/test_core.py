@@ -44,3 +44,16 @@ def test_compile_counter_counts_backend_compiles():
     with bench.CompileCounter() as again:
         f(x)  # cached: no compile
     assert first.count == 1 and first.seconds > 0 and again.count == 0
+
+
+def test_alternating_medians_rotates_the_order():
+    """Every side is called once untimed, then once per round; each round starts one side later,
+    so no side always runs right after the same one. The medians are per side, in ms."""
+    calls = []
+
+    def side(name):
+        return lambda x: calls.append(name) or x
+
+    ms = bench.alternating_medians_ms({n: side(n) for n in "abc"}, jnp.zeros(2), reps=3)
+    assert set(ms) == set("abc") and all(v >= 0 for v in ms.values())
+    assert calls == [*"abc", *"abc", *"bca", *"cab"]  # untimed, then rounds 0, 1, 2

@@ -90,7 +90,7 @@ def test_bad_inputs_are_errors():
         mm.matmul(x, w, 0, out_dtype=jnp.float16)
 
 
-CASES = [(1, 5, 33), (8, 96, 576), (65, 7, 1000), (3, 9, 31)]
+CASES = [(1, 5, 33), (8, 96, 576), (65, 7, 1000), (3, 9, 31), (70, 13, 1601)]
 
 
 def run_build(march: str, tmp_path) -> tuple[str, list[np.ndarray]]:

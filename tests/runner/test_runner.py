@@ -12,6 +12,7 @@ from jaxserve.bench.core import CompileCounter
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers.linear import TransposedWeight
 from jaxserve.loading.dummy import dummy_params
+from jaxserve.resolve import AUTO_CPU_MATMUL
 from jaxserve.runner import steps
 from jaxserve.runner.runner import ModelRunner
 
@@ -162,8 +163,8 @@ def test_cpu_engine_decodes_through_the_cpu_kernel():
 
 
 def test_cpu_engine_multiplies_through_the_cpu_matmul():
-    """bf16 on CPU: matmul_impl='cpu_kernel' (what 'auto' is where the kernel has its AVX512-BF16
-    loop) stores the layer weights for the C++ matmul, which reads each layer in
+    """bf16 on CPU: matmul_impl='cpu_kernel' (what 'auto' is where the kernel's loop is in
+    AUTO_CPU_MATMUL) stores the layer weights for the C++ matmul, which reads each layer in
     place (the decode program calls it, and slices no weight out of the stacks); its logits equal
     XLA's dot's to bf16 rounding, and both engines agree on greedy tokens."""
     from cpu_kernels import matmul as cpu_matmul
@@ -171,16 +172,15 @@ def test_cpu_engine_multiplies_through_the_cpu_matmul():
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 9, 30)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     kw = {**KW, "num_slots": 8, "dtype": "bfloat16"}
-    rows = {"avx512bf16": 256}.get(cpu_matmul.path())  # per loop (jaxserve.resolve)
-    auto = LLM("tiny", **kw).engine.runner.resolved.model.cpu_matmul_rows
-    assert auto == (rows or 0)
+    auto = LLM("tiny", **kw).engine.runner.resolved.model.cpu_matmul
+    assert auto == (cpu_matmul.path() in AUTO_CPU_MATMUL)
     tokens = {}
     for impl in ("cpu_kernel", "xla"):
         llm = LLM("tiny", matmul_impl=impl, **kw)
         runner = llm.engine.runner
         weights = runner.params["layers"]
-        assert {w.kernel_rows for w in weights.values() if isinstance(w, TransposedWeight)} == {
-            (rows or 256) if impl == "cpu_kernel" else 0
+        assert {w.kernel for w in weights.values() if isinstance(w, TransposedWeight)} == {
+            impl == "cpu_kernel"
         }
         tokens[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         shape = runner.resolved.decode_shape(7, [1] * 8)
@@ -192,6 +192,38 @@ def test_cpu_engine_multiplies_through_the_cpu_matmul():
         )  # fmt: skip
         assert ("jaxserve_matmul" in text) == (impl == "cpu_kernel")
     assert tokens["cpu_kernel"] == tokens["xla"]
+
+
+def test_the_cpu_matmul_gives_a_prompt_its_bits_alone_and_in_a_512_row_prefill():
+    """matmul_impl='cpu_kernel' takes every batch: a prompt prefilled alone (a 64-row step) and
+    among seven others (one 512-row step) gets the same log-probs to the bit. When the kernel
+    took batches of up to 256 rows and XLA's dot the larger ones, these differed at bf16
+    rounding (RESULTS.md 40e). SmolLM2's layer widths, so that rounding shows."""
+    import dataclasses
+
+    config = dataclasses.replace(
+        ModelConfig.preset("tiny"), hidden_size=576, intermediate_size=1536, num_layers=2,
+        head_dim=64, name="tiny-wide",
+    )  # fmt: skip
+    llm = LLM(
+        config, load_format="dummy", dtype="bfloat16", matmul_impl="cpu_kernel", num_slots=8,
+        max_model_len=128, page_size=16, prefill_chunk_size=64, max_num_batched_tokens=512,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, config.vocab_size, 64).tolist() for _ in range(8)]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+
+    def run(batch):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+        return [
+            [sorted((t, lp.logprob) for t, lp in step.items()) for step in o.outputs[0].logprobs]
+            for o in outs
+        ]
+
+    together = run(prompts)
+    assert llm.engine.runner.resolved.prefill_rows[-1] * 64 == 512
+    for i in (0, 5):
+        assert run([prompts[i]])[0] == together[i]
 
 
 def test_cpu_engine_falls_back_to_ragged_without_a_compiler(tmp_path):
@@ -210,7 +242,7 @@ try:
 except RuntimeError as e:
     print(e)
 kw["dtype"] = "bfloat16"
-print(LLM("tiny", **kw).engine.runner.resolved.model.cpu_matmul_rows)
+print(LLM("tiny", **kw).engine.runner.resolved.model.cpu_matmul)
 try:
     LLM("tiny", matmul_impl="cpu_kernel", **kw)
 except RuntimeError as e:
@@ -225,6 +257,6 @@ except RuntimeError as e:
     assert lines[0] == "ragged"
     assert "cpu_kernel" in lines[1] and "no C++ compiler" in lines[1]
     assert "CPU attention kernel not available" in proc.stderr
-    assert lines[2] == "0"  # the matmuls: XLA's dot
+    assert lines[2] == "False"  # the matmuls: XLA's dot
     assert "matmul_impl='cpu_kernel'" in lines[3] and "no C++ compiler" in lines[3]
     assert "CPU matmul kernel not available" in proc.stderr
