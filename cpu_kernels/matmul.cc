@@ -215,23 +215,25 @@ inline void Widen16(const uint16_t* s, __m256& odd, __m256& even) {
   even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
-// Row `src` (k elements) widened: per 32-element block, lo odd, lo even, hi odd, hi even (8
-// floats each); a last partial block is padded with zeros.
-inline void Widen(const uint16_t* src, int64_t k, float* dst) {
-  auto block = [](const uint16_t* s, float* d) {
+// Row `src` (k elements) widened into `xs` floats: the lo halves of its 32-element blocks first
+// (block b's lo odd, lo even at 16 b: 8 floats each), then the hi halves (at xs / 2 + 16 b), so
+// that a pass over one half touches only that half's cache lines; a last partial block is padded
+// with zeros.
+inline void Widen(const uint16_t* src, int64_t k, int64_t xs, float* dst) {
+  auto block = [xs](const uint16_t* s, float* d) {
     for (int h = 0; h < 2; ++h) {
       __m256 odd, even;
       Widen16(s + 16 * h, odd, even);
-      _mm256_storeu_ps(d + 16 * h, odd);
-      _mm256_storeu_ps(d + 16 * h + 8, even);
+      _mm256_storeu_ps(d + h * (xs / 2), odd);
+      _mm256_storeu_ps(d + h * (xs / 2) + 8, even);
     }
   };
   int64_t kk = 0;
-  for (; kk + 32 <= k; kk += 32) block(src + kk, dst + kk);
+  for (; kk + 32 <= k; kk += 32) block(src + kk, dst + kk / 2);
   if (kk < k) {
     uint16_t tail[32] = {};
     std::memcpy(tail, src + kk, (k - kk) * sizeof(uint16_t));
-    block(tail, dst + kk);
+    block(tail, dst + kk / 2);
   }
 }
 
@@ -255,7 +257,7 @@ inline void Half(const float* xw, int64_t xs, const uint16_t* const (&w)[NR], in
     __m256 wo[NR], we[NR];
     for (int j = 0; j < NR; ++j) Widen16(wr[j] + 16 * h, wo[j], we[j]);
     for (int i = 0; i < MR; ++i) {
-      const float* xi = xw + i * xs + kk + 16 * h;
+      const float* xi = xw + i * xs + h * (xs / 2) + kk / 2;
       const __m256 xo = _mm256_loadu_ps(xi), xe = _mm256_loadu_ps(xi + 8);
       for (int j = 0; j < NR; ++j) {
         acc[i][j] = _mm256_fmadd_ps(xo, wo[j], acc[i][j]);
@@ -317,7 +319,7 @@ void Tile(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t xs = (p.k + 31) / 32 * 32;  // widened floats per row
   thread_local std::vector<float> widened;
   widened.resize(static_cast<size_t>((m1 - m0) * xs));
-  for (int64_t m = m0; m < m1; ++m) Widen(p.x + m * p.k, p.k, widened.data() + (m - m0) * xs);
+  for (int64_t m = m0; m < m1; ++m) Widen(p.x + m * p.k, p.k, xs, widened.data() + (m - m0) * xs);
   // Rows in groups whose widened x stays in L1 (about 24 KB) while the tile's columns pass.
   const int64_t group = std::max<int64_t>(kMr2, (24576 / (4 * xs)) / kMr2 * kMr2);
   for (int64_t g = m0; g < m1; g += group) {
