@@ -120,7 +120,7 @@ class Library:
 class FfiTarget:
     """An XLA FFI handler of a `Library`, registered for the CPU platform on first use."""
 
-    def __init__(self, source: str, target: str, symbol: str):
+    def __init__(self, source: str | Path, target: str, symbol: str):
         self.library = Library(source)
         self.target, self.symbol = target, symbol
         self._error: str | None = None
