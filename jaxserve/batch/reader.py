@@ -12,7 +12,7 @@ runs. Every failure of one row (bad UTF-8, malformed or too deeply nested JSON, 
 for its field, a lone UTF-16 surrogate, an invalid sampling parameter) is caught here, for that row.
 Blank lines are skipped (they are not rows). A JSONL row is an object with `id` (a string of at
 most MAX_ID_CHARS characters, or an integer in [-2**63, 2**63)), exactly one of `prompt` (str),
-`messages` (chat list) or `prompt_token_ids` (list of int), and optional per-row `SamplingParams`
+`messages` (chat list; a content is a string or OpenAI content parts, see chat_utils) or `prompt_token_ids` (list of int), and optional per-row `SamplingParams`
 fields overriding the job's defaults; any other field is an error.
 
 A row's `key` names it for resume, sharding and merge, and never depends on its line number, so
@@ -42,6 +42,7 @@ from typing import Any
 
 from jaxserve.batch.sharding import derived_seed
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.entrypoints.chat_utils import message_text
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 INPUT_FORMATS = ("auto", "jsonl", "text")
@@ -316,13 +317,20 @@ def _check_prompt(value: Any) -> str | None:
 def _check_messages(value: Any) -> str | None:
     if not isinstance(value, list) or not value:
         return "'messages' must be a non-empty list of {role, content} objects"
+    texts = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             return f"messages[{i}] must be an object, got {type(m).__name__}"
-        for name in ("role", "content"):
-            if not isinstance(m.get(name), str):
-                return f"messages[{i}].{name} must be a string"
-    if all(m["content"] == "" for m in value):
+        if not isinstance(m.get("role"), str):
+            return f"messages[{i}].role must be a string"
+        content = m.get("content")
+        if not isinstance(content, (str, list)):
+            return f"messages[{i}].content must be a string or a list of content parts"
+        try:
+            texts.append(message_text(content, f"messages[{i}].content"))
+        except ValueError as e:
+            return str(e)
+    if all(t == "" for t in texts):
         return "empty prompt (every message's content is empty)"
     return None
 

@@ -26,6 +26,8 @@ from jaxserve.core.sampling_params import (
     _is_int,
 )
 
+_F32_MAX = float(np.finfo(np.float32).max)  # a finite value past it saturates there
+
 _U32 = 0xFFFFFFFF
 
 
@@ -124,9 +126,10 @@ def make_slot_row(
         recent[len(recent) - len(tail) :] = tail
     bias = sp.logit_bias or {}
     bias_values = np.zeros((MAX_LOGIT_BIAS,), np.float32)
-    bias_values[: len(bias)] = list(bias.values())
+    bias_values[: len(bias)] = np.clip(list(bias.values()), -_F32_MAX, _F32_MAX)
     greedy = sp.greedy
-    f32 = lambda x: np.array(x, dtype=np.float32)
+    # saturating: a value past f32's range (repetition_penalty=1e308 is valid) is f32's largest
+    f32 = lambda x: np.array(np.clip(x, -_F32_MAX, _F32_MAX), dtype=np.float32)
     i32 = lambda x: np.array(x, dtype=np.int32)
     return SlotRow(
         temperature=f32(0.0 if greedy else sp.temperature),

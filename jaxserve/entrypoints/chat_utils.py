@@ -9,6 +9,12 @@ the named options; `continue_final_message` leaves the final message open (no en
 the model to continue, and cannot be combined with `add_generation_prompt`; `tools` (OpenAI tool
 definitions) are given to templates that render them. The text is tokenized without adding
 special tokens again (the template already holds them).
+
+A message's content may be a string or OpenAI's list of content parts. As vLLM's "string" content
+format, a list becomes its text parts joined by newlines before the template sees it (a part
+whose text is missing is skipped, as vLLM does); a missing content becomes "". The models served
+take text only, so an image, audio, video or file part is an error naming it, never dropped in
+silence.
 """
 
 from __future__ import annotations
@@ -20,6 +26,64 @@ RESERVED = (
     "tokenize",
     "return_dict",
 )  # apply_chat_template's own, never a variable
+
+
+# vLLM's text-like content part types, each with the key holding its text
+TEXT_PART_KEYS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+
+
+def message_text(content: Any, where: str = "content") -> str:
+    """One message's content as the template's string; ValueError naming the bad part."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(
+            f"{where} must be a string or a list of content parts, not {type(content).__name__}"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise ValueError(
+                f"{where}[{j}] must be a content part object, not {type(part).__name__}"
+            )
+        kind = part.get("type")
+        if kind not in TEXT_PART_KEYS:
+            what = "has no 'type'" if kind is None else f"is of type {kind!r}"
+            raise ValueError(
+                f"{where}[{j}] {what}; this model takes text only (content parts of type "
+                f"{', '.join(repr(k) for k in TEXT_PART_KEYS)})"
+            )
+        text = part.get(TEXT_PART_KEYS[kind])
+        if text is None:
+            continue  # vLLM skips a text part without its text
+        if not isinstance(text, str):
+            raise ValueError(f"{where}[{j}].{TEXT_PART_KEYS[kind]} must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def normalize_conversation(conversation: Any) -> list[dict[str, Any]]:
+    """The messages with each content a string (`message_text`); ValueError naming the bad one."""
+    if not isinstance(conversation, list):
+        raise ValueError(f"messages must be a list, not {type(conversation).__name__}")
+    out = []
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object, not {type(message).__name__}")
+        content = message_text(message.get("content"), f"messages[{i}].content")
+        out.append({**message, "content": content})
+    return out
 
 
 def render_chat(
@@ -50,6 +114,7 @@ def render_chat(
     kwargs.update(extra)
     if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
+    conversation = normalize_conversation(conversation)
     if kwargs["continue_final_message"] and not conversation:
         raise ValueError("continue_final_message needs a final message to continue")
     if kwargs["chat_template"] is None and not getattr(tokenizer, "chat_template", None):

@@ -33,6 +33,11 @@ BAD_ROWS = {
     "top_p_zero": (b'{"id": "p", "prompt": "x", "top_p": 0}', ["line 2", "top_p"]),
     "top_p_above_one": (b'{"id": "p2", "prompt": "x", "top_p": 1.5}', ["line 2", "top_p"]),
     "bad_messages": (b'{"id": "c", "messages": [{"role": "user"}]}', ["line 2", "content"]),
+    "image_part": (
+        b'{"id": "im", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, '
+        b'{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+        ["line 2", "messages[0].content[1]", "'image_url'", "text only"],
+    ),
     "bad_token_ids": (b'{"id": "c2", "prompt_token_ids": [1, -2]}', ["line 2", "prompt_token_ids"]),
     "two_constraints": (
         b'{"id": "so", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}',
@@ -78,15 +83,18 @@ def test_ids_keys_and_prompt_kinds(tmp_path):
         b'{"id": "7", "prompt": "str id"}',
         b"",
         b'{"id": "chat", "messages": [{"role": "user", "content": "hi"}]}',
+        b'{"id": "parts", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}',
         b'{"id": "tok", "prompt_token_ids": [5, 6, 7], "max_tokens": 3, "stop": ["x"]}',
         b'{"id": "bad"',
     ]
     rows = read_input(write(tmp_path, lines))
-    assert [r.line for r in rows] == [1, 2, 4, 5, 6]  # the blank line 3 is not a row
-    assert [r.key for r in rows] == ["7", '"7"', '"chat"', '"tok"', "raw:" + content_hash(lines[5])]
+    assert [r.line for r in rows] == [1, 2, 4, 5, 6, 7]  # the blank line 3 is not a row
+    keys = ["7", '"7"', '"chat"', '"parts"', '"tok"', "raw:" + content_hash(lines[6])]
+    assert [r.key for r in rows] == keys
     assert rows[2].messages == [{"role": "user", "content": "hi"}]
-    assert rows[3].prompt_token_ids == [5, 6, 7]
-    assert rows[3].sampling.max_tokens == 3 and rows[3].sampling.stop == ("x",)
+    assert rows[3].error is None  # OpenAI content parts (rendered by chat_utils.render_chat)
+    assert rows[4].prompt_token_ids == [5, 6, 7]
+    assert rows[4].sampling.max_tokens == 3 and rows[4].sampling.stop == ("x",)
     assert row_key(None, 6) == "line:6"  # the key of an older jaxserve's output row
 
 

@@ -1,5 +1,7 @@
 """SamplingParams validation and the host-side SlotRow it turns into."""
 
+import warnings
+
 import jax
 import numpy as np
 import pytest
@@ -289,3 +291,15 @@ def test_logit_bias_and_allowed_ids_rows():
     assert row.bias_ids[:3].tolist() == [4, 2, -1]
     assert row.bias_values[:3].tolist() == [1.5, -3.0, 0.0]
     assert row.allowed_ids[:3].tolist() == [7, 1, -1]
+
+
+def test_values_past_f32_saturate_without_a_warning():
+    """repetition_penalty and logit_bias accept any finite value (as vLLM); one past f32's range
+    saturates at f32's largest in the slot row, with no overflow warning on the host."""
+    big = float(np.finfo(np.float32).max)
+    sp = SamplingParams(temperature=1.0, repetition_penalty=1e308, logit_bias={5: -1e300})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        row = make_slot_row(sp, [1], [], (2,), 0, 8)
+    assert row.repetition_penalty == np.float32(big)
+    assert row.bias_values[0] == np.float32(-big)

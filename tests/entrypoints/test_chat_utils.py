@@ -62,3 +62,23 @@ def test_tools_reach_the_template(tok):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     text, _ = render_chat(tok, CONV, chat_template=template, tools=tools)
     assert text == "[get_weather]Name three colors."
+
+
+def test_content_parts_render_as_vllm_joins_them(tok):
+    """vLLM's "string" content format: text parts joined by newlines (a string part counts; one
+    without its text is skipped); an image or a part without a type is an error naming it."""
+    parts = [{"type": "text", "text": "Name three"}, "colors", {"type": "text"}]
+    joined = [{"role": "user", "content": "Name three\ncolors"}]
+    assert render_chat(tok, [{"role": "user", "content": parts}]) == render_chat(tok, joined)
+    assert render_chat(tok, [{"role": "user"}]) == render_chat(
+        tok, [{"role": "user", "content": ""}]
+    )
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    with pytest.raises(
+        ValueError, match=r"messages\[0\]\.content\[1\] is of type 'image_url'.*text only"
+    ):
+        render_chat(tok, [{"role": "user", "content": [parts[0], image]}])
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content\[0\] has no 'type'"):
+        render_chat(tok, CONV + [{"role": "user", "content": [{"text": "x"}]}])
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.text must be a string"):
+        render_chat(tok, [{"role": "user", "content": [{"type": "text", "text": 5}]}])

@@ -5,11 +5,12 @@ the full text, stop strings, chat log-probs, /tokenize and /detokenize."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 
 import httpx
 import openai
 import pytest
-from serving_testing import ServerThread
+from serving_testing import ServerThread, wait_idle
 
 from jaxserve import SamplingParams
 
@@ -20,6 +21,7 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 PARTIAL = CHAT + [{"role": "assistant", "content": "The three colors are"}]
 N = 12
+PARTS = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colors."}]
 JSON_CHAT = [{"role": "user", "content": "Give a person as JSON."}]
 SCHEMA = {
     "type": "object",
@@ -68,6 +70,15 @@ def smol():
     # vLLM's LLM.chat: a list of conversations in one call, each rendered with the same options
     offline["continued"] = llm.chat([PARTIAL, PARTIAL[:1]], sp, use_tqdm=False, **continued)
     offline["mc"] = _loglikelihoods(llm)
+    four = SamplingParams(temperature=0, max_tokens=4)
+    offline["parts"] = llm.chat(
+        [
+            [{"role": "user", "content": "Name three\ncolors."}],
+            [{"role": "user", "content": PARTS}],
+        ],
+        four,
+        use_tqdm=False,
+    )
     so = SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": SCHEMA})
     offline["json"] = llm.chat(JSON_CHAT, so, use_tqdm=False)[0]
     allm = AsyncLLM.from_llm(llm)
@@ -115,6 +126,24 @@ def test_chat_equals_llm_chat(smol, client):
         return "".join(c.choices[0].delta.content or "" for c in chunks)
 
     assert asyncio.run(stream()) == ref.text
+
+
+def test_content_parts_as_vllm_and_an_image_is_a_400(smol, client):
+    """A list of text parts is the newline-joined string (vLLM's "string" content format), in
+    LLM.chat and served alike; an image part to this text-only model is a 400 naming it."""
+    ref, via_parts = smol[1]["parts"]
+    assert via_parts.prompt_token_ids == ref.prompt_token_ids
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": PARTS}], temperature=0, max_tokens=4
+    )
+    assert r.choices[0].message.content == ref.outputs[0].text
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": [PARTS[0], image]}], max_tokens=4
+        )
+    assert e.value.body["param"] == "messages"
+    assert "messages[0].content[1] is of type 'image_url'" in e.value.body["message"]
 
 
 def test_continue_final_message_offline_and_served(smol, client):
@@ -291,3 +320,68 @@ def test_structured_outputs_served_as_offline(smol, client):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**kw, **extra)
         assert e.value.body["param"] == param, e.value.body
+
+
+HOSTILE = [-1, 2**63, 1e308, 0.5, True, "x" * 4096, [None], [[1, 2], "x"], {"7": 1e9}, {"x": 1},
+           [-1], [2**40], {"type": "json_schema"}]  # fmt: skip
+# null and empty values where they are not the default (elsewhere they are a plain request)
+EMPTY = {"prompt": [None, "", [], [[]]], "messages": [None, [], {}], "n": [None],
+         "stream": [None], "echo": [None], "presence_penalty": [None], "logit_bias": [{}, []]}  # fmt: skip
+FIELDS = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
+          "frequency_penalty", "stream", "stream_options", "logit_bias", "top_k", "min_p",
+          "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "allowed_token_ids",
+          "bad_words", "response_format", "structured_outputs", "model", "user")  # fmt: skip
+CHAT_FIELDS = ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "n",
+               "stream", "chat_template_kwargs", "continue_final_message",
+               "add_generation_prompt")  # fmt: skip
+ROUTES = {  # the shared sampling fields go through one parser and one check: tested once
+    "/v1/completions": ({"prompt": PROMPT}, FIELDS + ("prompt", "logprobs", "echo")),
+    "/v1/chat/completions": ({"messages": CHAT}, CHAT_FIELDS),
+}
+RAW = [b"", b"null", b"[]", b'"x"', b"{", b"\xff\xfe", b"[" * 100_000,
+       b'{"prompt": "x", "max_tokens": NaN}', b'{"prompt": "x", "temperature": Infinity}']  # fmt: skip
+MESSAGES = [[{"role": "user"}], [{"role": "user", "content": [{"type": "text"}]}],
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            [{"role": 5, "content": "x"}], [{"content": "x"}], ["x"], [None]]  # fmt: skip
+
+
+def test_hostile_values_in_every_field_get_a_4xx_or_an_answer_and_harm_nobody(smol):
+    """Each field, set in turn to a hostile value (wrong type, out of range,
+    huge, empty, nested), plus malformed bodies and message shapes: every answer is a 2xx or a
+    4xx carrying OpenAI's error object, never a 5xx; afterwards the server is healthy, holds no
+    request, and a plain request still gives LLM's tokens."""
+    server, offline, _ = smol
+    bodies = []
+    for route, (base, fields) in ROUTES.items():
+        base = {"model": "smollm2", "max_tokens": 2, "max_completion_tokens": 2, **base}
+        if route == "/v1/completions":
+            base.pop("max_completion_tokens")
+        for field in fields:
+            for value in HOSTILE + EMPTY.get(field, []):
+                bodies.append((route, {**base, field: value}))
+        bodies += [(route, raw) for raw in RAW]
+    chat = {"model": "smollm2", "max_tokens": 2}
+    bodies += [("/v1/chat/completions", {**chat, "messages": m}) for m in MESSAGES]
+
+    def failure(http, route, body):
+        if isinstance(body, bytes):
+            r = http.post(route, content=body, headers={"content-type": "application/json"})
+        else:
+            r = http.post(route, json=body)
+        if 200 <= r.status_code < 300:
+            ok = "data: [DONE]" in r.text if body.get("stream") is True else "choices" in r.json()
+        else:
+            err = r.json().get("error", {}) if 400 <= r.status_code < 500 else {}
+            ok = set(err) == {"message", "type", "param", "code"} and bool(err["message"])
+        return None if ok else (route, str(body)[:120], r.status_code, r.text[:200])
+
+    with httpx.Client(base_url=server.base, timeout=120) as http:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # 4 clients at once, as the slots
+            failures = [f for f in pool.map(lambda rb: failure(http, *rb), bodies) if f]
+        assert not failures, failures
+        assert http.get("/health").status_code == 200
+    wait_idle(server.server.config.app.state.serving.async_llm.engine)  # no slot or page held
+    r = httpx.post(
+        f"{server.url}/completions", json={"prompt": PROMPT, "temperature": 0, "max_tokens": N}
+    )
+    assert r.json()["choices"][0]["token_ids"] == offline["text"].outputs[0].token_ids

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from jaxserve.core.outputs import CompletionOutput
-from jaxserve.entrypoints.chat_utils import render_chat
+from jaxserve.entrypoints.chat_utils import normalize_conversation, render_chat
 from jaxserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -40,13 +40,6 @@ from jaxserve.entrypoints.openai.serving import (
 )
 
 
-def _content(message) -> str | None:
-    c = message.content
-    if c is None or isinstance(c, str):
-        return c
-    return "".join(part.get("text", "") for part in c if part.get("type") == "text")
-
-
 def apply_template(
     state: ServingState,
     messages,
@@ -65,7 +58,10 @@ def apply_template(
             "continue_final_message and add_generation_prompt cannot both be true",
             "continue_final_message",
         )
-    conv = [{**m.model_dump(exclude_none=True), "content": _content(m) or ""} for m in messages]
+    try:
+        conv = normalize_conversation([m.model_dump(exclude_none=True) for m in messages])
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
     try:
         return render_chat(
             tok,
