@@ -200,19 +200,20 @@ struct Problem : Common {
   const int32_t *kv_lens, *page_table;
 };
 
-// 16 f32 lanes (GCC lowers this to one zmm register with AVX-512, two ymm with AVX2).
+// 16 f32 lanes (GCC lowers this to one zmm register with AVX-512, two ymm with AVX2). Loads and
+// stores go through the may_alias, 4-byte-aligned forms (one unaligned vector move each): a memcpy
+// into a vector variable made GCC stage AVX2 loads through the stack, in 16-byte halves read back
+// as 32, a store-forwarding stall on every load (the decode kernel ran ~6x slower on AVX2).
 typedef float F16v __attribute__((vector_size(64), aligned(4)));
-
-inline F16v LoadV(const float* p) {
-  F16v x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-
-inline void StoreV(float* p, F16v x) { std::memcpy(p, &x, sizeof x); }
-
+typedef float F16u __attribute__((vector_size(64), aligned(4), may_alias));
 typedef float F8v __attribute__((vector_size(32), aligned(4)));
+typedef float F8u __attribute__((vector_size(32), aligned(4), may_alias));
 typedef float F4v __attribute__((vector_size(16), aligned(4)));
+
+inline F16v LoadV(const float* p) { return *reinterpret_cast<const F16u*>(p); }
+inline void StoreV(float* p, F16v x) { *reinterpret_cast<F16u*>(p) = x; }
+inline F8v Load8(const float* p) { return *reinterpret_cast<const F8u*>(p); }
+inline void Store8(float* p, F8v x) { *reinterpret_cast<F8u*>(p) = x; }
 
 // A fixed pairwise tree in registers (the same order on every machine).
 inline float HorizontalSum(F16v x) {
@@ -222,11 +223,18 @@ inline float HorizontalSum(F16v x) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// 16 lanes kept as two 8-lane halves (a 16-lane accumulator stays in memory on AVX2; see the PV
+// loop in Item), summed as HorizontalSum sums a 16-lane vector: the same bits.
 inline float Dot(const float* a, const float* b, int64_t d) {
   int64_t e = 0;
-  F16v acc = {};
-  for (; e + 16 <= d; e += 16) acc += LoadV(a + e) * LoadV(b + e);
-  float s = HorizontalSum(acc);
+  F8v lo = {}, hi = {};
+  for (; e + 16 <= d; e += 16) {
+    lo += Load8(a + e) * Load8(b + e);
+    hi += Load8(a + e + 8) * Load8(b + e + 8);
+  }
+  const F8v x = lo + hi;
+  const F4v y = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+  float s = (y[0] + y[2]) + (y[1] + y[3]);
   for (; e < d; ++e) s += a[e] * b[e];
   return s;
 }
@@ -322,10 +330,18 @@ void Item(const Problem& p, int64_t item, std::vector<float>& buf) {
       m[gi] = new_m;
       float* ag = acc + gi * d;
       int64_t e = 0;
+      // Two 8-lane halves, not one 16-lane vector: on AVX2 GCC keeps a 16-lane accumulator in
+      // memory, moving it through general registers on every step of this loop (~3x slower).
+      // Each element gets the same operations in the same order either way.
       for (; e + 16 <= d; e += 16) {
-        F16v a = LoadV(ag + e) * alpha;
-        for (int64_t t = t0; t < t1; ++t) a += pg[t] * LoadV(vf + t * d + e);
-        StoreV(ag + e, a);
+        F8v a0 = Load8(ag + e) * alpha, a1 = Load8(ag + e + 8) * alpha;
+        for (int64_t t = t0; t < t1; ++t) {
+          const float pt = pg[t];
+          a0 += pt * Load8(vf + t * d + e);
+          a1 += pt * Load8(vf + t * d + e + 8);
+        }
+        Store8(ag + e, a0);
+        Store8(ag + e + 8, a1);
       }
       for (; e < d; ++e) {
         float a = ag[e] * alpha;
