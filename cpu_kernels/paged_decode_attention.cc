@@ -405,7 +405,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::A
 //
 // Work item = (row, KV head, block of kQueryBlock query tokens). The block's keys are read a tile
 // at a time (tiles at absolute key positions, kKeyTile keys), converted to f32 once for all of
-// its G * tokens query vectors, the scores computed in 4 x 4 register blocks (each dot in
+// its G * tokens query vectors, the scores computed in 4 x 2 register blocks (each dot in Dot's and
 // HorizontalSum's order, so a score has the same bits in a block or alone), then every query runs
 // the online softmax over its own visible keys of the tile: keys s with max(0, p + 1 - window)
 // <= s <= p for a query at position p (every s <= p for a global layer). Everything a query's
@@ -452,103 +452,75 @@ inline void ExpShifted(float* x, int64_t n, float m) {
   }
 }
 
-// 16 accumulators -> one vector whose lane i is HorizontalSum(a[i]) (the same adds, in the same
-// order, four at a time).
-inline F16v SumLanes16(const F16v* a) {
-  F16v s[8], u[4], r[2];
-  for (int i = 0; i < 8; ++i) {  // x[j] + x[j + 8]
-    s[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
-                                   20, 21, 22, 23) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                   26, 27, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 4; ++i) {  // then j + j+4
-    u[i] = __builtin_shufflevector(s[2 * i], s[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
-                                   19, 24, 25, 26, 27) +
-           __builtin_shufflevector(s[2 * i], s[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
-                                   23, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 2; ++i) {  // then (b0 + b2), (b1 + b3)
-    r[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
-                                   21, 24, 25, 28, 29) +
-           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
-                                   23, 26, 27, 30, 31);
-  }
-  return __builtin_shufflevector(r[0], r[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
-                                 30) +
-         __builtin_shufflevector(r[0], r[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
-                                 31);
-}
-
-// dp (a multiple of 16) elements, lanes of 16 summed in HorizontalSum's order.
-inline float DotPadded(const float* a, const float* b, int64_t dp) {
-  F16v acc = {};
-  for (int64_t e = 0; e < dp; e += 16) acc += LoadV(a + e) * LoadV(b + e);
-  return HorizontalSum(acc);
-}
-
-// s[r * lds + j] = q_r . k_j for rows r < m of qf and keys j < n of kf (both [*, dp]).
+// s[r * lds + j] = q_r . k_j for rows r < m of qf and keys j < n of kf (both [*, dp]), each in
+// Dot's order. Blocks of 4 rows x 2 keys; the low 8 lanes of all 16 lanes are summed in one pass
+// and the high 8 in a second, so each pass's 8 accumulators stay in AVX2's 16 registers.
 void Scores(const float* qf, int64_t m, const float* kf, int64_t n, int64_t dp, float* s,
             int64_t lds) {
   int64_t r = 0;
   for (; r + 4 <= m; r += 4) {
     int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-      F16v acc[16] = {};  // acc[4 i + jj]: row r + i, key j + jj
-      for (int64_t e = 0; e < dp; e += 16) {
-        F16v kv[4];
-        for (int jj = 0; jj < 4; ++jj) kv[jj] = LoadV(kf + (j + jj) * dp + e);
-        for (int i = 0; i < 4; ++i) {
-          const F16v qv = LoadV(qf + (r + i) * dp + e);
-          for (int jj = 0; jj < 4; ++jj) acc[4 * i + jj] += qv * kv[jj];
+    for (; j + 2 <= n; j += 2) {
+      F8v half[2][8];  // [lo / hi][2 i + jj]
+      for (int h = 0; h < 2; ++h) {
+        F8v acc[8] = {};
+        for (int64_t e = 8 * h; e < dp; e += 16) {
+          const F8v k0 = Load8(kf + j * dp + e), k1 = Load8(kf + (j + 1) * dp + e);
+          for (int i = 0; i < 4; ++i) {
+            const F8v qv = Load8(qf + (r + i) * dp + e);
+            acc[2 * i] += qv * k0;
+            acc[2 * i + 1] += qv * k1;
+          }
+        }
+        for (int x = 0; x < 8; ++x) half[h][x] = acc[x];
+      }
+      for (int i = 0; i < 4; ++i) {
+        for (int jj = 0; jj < 2; ++jj) {
+          const F8v x = half[0][2 * i + jj] + half[1][2 * i + jj];
+          const F4v y = __builtin_shufflevector(x, x, 0, 1, 2, 3) +
+                        __builtin_shufflevector(x, x, 4, 5, 6, 7);
+          s[(r + i) * lds + j + jj] = (y[0] + y[2]) + (y[1] + y[3]);
         }
       }
-      const F16v sums = SumLanes16(acc);
-      for (int i = 0; i < 4; ++i) std::memcpy(s + (r + i) * lds + j, &sums[4 * i], 4 * sizeof(float));
     }
     for (; j < n; ++j) {
-      for (int i = 0; i < 4; ++i) s[(r + i) * lds + j] = DotPadded(qf + (r + i) * dp, kf + j * dp, dp);
+      for (int i = 0; i < 4; ++i) s[(r + i) * lds + j] = Dot(qf + (r + i) * dp, kf + j * dp, dp);
     }
   }
   for (; r < m; ++r) {
-    for (int64_t j = 0; j < n; ++j) s[r * lds + j] = DotPadded(qf + r * dp, kf + j * dp, dp);
+    for (int64_t j = 0; j < n; ++j) s[r * lds + j] = Dot(qf + r * dp, kf + j * dp, dp);
   }
 }
 
-// acc[i][c] = acc[i][c] * alpha[i] + sum over keys j in [j0, j1) of p[i][j] * vf[j][c], for R rows
-// and C chunks of 16 lanes (in registers), keys in increasing order.
-template <int R, int C>
+// acc[i][e0 .. e0 + 16) = acc[i][..] * alpha[i] + sum over keys j in [j0, j1) of p[i][j] *
+// vf[j][e0 ..], for R rows, keys in increasing order; 16 lanes as two 8-lane halves, so the 2R
+// accumulators stay in AVX2's registers.
+template <int R>
 void PvBlock(float* const* acc, const float* const* p, const float* alpha, const float* vf,
-             int64_t dp, int64_t j0, int64_t j1) {
-  F16v a[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) a[i][c] = LoadV(acc[i] + 16 * c) * alpha[i];
+             int64_t dp, int64_t e0, int64_t j0, int64_t j1) {
+  F8v lo[R], hi[R];
+  for (int i = 0; i < R; ++i) {
+    lo[i] = Load8(acc[i] + e0) * alpha[i];
+    hi[i] = Load8(acc[i] + e0 + 8) * alpha[i];
+  }
   for (int64_t j = j0; j < j1; ++j) {
-    F16v v[C];
-    for (int c = 0; c < C; ++c) v[c] = LoadV(vf + j * dp + 16 * c);
+    const F8v vl = Load8(vf + j * dp + e0), vh = Load8(vf + j * dp + e0 + 8);
     for (int i = 0; i < R; ++i) {
       const float pj = p[i][j];
-      for (int c = 0; c < C; ++c) a[i][c] += pj * v[c];
+      lo[i] += pj * vl;
+      hi[i] += pj * vh;
     }
   }
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) StoreV(acc[i] + 16 * c, a[i][c]);
+  for (int i = 0; i < R; ++i) {
+    Store8(acc[i] + e0, lo[i]);
+    Store8(acc[i] + e0 + 8, hi[i]);
+  }
 }
 
 template <int R>
 void PvRows(float* const* acc, const float* const* p, const float* alpha, const float* vf,
             int64_t dp, int64_t j0, int64_t j1) {
-  for (int64_t c0 = 0; c0 < dp; c0 += 64) {  // up to 4 chunks of 16 lanes at a time
-    float* a[R];
-    for (int i = 0; i < R; ++i) a[i] = acc[i] + c0;
-    const float* v = vf + c0;
-    switch ((std::min<int64_t>(dp - c0, 64)) / 16) {
-      case 1: PvBlock<R, 1>(a, p, alpha, v, dp, j0, j1); break;
-      case 2: PvBlock<R, 2>(a, p, alpha, v, dp, j0, j1); break;
-      case 3: PvBlock<R, 3>(a, p, alpha, v, dp, j0, j1); break;
-      default: PvBlock<R, 4>(a, p, alpha, v, dp, j0, j1); break;
-    }
-  }
+  for (int64_t e0 = 0; e0 < dp; e0 += 16) PvBlock<R>(acc, p, alpha, vf, dp, e0, j0, j1);
 }
 
 void PrefillItem(const PrefillProblem& p, int64_t item, std::vector<float>& buf) {
