@@ -203,7 +203,7 @@ struct Problem : Common {
 // 16 f32 lanes (GCC lowers this to one zmm register with AVX-512, two ymm with AVX2). Loads and
 // stores go through the may_alias, 4-byte-aligned forms (one unaligned vector move each): a memcpy
 // into a vector variable made GCC stage AVX2 loads through the stack, in 16-byte halves read back
-// as 32, a store-forwarding stall on every load (the decode kernel ran ~6x slower on AVX2).
+// as 32, a store-forwarding stall on every load (RESULTS.md section 42).
 typedef float F16v __attribute__((vector_size(64), aligned(4)));
 typedef float F16u __attribute__((vector_size(64), aligned(4), may_alias));
 typedef float F8v __attribute__((vector_size(32), aligned(4)));
@@ -216,11 +216,16 @@ inline F8v Load8(const float* p) { return *reinterpret_cast<const F8u*>(p); }
 inline void Store8(float* p, F8v x) { *reinterpret_cast<F8u*>(p) = x; }
 
 // A fixed pairwise tree in registers (the same order on every machine).
-inline float HorizontalSum(F16v x) {
-  F8v a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-          __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  F4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+// SumHalves(lo, hi) sums 16 lanes held as two 8-lane halves in that same order.
+inline float SumHalves(F8v lo, F8v hi) {
+  const F8v a = lo + hi;
+  const F4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float HorizontalSum(F16v x) {
+  return SumHalves(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
+                   __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
 // 16 lanes kept as two 8-lane halves (a 16-lane accumulator stays in memory on AVX2; see the PV
@@ -232,9 +237,7 @@ inline float Dot(const float* a, const float* b, int64_t d) {
     lo += Load8(a + e) * Load8(b + e);
     hi += Load8(a + e + 8) * Load8(b + e + 8);
   }
-  const F8v x = lo + hi;
-  const F4v y = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
-  float s = (y[0] + y[2]) + (y[1] + y[3]);
+  float s = SumHalves(lo, hi);
   for (; e < d; ++e) s += a[e] * b[e];
   return s;
 }
@@ -331,7 +334,7 @@ void Item(const Problem& p, int64_t item, std::vector<float>& buf) {
       float* ag = acc + gi * d;
       int64_t e = 0;
       // Two 8-lane halves, not one 16-lane vector: on AVX2 GCC keeps a 16-lane accumulator in
-      // memory, moving it through general registers on every step of this loop (~3x slower).
+      // memory, moving it through general registers on every step of this loop (RESULTS.md 42).
       // Each element gets the same operations in the same order either way.
       for (; e + 16 <= d; e += 16) {
         F8v a0 = Load8(ag + e) * alpha, a1 = Load8(ag + e + 8) * alpha;
@@ -476,10 +479,7 @@ void Scores(const float* qf, int64_t m, const float* kf, int64_t n, int64_t dp, 
       }
       for (int i = 0; i < 4; ++i) {
         for (int jj = 0; jj < 2; ++jj) {
-          const F8v x = half[0][2 * i + jj] + half[1][2 * i + jj];
-          const F4v y = __builtin_shufflevector(x, x, 0, 1, 2, 3) +
-                        __builtin_shufflevector(x, x, 4, 5, 6, 7);
-          s[(r + i) * lds + j + jj] = (y[0] + y[2]) + (y[1] + y[3]);
+          s[(r + i) * lds + j + jj] = SumHalves(half[0][2 * i + jj], half[1][2 * i + jj]);
         }
       }
     }

@@ -166,9 +166,7 @@ class LLM:
         `continue_final_message` continues the final (assistant) message instead of opening a
         new turn (then add_generation_prompt must be False); `tools` are given to the template;
         `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False}),
-        overriding the named options. A content may be a string or OpenAI's list of content parts
-        (text parts, joined by newlines as vLLM does; see chat_utils). A conversation the template
-        rejects, or with a non-text part, fails alone."""
+        overriding the named options. A conversation `render_chat` rejects fails alone."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
         if continue_final_message and add_generation_prompt:
