@@ -12,8 +12,9 @@ runs. Every failure of one row (bad UTF-8, malformed or too deeply nested JSON, 
 for its field, a lone UTF-16 surrogate, an invalid sampling parameter) is caught here, for that row.
 Blank lines are skipped (they are not rows). A JSONL row is an object with `id` (a string of at
 most MAX_ID_CHARS characters, or an integer in [-2**63, 2**63)), exactly one of `prompt` (str),
-`messages` (chat list; a content is a string or OpenAI content parts, see chat_utils) or `prompt_token_ids` (list of int), and optional per-row `SamplingParams`
-fields overriding the job's defaults; any other field is an error.
+`messages` (chat list; each content a string or OpenAI's content parts, see chat_utils) or
+`prompt_token_ids` (list of int), and optional per-row `SamplingParams` fields overriding the
+job's defaults; any other field is an error.
 
 A row's `key` names it for resume, sharding and merge, and never depends on its line number, so
 inserting or deleting lines moves no answer to another row:
@@ -323,11 +324,10 @@ def _check_messages(value: Any) -> str | None:
             return f"messages[{i}] must be an object, got {type(m).__name__}"
         if not isinstance(m.get("role"), str):
             return f"messages[{i}].role must be a string"
-        content = m.get("content")
-        if not isinstance(content, (str, list)):
+        if m.get("content") is None:  # message_text checks any other value
             return f"messages[{i}].content must be a string or a list of content parts"
         try:
-            texts.append(message_text(content, f"messages[{i}].content"))
+            texts.append(message_text(m["content"], f"messages[{i}].content"))
         except ValueError as e:
             return str(e)
     if all(t == "" for t in texts):
