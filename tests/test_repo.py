@@ -1,4 +1,5 @@
-"""Repository contracts: CI runs README's test command verbatim."""
+"""Repository contracts: CI runs README's test command verbatim; the suite's workers keep the tests
+of a module-scoped fixture together."""
 
 import pathlib
 import re
@@ -25,3 +26,36 @@ def test_main_job_uses_example_prompts():
     assert "jaxserve.launch.generate" in main
     for path in re.findall(r"--input (\S+)", main):
         assert (ROOT / path).exists(), path
+
+
+def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
+    """tests/conftest.py groups them and pyproject's addopts turn the groups on (--dist loadgroup);
+    a pytest or xdist release that drops either silently builds each such fixture once per worker."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_grouping.py").write_text(
+        "import pytest\n\n"
+        "@pytest.fixture(scope='module')\n"
+        "def shared():\n    return 1\n\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_shared(shared, i):\n    pass\n\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_alone(i):\n    pass\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-n", "2", "-p", "conftest"]
+        + ["-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml")]
+        + ["--rootdir", str(tmp_path), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ran = re.findall(r"\[(gw\d)\].*PASSED \S*::(test_\w+)\[\d\](@\S+)?", proc.stdout)
+    assert len(ran) == 12, proc.stdout[-3000:]
+    shared = [(gw, group) for gw, name, group in ran if name == "test_shared"]
+    assert len({gw for gw, _ in shared}) == 1 and all(group for _, group in shared), shared
+    assert all(not group for _, name, group in ran if name == "test_alone")
