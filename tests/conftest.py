@@ -11,7 +11,7 @@ import pytest
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (--dist loadgroup)
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     """Tests that share a module-scoped fixture (an engine, a server, a subprocess's results) run
     on one xdist worker, so the fixture is built once rather than once per worker."""
     for item in items:

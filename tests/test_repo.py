@@ -1,8 +1,11 @@
 """Repository contracts: CI runs README's test command verbatim; the suite's workers keep the tests
 of a module-scoped fixture together."""
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -31,10 +34,6 @@ def test_main_job_uses_example_prompts():
 def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
     """tests/conftest.py groups them and pyproject's addopts turn the groups on (--dist loadgroup);
     a pytest or xdist release that drops either silently builds each such fixture once per worker."""
-    import os
-    import subprocess
-    import sys
-
     (tmp_path / "test_grouping.py").write_text(
         "import pytest\n\n"
         "@pytest.fixture(scope='module')\n"
