@@ -169,7 +169,7 @@ class ModelRunner:
             if self.overlaps_grammar:
                 logits = self._decode_forward(shape)
                 self.state, out = steps.decode_sample(
-                    self.state, logits, np.bool_(want_top), shape=shape
+                    self.state, logits, np.bool_(want_top), num_top=shape.num_top
                 )
                 return out
             self.cache, self.state, out = self.step_fns.generate(
@@ -303,7 +303,7 @@ class ModelRunner:
             handle.pending = None
             self._set_grammar(plan)
             self.state, handle.decode = steps.decode_sample(
-                self.state, logits, np.bool_(handle.decode_top), shape=shape
+                self.state, logits, np.bool_(handle.decode_top), num_top=shape.num_top
             )
             self._dispatch_prefill(plan, handle)
         return handle

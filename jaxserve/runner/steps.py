@@ -213,7 +213,7 @@ def generate(
     def step(carry, _):
         cache, st = carry
         logits, cache = _decode_logits(params, cache, st, pt, config, impl, shape)
-        st, out = _decode_advance(st, logits, shape, want_top)
+        st, out = _decode_advance(st, logits, shape.num_top, want_top)
         return (cache, st), out
 
     (cache, sub), out = jax.lax.scan(step, (cache, sub), None, length=num_steps)
@@ -228,11 +228,11 @@ def _decode_logits(params, cache, st: SlotState, pt, config, impl, shape: Decode
     return pin_replicated(llama.compute_logits(params, hidden[:, 0], config, impl)), cache
 
 
-def _decode_advance(st: SlotState, logits, shape: DecodeShape, want_top):
+def _decode_advance(st: SlotState, logits, num_top: int, want_top):
     """Samples one token per live row of `st` from its logits and advances the rows ->
     (st, DecodeOutput of one step)."""
     alive = st.active & (st.seq_len + 2 <= st.max_total_len)  # (B,), as _decode_inputs
-    out = sampling.sample(logits, st.sampling, st.num_generated, shape.num_top, want_top)
+    out = sampling.sample(logits, st.sampling, st.num_generated, num_top, want_top)
     tok = jnp.where(alive, out.tokens, st.last_token)
     inc = alive.astype(jnp.int32)
     st = st.replace(
@@ -257,12 +257,14 @@ def decode_forward(params, cache, state: SlotState, *, config, impl, shape: Deco
     return pin_cache(cache), logits
 
 
-@functools.partial(jax.jit, static_argnames=("shape",), donate_argnames=("state",))
-def decode_sample(state: SlotState, logits, want_top, *, shape: DecodeShape):
-    """The second half: samples from `decode_forward`'s logits (with the masks `set_grammar`
-    installed) and advances the slots -> (state, DecodeOutput with k = 1), exactly as
-    `generate(..., num_steps=1)`."""
-    sub, out = _decode_advance(_rows(state, shape.rows), logits, shape, want_top)
+@functools.partial(jax.jit, static_argnames=("num_top",), donate_argnames=("state",))
+def decode_sample(state: SlotState, logits, want_top, *, num_top: int):
+    """The second half: samples from `decode_forward`'s logits f32[B, V] (with the masks
+    `set_grammar` installed) and advances the first B slots -> (state, DecodeOutput with k = 1),
+    exactly as `generate(..., num_steps=1)`. Its program depends on B and num_top only, not on
+    the forward's page-table width or live-page bucket: one per decode row bucket."""
+    rows = logits.shape[0]
+    sub, out = _decode_advance(_rows(state, rows), logits, num_top, want_top)
     return pin_slots(_set_rows(state, sub)), jax.tree.map(lambda x: x[None], out)
 
 

@@ -87,6 +87,31 @@ def test_no_recompilation_after_warmup(monkeypatch):
     assert st["num_slot_moves"] > 0 and 8 < st["mean_decode_rows"] < 32
 
 
+def test_decode_sampling_compiles_once_per_row_bucket():
+    """A decode step's sampling half (`steps.decode_sample`) reads only the logits' rows and
+    num_top, so there is one program per decode row bucket however many page-table widths or
+    live-page buckets the forward half has ('ragged' here; a GPU engine has ~9 widths)."""
+    # settings no other test in this file uses, so no program of theirs is in jit's cache
+    llm = LLM(
+        "tiny",
+        load_format="dummy",
+        dtype="float32",
+        num_slots=8,
+        max_model_len=24,
+        page_size=8,
+        attention_impl="ragged",
+    )
+    runner = llm.engine.runner
+    shapes = runner.resolved.decode_shapes()
+    rows = {s.rows for s in shapes}
+    assert runner.overlaps_grammar and len(shapes) > len(rows)
+    before = steps.decode_sample._cache_size(), steps.decode_forward._cache_size()
+    for shape in shapes:  # what warm-up runs for decode (every slot inactive)
+        runner.generate(shape)
+    after = steps.decode_sample._cache_size(), steps.decode_forward._cache_size()
+    assert (after[0] - before[0], after[1] - before[1]) == (len(rows), len(shapes))
+
+
 def test_state_and_cache_are_donated():
     cfg = ModelConfig.preset("tiny")
     params = dummy_params(cfg, "float32")
