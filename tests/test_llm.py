@@ -14,6 +14,9 @@ from model_testing import forward_logits, greedy_generate
 
 from jaxserve import LLM, SamplingParams
 
+# CI runs this file in its second invocation, compiled as users run it (tests/conftest.py)
+pytestmark = pytest.mark.default_opt
+
 KW = dict(
     load_format="dummy",
     dtype="float32",

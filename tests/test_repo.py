@@ -1,11 +1,13 @@
 """Repository contracts: CI runs README's test command verbatim; the suite's workers keep the tests
-of a module-scoped fixture together."""
+of a module-scoped fixture together and compile at LLVM -O0 unless asked not to."""
 
 import os
 import pathlib
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -58,3 +60,27 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
     shared = [(gw, group) for gw, name, group in ran if name == "test_shared"]
     assert len({gw for gw, _ in shared}) == 1 and all(group for _, group in shared), shared
     assert all(not group for _, name, group in ran if name == "test_alone")
+
+
+@pytest.mark.parametrize("option, o0", [([], True), (["--xla-cpu-opt=default"], False)])
+def test_the_suite_compiles_at_llvm_o0_unless_asked_not_to(tmp_path, option, o0):
+    """tests/conftest.py puts LLVM -O0 into XLA_FLAGS in every xdist worker (and so into the
+    subprocesses the tests start); `--xla-cpu-opt=default` (CI's test_llm.py run) leaves XLA's
+    own level."""
+    (tmp_path / "test_flags.py").write_text(
+        "import os\n\n"
+        "def test_flags():\n"
+        "    flags = os.environ.get('XLA_FLAGS', '')\n"
+        f"    assert ('--xla_backend_optimization_level=0' in flags) is {o0}, flags\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "conftest", *option]
+        + ["-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml")]
+        + ["--rootdir", str(tmp_path), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        | {"PYTHONPATH": str(ROOT / "tests")},
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:]
