@@ -33,6 +33,21 @@ def test_main_job_uses_example_prompts():
         assert (ROOT / path).exists(), path
 
 
+def _pytest_with_repo_conftest(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """pytest -n 2 on the tests in tmp_path with this repo's conftest and pyproject settings, in
+    an environment without XLA_FLAGS (this suite's own run sets them)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", *args, "-n", "2", "-p", "conftest"]
+        + ["-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml")]
+        + ["--rootdir", str(tmp_path), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env | {"PYTHONPATH": str(ROOT / "tests")},
+        timeout=300,
+    )
+
+
 def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
     """tests/conftest.py groups them and pyproject's addopts turn the groups on (--dist loadgroup);
     a pytest or xdist release that drops either silently builds each such fixture once per worker."""
@@ -45,15 +60,7 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
         "@pytest.mark.parametrize('i', range(6))\n"
         "def test_alone(i):\n    pass\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-n", "2", "-p", "conftest"]
-        + ["-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml")]
-        + ["--rootdir", str(tmp_path), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
-        timeout=300,
-    )
+    proc = _pytest_with_repo_conftest(tmp_path, "-v")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ran = re.findall(r"\[(gw\d)\].*PASSED \S*::(test_\w+)\[\d\](@\S+)?", proc.stdout)
     assert len(ran) == 12, proc.stdout[-3000:]
@@ -65,7 +72,7 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
 @pytest.mark.parametrize("option, o0", [([], True), (["--xla-cpu-opt=default"], False)])
 def test_the_suite_compiles_at_llvm_o0_unless_asked_not_to(tmp_path, option, o0):
     """tests/conftest.py puts LLVM -O0 into XLA_FLAGS in every xdist worker (and so into the
-    subprocesses the tests start); `--xla-cpu-opt=default` (CI's test_llm.py run) leaves XLA's
+    subprocesses the tests start); `--xla-cpu-opt=default` (CI's run of the default_opt tests) leaves XLA's
     own level."""
     (tmp_path / "test_flags.py").write_text(
         "import os\n\n"
@@ -73,14 +80,5 @@ def test_the_suite_compiles_at_llvm_o0_unless_asked_not_to(tmp_path, option, o0)
         "    flags = os.environ.get('XLA_FLAGS', '')\n"
         f"    assert ('--xla_backend_optimization_level=0' in flags) is {o0}, flags\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "conftest", *option]
-        + ["-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml")]
-        + ["--rootdir", str(tmp_path), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        | {"PYTHONPATH": str(ROOT / "tests")},
-        timeout=300,
-    )
+    proc = _pytest_with_repo_conftest(tmp_path, "-q", *option)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:]
