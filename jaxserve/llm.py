@@ -292,7 +292,8 @@ class LLM:
         """Prompt i parsed and checked as the engine will (on_bad_request='raise'): ValueError
         naming it and the problem, else {"prompt", "prompt_token_ids"} (tokenized once)."""
         text, ids, sp, error = self._prepare(prompt, sp)
-        error = error or self.engine.validate(ids, sp)
+        if error is None:
+            error = self.engine.check_request(ids, sp)[1]
         if error is not None:
             raise ValueError(f"prompt {i}: {error}")
         return {"prompt": text, "prompt_token_ids": ids}

@@ -172,6 +172,9 @@ def test_on_bad_request_raise_fails_before_anything_runs():
         ([{"prompt_token_ids": []}], sp, "prompt 0: prompt is empty"),
         ([good, good], [sp, {"temperature": -1.0}], "prompt 1: invalid sampling.*temperature"),
         ([good, "no tokenizer"], sp, "prompt 1: text prompts need a tokenizer"),
+        # what only the engine's tokenizer and grammar cache can tell (check_request)
+        ([good, good], [sp, {"bad_words": ["x"]}], "prompt 1: bad_words need a tokenizer"),
+        ([good], {"structured_outputs": {"regex": "a"}}, "prompt 0: structured_outputs need"),
     ]
     for batch, params, match in cases:
         with pytest.raises(ValueError, match=match):

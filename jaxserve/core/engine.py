@@ -107,13 +107,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already running")
         n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
-        error = None
-        if isinstance(sampling_params, SamplingParams) and sampling_params.bad_words:
-            try:  # vLLM's update_from_tokenizer: the words as token sequences
-                sampling_params = sampling_params.with_bad_words_ids(self.tokenizer)
-            except ValueError as e:
-                error = str(e)
-        error = error or self.validate(prompt_token_ids, sampling_params)
+        sampling_params, error = self.check_request(prompt_token_ids, sampling_params)
         grammar = None
         if error is None and sampling_params.structured_outputs is not None:
             try:  # a schema, regex or grammar that does not compile is this request's error
@@ -160,8 +154,27 @@ class LLMEngine:
         for child in children:
             self.scheduler.add(child)
 
+    def check_request(self, ids, sp) -> tuple[SamplingParams, str | None]:
+        """Every check `add_request` makes, without queueing: (the params with bad_words as token
+        ids, the reason the request cannot run or None). It reads only the configuration, the
+        tokenizer and the grammar cache, so a server thread may call it while the engine steps
+        (vLLM's front-end validation): a bad request is then a 400 before a stream starts."""
+        if isinstance(sp, SamplingParams) and sp.bad_words:
+            try:  # vLLM's update_from_tokenizer: the words as token sequences
+                sp = sp.with_bad_words_ids(self.tokenizer)
+            except ValueError as e:
+                return sp, str(e)
+        error = self.validate(ids, sp)
+        if error is None and sp.structured_outputs is not None:
+            try:  # a schema, regex or grammar that does not compile (compiled once, cached)
+                self.structured.check(sp.structured_outputs)
+            except ValueError as e:
+                error = str(e)
+        return sp, error
+
     def validate(self, ids, sp) -> str | None:
-        """The reason this request cannot run, or None."""
+        """The reason this request cannot run, or None (bad_words and grammars aside: see
+        `check_request`)."""
         if not isinstance(sp, SamplingParams):
             return f"sampling_params must be a SamplingParams, got {type(sp).__name__}"
         if not isinstance(ids, list | tuple) or len(ids) == 0:

@@ -209,8 +209,10 @@ class StructuredOutputManager:
                 self._executor = llguidance.LLExecutor()
         return self._ll_tokenizer
 
-    def compile(self, params: StructuredOutputsParams) -> Grammar:
-        """A fresh matcher for `params`; ValueError naming the field when it does not compile."""
+    def check(self, params: StructuredOutputsParams) -> str:
+        """The grammar text of `params`, validated (and cached by constraint); ValueError naming
+        the field when it does not compile. Safe from any thread: a server checks a request with
+        it before the engine thread compiles the same constraint."""
         import llguidance
 
         if self.tokenizer is None:
@@ -226,7 +228,14 @@ class StructuredOutputManager:
             if len(self._specs) > 1024:
                 self._specs.clear()
             self._specs[key] = spec
-        matcher = llguidance.LLMatcher(tok, spec, log_level=0)
+        return spec
+
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        """A fresh matcher for `params`; ValueError naming the field when it does not compile."""
+        import llguidance
+
+        spec = self.check(params)
+        matcher = llguidance.LLMatcher(self._setup(), spec, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
         return Grammar(matcher)

@@ -116,6 +116,11 @@ class AsyncLLM:
             raise ValueError("text prompts need a tokenizer; this model has none")
         return prompt, list(self.tokenizer(prompt)["input_ids"])
 
+    def check(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> str | None:
+        """The reason the engine would refuse this request, or None, found now in the caller's
+        thread (`LLMEngine.check_request`): a server answers 400 before a stream starts."""
+        return self.engine.check_request(prompt_token_ids, sampling_params)[1]
+
     async def generate(
         self,
         prompt,

@@ -38,7 +38,18 @@ def test_bad_fields_are_400_naming_them(tiny_server):
         r = httpx.post(f"{tiny_server.url}/completions", json={**base, **extra}, timeout=60)
         assert r.status_code == 400, (extra, r.text)
         assert r.json()["error"]["param"] == param, r.text
-    # past the vocabulary (128) and bad_words without a tokenizer: the engine refuses them
-    for extra in ({"logit_bias": {"500": 1.0}}, {"bad_words": ["x"]}):
-        r = httpx.post(f"{tiny_server.url}/completions", json={**base, **extra}, timeout=60)
-        assert r.status_code == 400, (extra, r.text)
+    # past the vocabulary (128), bad_words without a tokenizer, more log-probs than allowed:
+    # only the engine knows; the server asks it before answering, so a streamed request gets the
+    # 400 too (not an error event after 200, as vLLM's front end)
+    for extra, param in (
+        ({"logit_bias": {"500": 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": [9, 999]}, "allowed_token_ids"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"echo": True, "logprobs": 50, "max_tokens": 0}, "logprobs"),
+    ):
+        for stream in (False, True):
+            body = {**base, **extra, "stream": stream}
+            r = httpx.post(f"{tiny_server.url}/completions", json=body, timeout=60)
+            assert r.status_code == 400, (extra, stream, r.text)
+            assert r.json()["error"]["param"] == param, r.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 
 import httpx
 import openai
@@ -283,7 +284,8 @@ def test_lm_eval_local_chat_completions(smol, tmp_path, monkeypatch):
 def test_structured_outputs_served_as_offline(smol, client):
     """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs extra:
     the served JSON equals LLM.chat's with the same constraint and validates; a stream joins to
-    it; a choice is one of its choices; bad constraints are 400s naming the field."""
+    it; a choice is one of its choices; bad constraints (and too many top_logprobs) are 400s
+    naming the field, streamed or not."""
     import json
 
     import jsonschema
@@ -315,10 +317,11 @@ def test_structured_outputs_served_as_offline(smol, client):
         ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}}, "structured_outputs"),
+        ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),  # over max_logprobs (20)
     ]  # fmt: skip
-    for extra, param in bad:
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(**kw, **extra)
+    for (extra, param), stream in itertools.product(bad, (False, True)):
+        with pytest.raises(openai.BadRequestError) as e:  # streamed too: a 400, not an event
+            client.chat.completions.create(**kw, **extra, stream=stream)
         assert e.value.body["param"] == param, e.value.body
 
 

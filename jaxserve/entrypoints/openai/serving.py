@@ -137,6 +137,18 @@ def make_sampling_params(state: ServingState, req, **fields) -> SamplingParams:
         raise APIError(400, str(e), word if word in _SAMPLING_FIELDS else None) from None
 
 
+def check_request(state: ServingState, req, ids: list[int], sp: SamplingParams) -> None:
+    """400 naming the field for what the engine would refuse (a token id outside the vocabulary,
+    too many log-probs, a grammar that does not compile, ...), before any response starts: as
+    vLLM's front end, a streamed request gets the status code, not an error event after 200."""
+    error = state.async_llm.check(ids, sp)
+    if error is not None:
+        param = _param_of(error, req.structured_field)
+        if param == "logprobs" and hasattr(req, "top_logprobs"):  # a chat asks for k this way
+            param = "top_logprobs"
+        raise APIError(400, error, param)
+
+
 def tokenize_text(state: ServingState, text: str, add_special_tokens: bool = True) -> list[int]:
     if state.tokenizer is None:
         raise APIError(400, "text prompts need a tokenizer; send token ids", "prompt")
@@ -235,16 +247,16 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def _param_of(error: str) -> str | None:
-    """The request field an engine error names ("logprobs: requested ..." -> "logprobs"), else
-    "prompt" for the prompt's own errors."""
-    m = re.match(r"(\w+)[:.]", error)
-    if m and m.group(1) in (
-        "logprobs",
-        "prompt_logprobs",
-        "min_tokens",
-        "logit_bias",
-        "structured_outputs",
-    ):
-        return m.group(1)
+def _param_of(error: str, structured_field: str = "structured_outputs") -> str | None:
+    """The request field an engine error starts with ("logprobs: requested ..." -> "logprobs",
+    "logit_bias has token id(s) ..." -> "logit_bias"; a grammar's error names the field the
+    request used), else "prompt" for the prompt's own errors."""
+    m = re.match(r"(\w+)", error)
+    word = m.group(1) if m else ""
+    if word == "structured_outputs":
+        return structured_field
+    if word == "prompt_logprobs":  # a completion's echo asks for them through `logprobs`
+        return "logprobs"
+    if word in _SAMPLING_FIELDS:
+        return word
     return "prompt" if "prompt" in error else None

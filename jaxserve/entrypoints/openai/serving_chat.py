@@ -30,6 +30,7 @@ from jaxserve.entrypoints.openai.serving import (
     APIError,
     ServingState,
     check_prompt,
+    check_request,
     clamp_logprob,
     deadline,
     generate_all,
@@ -120,6 +121,7 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     sp = make_sampling_params(
         state, req, max_tokens=max(max_tokens, 1), logprobs=k if req.logprobs else None
     )
+    check_request(state, req, ids, sp)
     rid = random_id("chatcmpl")
     if req.stream:
         return sse_stream(_stream(state, req, text, ids, sp, rid, k))

@@ -26,6 +26,7 @@ from jaxserve.entrypoints.openai.serving import (
     APIError,
     ServingState,
     check_prompt,
+    check_request,
     clamp_logprob,
     deadline,
     generate_all,
@@ -140,6 +141,8 @@ async def create_completion(state: ServingState, req: CompletionRequest):
         prompt_logprobs=req.logprobs if echo_lp else None,
     )
     sps = [dataclasses.replace(sp, max_tokens=max(m, 1)) for m in max_tokens]
+    for (_, ids), prompt_sp in zip(prompts, sps):
+        check_request(state, req, ids, prompt_sp)
     choices = [_Choices(state, req, p, m) for p, m in zip(prompts, max_tokens)]
     rid = random_id("cmpl")
     if req.stream:
