@@ -38,8 +38,8 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "api_key",
     None,
-    "Require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics. Default: "
-    "$JAXSERVE_API_KEY, else none.",
+    "Require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics and /version. "
+    "Default: $JAXSERVE_API_KEY, else none.",
 )
 flags.DEFINE_integer(
     "max_queued_requests",

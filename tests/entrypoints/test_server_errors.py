@@ -6,6 +6,7 @@ fake runner, slowed down, so a request lasts as long as the test needs."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import threading
 import time
 
@@ -125,6 +126,8 @@ def test_auth(tiny_async):
         r = httpx.post(f"{server.url}/completions", json=BASE)
         assert _error(r, 401)["type"] == "authentication_error"
         assert httpx.get(f"{server.base}/health").status_code == 200  # open
+        version = importlib.metadata.version("jaxserve")
+        assert httpx.get(f"{server.base}/version").json() == {"version": version}  # open
         good = openai.OpenAI(base_url=server.url, api_key="sekrit", max_retries=0)
         assert good.completions.create(model="tiny", prompt=[5, 6], max_tokens=2).choices
     finally:

@@ -4,11 +4,11 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)        (jaxserve/launch/serve.py does this)
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
-GET /metrics (Prometheus text), POST /tokenize, POST /detokenize.
+GET /metrics (Prometheus text), GET /version (vLLM's), POST /tokenize, POST /detokenize.
 
-Each generation request: auth (Bearer api_key; /health and /metrics stay open) -> body size ->
-queue check (503 + Retry-After once max_queued_requests wait for a slot) -> strict parsing (400
-naming the field) -> serving_completion / serving_chat. A non-streaming handler races the client:
+Each generation request: auth (Bearer api_key; /health, /metrics and /version stay open) -> body
+size -> queue check (503 + Retry-After once max_queued_requests wait for a slot) -> strict parsing
+(400 naming the field) -> serving_completion / serving_chat. A non-streaming handler races the client:
 if the connection drops first, the handler is cancelled, which aborts its engine requests. A
 streaming response aborts them when it ends for any reason (client gone included).
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -36,7 +37,7 @@ from jaxserve.entrypoints.openai.serving_chat import apply_template, create_chat
 from jaxserve.entrypoints.openai.serving_completion import create_completion
 
 MAX_BODY_BYTES = 8 * 2**20
-_OPEN_PATHS = ("/health", "/metrics")
+_OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -89,7 +90,7 @@ class _AbortingStream(StreamingResponse):
 
 class _Guard:
     """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects): the
-    Bearer api_key (/health and /metrics stay open) and the declared body size."""
+    Bearer api_key (/health, /metrics and /version stay open) and the declared body size."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -195,6 +196,10 @@ def build_app(
     @app.get("/health")
     async def health():
         return Response(status_code=200 if async_llm.is_running else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": importlib.metadata.version("jaxserve")}
 
     @app.get("/metrics")
     async def prometheus():
