@@ -96,7 +96,8 @@ def lower_step(shape, c, params, cache, state, impl=None) -> str:
     static = dict(config=c, impl=impl or GPU.model, shape=shape)
     if isinstance(shape, DecodeShape):
         return lower(steps.generate, params, cache, state, flag, num_steps=1, **static)
-    return lower(steps.prefill, params, cache, state, abstract_batch(shape.rows), flag, **static)
+    # one GPU runs the prefill's forward, then its sampling (`prefill_sample`, lowered below)
+    return lower(steps.prefill_forward, params, cache, state, abstract_batch(shape.rows), **static)
 
 
 def int4_codes_shapes(text: str) -> set[tuple[int, int, int]]:
@@ -180,6 +181,12 @@ def test_every_warmup_program_lowers_for_cuda():
         assert kernels(lower_step(shape, c, params, cache, state, r.model)) == EXPECTED[type(shape)]
     # 8 page-table widths (1..128 pages): 8 decode, 8 x (4 row buckets + prompt log-probs) prefill.
     assert [sum(isinstance(s, k) for s in shapes) for k in (DecodeShape, PrefillShape)] == [8, 40]
+    # the prefill's sampling half, one program per row bucket (XLA only: no Pallas kernel)
+    for shape in {s.rows: s for s in r.prefill_shapes()}.values():
+        logits = jax.ShapeDtypeStruct((shape.rows, c.vocab_size), jnp.float32)
+        batch, flag = abstract_batch(shape.rows), np.bool_(False)
+        text = lower(steps.prefill_sample, state, batch, logits, flag, num_top=shape.num_top)
+        assert kernels(text) == set() and "chlo.top_k" in text, shape
 
 
 # --- mixture-of-experts (issue 26) ---

@@ -125,12 +125,20 @@ def workspace_bytes(runner, decode, prefill) -> int | None:
             num_steps=runner.config.decode_steps,
             **common,
         )
-    programs = [
-        decode_program,
-        runner.step_fns.prefill.lower(
+    if runner.data_shards == 1:  # the forward is the large one of the prefill's two programs
+        prefill_program = steps.prefill_forward.lower(
+            runner.params,
+            runner.cache,
+            runner.state,
+            runner.on_device(batch),
+            shape=prefill,
+            **common,
+        )
+    else:
+        prefill_program = runner.step_fns.prefill.lower(
             runner.params, runner.cache, runner.state, batch, no, shape=prefill, **common
-        ),
-    ]
+        )
+    programs = [decode_program, prefill_program]
     sizes = []
     for lowered in programs:
         analysis = lowered.compile().memory_analysis()

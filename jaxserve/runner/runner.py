@@ -15,7 +15,10 @@ JAX dispatch is asynchronous, so the engine can dispatch the next step before fe
 Each step runs in the smallest compiled shape that holds it (`jaxserve.resolve`: decode row, width
 and flat-page buckets; prefill row and width buckets); `warmup()` compiles every shape
 `Resolved.decode_shapes()` / `prefill_shapes()` lists, after which nothing recompiles
-(tests/runner/test_runner.py). Every host->device and device->host transfer is counted.
+(tests/runner/test_runner.py). On one device group (no data shards) a step is two programs, the
+forward (one per shape) then the sampling (one per row bucket: `steps.decode_sample`,
+`prefill_sample`), so the sampler is compiled once per row bucket, not into every width's program.
+Every host->device and device->host transfer is counted.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.request import Request
@@ -163,6 +168,13 @@ class ModelRunner:
         """The context the steps run in: the mesh, so layers see its axes while tracing."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
+    def on_device(self, tree):
+        """Host arrays onto the device (replicated over the mesh, if any), for a step's inputs
+        that two programs read."""
+        if self.mesh is None:
+            return jax.device_put(tree)
+        return jax.tree.map(lambda x: partition.place(x, NamedSharding(self.mesh, P())), tree)
+
     # -- the steps, one call each ------------------------------------------------------------------
     def generate(self, shape: DecodeShape, want_top: bool = False) -> steps.DecodeOutput:
         with self._on_mesh():
@@ -199,6 +211,21 @@ class ModelRunner:
         self, batch: input_batch.PrefillBatch, shape: PrefillShape, want_top: bool = False
     ) -> steps.PrefillOutput:
         with self._on_mesh():
+            if self.data_shards == 1:  # forward then sample: one sampler program per row bucket
+                batch = self.on_device(batch)  # one transfer for both programs
+                self.cache, logits, prompt = steps.prefill_forward(
+                    self.params,
+                    self.cache,
+                    self.state,
+                    batch,
+                    config=self.model_config,
+                    impl=self.resolved.model,
+                    shape=shape,
+                )
+                self.state, out = steps.prefill_sample(
+                    self.state, batch, logits, np.bool_(want_top), num_top=shape.num_top
+                )
+                return out.replace(prompt=prompt)
             self.cache, self.state, out = self.step_fns.prefill(
                 self.params,
                 self.cache,

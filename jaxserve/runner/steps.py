@@ -15,6 +15,9 @@
                                       slot's pages; a chunk completing a prompt samples the first
                                       token (or installs the last generated one after a
                                       preemption) and activates its slot -> PrefillOutput
+    prefill_forward / prefill_sample  the same in two programs, as decode: the forward (one per
+                                      rows x page-table width) and the sampling (one per rows),
+                                      so the sampler is not compiled again for every width
 
 Everything static is a hashable argument fixed when the engine is built (config, `ModelImpl`, the
 step's shape); everything per request is an array. Params are an argument, never closed over; the
@@ -313,6 +316,33 @@ def _prefill_advance(state: SlotState, batch: PrefillBatch, logits, want_top, nu
     return state, out.replace(tokens=tok)
 
 
+def _prefill_forward(params, cache, state, batch, config, impl, shape: PrefillShape):
+    """The forward of [R, T] chunks -> (cache, logits f32[R, V] of each row's last token,
+    PromptLogprobs or None)."""
+    r, t = batch.tokens.shape
+    meta = _prefill_inputs(state, batch, shape.width, cache.page_size)
+    hidden, cache = llama.forward(params, batch.tokens, meta, cache, config, impl)  # (R, T, D)
+    last = hidden[jnp.arange(r), jnp.maximum(batch.length - 1, 0)]  # each row's last token (R, D)
+    logits = pin_replicated(llama.compute_logits(params, last, config, impl))  # (R, V)
+    prompt = None
+    if shape.prompt_logprobs:
+        all_logits = llama.compute_logits(params, hidden, config, impl)  # (R, T, V)
+        lp, top_ids, top_lp, ranks = sampling.token_logprobs(
+            all_logits.reshape(r * t, -1), batch.targets.reshape(r * t), shape.num_top
+        )
+        prompt = PromptLogprobs(
+            lp.reshape(r, t),
+            top_ids.reshape(r, t, -1),
+            top_lp.reshape(r, t, -1),
+            ranks.reshape(r, t),
+        )
+    return cache, logits, prompt
+
+
+def _prefill_output(out, prompt) -> PrefillOutput:
+    return PrefillOutput(out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.ranks, prompt)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("config", "impl", "shape"),
@@ -330,27 +360,26 @@ def prefill(
     shape: PrefillShape,
 ):
     """JetStream `prefill` over fixed [R, T] chunks (R = shape.rows), K/V written into each row's
-    slot pages. Returns (cache, state, PrefillOutput)."""
-    r, t = batch.tokens.shape
-    meta = _prefill_inputs(state, batch, shape.width, cache.page_size)
-    hidden, cache = llama.forward(params, batch.tokens, meta, cache, config, impl)  # (R, T, D)
-    last = hidden[jnp.arange(r), jnp.maximum(batch.length - 1, 0)]  # each row's last token (R, D)
-    logits = pin_replicated(llama.compute_logits(params, last, config, impl))  # (R, V)
+    slot pages. Returns (cache, state, PrefillOutput). One program (the data-parallel step runs
+    it per shard); one device group runs `prefill_forward` then `prefill_sample`, which equal it."""
+    cache, logits, prompt = _prefill_forward(params, cache, state, batch, config, impl, shape)
     state, out = _prefill_advance(state, batch, logits, want_top, shape.num_top)
-    prompt = None
-    if shape.prompt_logprobs:
-        all_logits = llama.compute_logits(params, hidden, config, impl)  # (R, T, V)
-        lp, top_ids, top_lp, ranks = sampling.token_logprobs(
-            all_logits.reshape(r * t, -1), batch.targets.reshape(r * t), shape.num_top
-        )
-        prompt = PromptLogprobs(
-            lp.reshape(r, t),
-            top_ids.reshape(r, t, -1),
-            top_lp.reshape(r, t, -1),
-            ranks.reshape(r, t),
-        )
-    return (
-        pin_cache(cache),
-        pin_slots(state),
-        PrefillOutput(out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.ranks, prompt),
-    )
+    return pin_cache(cache), pin_slots(state), _prefill_output(out, prompt)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "impl", "shape"), donate_argnames=("cache",))
+def prefill_forward(params, cache, state: SlotState, batch: PrefillBatch, *, config, impl, shape):
+    """The first half of `prefill`: the forward pass -> (cache, logits f32[R, V] of each row's
+    last token, PromptLogprobs or None). The state is read (page tables), not changed."""
+    cache, logits, prompt = _prefill_forward(params, cache, state, batch, config, impl, shape)
+    return pin_cache(cache), logits, prompt
+
+
+@functools.partial(jax.jit, static_argnames=("num_top",), donate_argnames=("state",))
+def prefill_sample(state: SlotState, batch: PrefillBatch, logits, want_top, *, num_top: int):
+    """The second half: samples (or installs) each completing row's token from
+    `prefill_forward`'s logits and advances the slots -> (state, PrefillOutput without prompt
+    log-probs), exactly as `prefill`. Its program depends on R (and T, fixed) and num_top, not
+    on the page-table width: one per prefill row bucket."""
+    state, out = _prefill_advance(state, batch, logits, want_top, num_top)
+    return pin_slots(state), _prefill_output(out, None)

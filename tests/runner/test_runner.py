@@ -13,7 +13,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers.linear import TransposedWeight
 from jaxserve.loading.dummy import dummy_params
 from jaxserve.resolve import AUTO_CPU_MATMUL
-from jaxserve.runner import steps
+from jaxserve.runner import input_batch, steps
 from jaxserve.runner.runner import ModelRunner
 
 KW = dict(
@@ -87,10 +87,11 @@ def test_no_recompilation_after_warmup(monkeypatch):
     assert st["num_slot_moves"] > 0 and 8 < st["mean_decode_rows"] < 32
 
 
-def test_decode_sampling_compiles_once_per_row_bucket():
-    """A decode step's sampling half (`steps.decode_sample`) reads only the logits' rows and
-    num_top, so there is one program per decode row bucket however many page-table widths or
-    live-page buckets the forward half has ('ragged' here; a GPU engine has ~9 widths)."""
+def test_sampling_compiles_once_per_row_bucket():
+    """A step's sampling half (`steps.decode_sample`, `steps.prefill_sample`) reads only the
+    logits' rows and num_top, so there is one program per row bucket however many page-table
+    widths or live-page buckets the forward half has ('ragged' here; a GPU engine has ~9
+    widths): the sampler is not compiled again into every width's program."""
     # settings no other test in this file uses, so no program of theirs is in jit's cache
     llm = LLM(
         "tiny",
@@ -110,6 +111,55 @@ def test_decode_sampling_compiles_once_per_row_bucket():
         runner.generate(shape)
     after = steps.decode_sample._cache_size(), steps.decode_forward._cache_size()
     assert (after[0] - before[0], after[1] - before[1]) == (len(rows), len(shapes))
+
+    shapes = runner.resolved.prefill_shapes()  # rows x widths, plus the prompt-logprobs variant
+    rows = {s.rows for s in shapes}
+    assert len(shapes) > len(rows)
+    before = steps.prefill_sample._cache_size(), steps.prefill_forward._cache_size()
+    for shape in shapes:  # what warm-up runs for prefill (every row padding)
+        runner.prefill(input_batch.padding_batch(shape.rows, 8, runner.resolved.chunk), shape)
+    after = steps.prefill_sample._cache_size(), steps.prefill_forward._cache_size()
+    assert (after[0] - before[0], after[1] - before[1]) == (len(rows), len(shapes))
+
+
+def test_split_prefill_equals_the_one_program_prefill(monkeypatch):
+    """One device group runs prefill as two programs (`prefill_forward`, `prefill_sample`); the
+    one-program `steps.prefill` (what each data shard runs) gives the same bits: sampled tokens,
+    their log-probs and ranks, and every prompt token's log-probs."""
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 40)]
+    sps = [
+        SamplingParams(temperature=1.0, seed=5, max_tokens=6, logprobs=3, prompt_logprobs=2),
+        SamplingParams(temperature=0, max_tokens=4, logprobs=0),
+        SamplingParams(temperature=0.7, top_k=7, seed=2, max_tokens=5, prompt_logprobs=0),
+    ]
+    split = LLM("tiny", **KW).generate(prompts, sps, use_tqdm=False)
+
+    def one_program(self, batch, shape, want_top=False):
+        self.cache, self.state, out = steps.prefill(
+            self.params,
+            self.cache,
+            self.state,
+            batch,
+            np.bool_(want_top),
+            config=self.model_config,
+            impl=self.resolved.model,
+            shape=shape,
+        )
+        return out
+
+    monkeypatch.setattr(ModelRunner, "prefill", one_program)
+    fused = LLM("tiny", **KW).generate(prompts, sps, use_tqdm=False)
+
+    def flat(lps):
+        return [(t, v.logprob, v.rank) for e in lps or [] if e for t, v in sorted(e.items())]
+
+    assert flat(split[0].prompt_logprobs) and flat(split[0].outputs[0].logprobs)
+    for a, b in zip(split, fused):
+        assert a.error is None and b.error is None
+        assert flat(a.prompt_logprobs) == flat(b.prompt_logprobs)
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.token_ids == y.token_ids
+            assert flat(x.logprobs) == flat(y.logprobs)
 
 
 def test_state_and_cache_are_donated():

@@ -1,0 +1,63 @@
+"""What the engine's warm-up compiles, and how long it takes: SmolLM2-135M-Instruct bf16 on this
+machine, one `LLM(..., warmup=True)` per attention implementation.
+
+    PYTHONPATH=<checkout> .venv/bin/python experiments/warmup_cost.py --out OUT.json
+
+For each `--attention_impls` entry: the decode and prefill shapes the engine warms up
+(`Resolved.decode_shapes` / `prefill_shapes`), the XLA backend compilations during `llm.warmup()`
+and their seconds (`CompileCounter`), and warm-up's wall time. On CPU 'auto' is the C++ kernel
+(one page-table width); 'ragged' has a width bucket per power of two, as a GPU engine does, so it
+shows what a per-width program costs. Run it from two checkouts (PYTHONPATH) to compare them; it
+uses only APIs both sides of a change have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from absl import app, flags
+
+from jaxserve import LLM
+from jaxserve.bench.core import CompileCounter, cpu_name
+
+_IMPLS = flags.DEFINE_list(
+    "attention_impls", ["auto", "ragged"], "attention_impl values to warm up."
+)
+_SLOTS = flags.DEFINE_integer("num_slots", 32, "Engine slots.")
+_OUT = flags.DEFINE_string("out", None, "Append one JSON line per engine here.")
+
+
+def measure(impl: str) -> dict:
+    llm = LLM(dtype="bfloat16", num_slots=_SLOTS.value, attention_impl=impl)
+    r = llm.engine.runner.resolved
+    with CompileCounter() as cc:
+        t0 = time.perf_counter()
+        llm.warmup()
+        wall = time.perf_counter() - t0
+    return {
+        "attention_impl": impl,
+        "resolved_attention": r.model.attention,
+        "decode_shapes": len(r.decode_shapes()),
+        "prefill_shapes": len(r.prefill_shapes()),
+        "compiles": cc.count,
+        "compile_s": round(cc.seconds, 2),
+        "warmup_s": round(wall, 2),
+        "cpu": cpu_name(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def main(_):
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    for impl in _IMPLS.value:
+        res = measure(impl)
+        print(json.dumps(res), flush=True)
+        if _OUT.value:
+            with open(_OUT.value, "a") as f:
+                f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    app.run(main)
