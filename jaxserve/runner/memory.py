@@ -125,7 +125,7 @@ def workspace_bytes(runner, decode, prefill) -> int | None:
             num_steps=runner.config.decode_steps,
             **common,
         )
-    if runner.data_shards == 1:  # the forward is the large one of the prefill's two programs
+    if runner.splits_prefill:  # the forward is the large one of the prefill's two programs
         prefill_program = steps.prefill_forward.lower(
             runner.params,
             runner.cache,

@@ -15,9 +15,10 @@ JAX dispatch is asynchronous, so the engine can dispatch the next step before fe
 Each step runs in the smallest compiled shape that holds it (`jaxserve.resolve`: decode row, width
 and flat-page buckets; prefill row and width buckets); `warmup()` compiles every shape
 `Resolved.decode_shapes()` / `prefill_shapes()` lists, after which nothing recompiles
-(tests/runner/test_runner.py). On one device group (no data shards) a step is two programs, the
-forward (one per shape) then the sampling (one per row bucket: `steps.decode_sample`,
-`prefill_sample`), so the sampler is compiled once per row bucket, not into every width's program.
+(tests/runner/test_runner.py). On one device group (no data shards) a decode step is two
+programs, the forward (one per shape) then the sampling (one per row bucket:
+`steps.decode_sample`); so is a prefill step where there are page-table width buckets
+(`prefill_sample`), so the sampler is not compiled again into every width's program.
 Every host->device and device->host transfer is counted.
 """
 
@@ -130,6 +131,12 @@ class ModelRunner:
         # forward then sample (steps.decode_forward / decode_sample, equal to generate's one
         # step), so a structured-output step's host masks can overlap its forward pass.
         self.overlaps_grammar = d == 1 and engine_config.decode_steps == 1
+        # Prefill likewise (steps.prefill_forward / prefill_sample, equal to prefill) where it
+        # saves compiling: with page-table width buckets (a GPU's 8-10) the sampler is compiled
+        # once per row bucket instead of into every width's program (RESULTS.md 45: 'ragged' on
+        # CPU warms up in 0.53-0.55x the time). With one width (the C++ CPU kernel) it would
+        # save nothing and cost a program launch per step, so that prefill stays one program.
+        self.splits_prefill = d == 1 and len({s.width for s in r.prefill_shapes()}) > 1
         check_memory(model_config, engine_config, num_pages)  # before anything is allocated
 
         def init_cache():
@@ -211,7 +218,7 @@ class ModelRunner:
         self, batch: input_batch.PrefillBatch, shape: PrefillShape, want_top: bool = False
     ) -> steps.PrefillOutput:
         with self._on_mesh():
-            if self.data_shards == 1:  # forward then sample: one sampler program per row bucket
+            if self.splits_prefill:  # forward then sample: one sampler program per row bucket
                 batch = self.on_device(batch)  # one transfer for both programs
                 self.cache, logits, prompt = steps.prefill_forward(
                     self.params,

@@ -17,7 +17,8 @@
                                       preemption) and activates its slot -> PrefillOutput
     prefill_forward / prefill_sample  the same in two programs, as decode: the forward (one per
                                       rows x page-table width) and the sampling (one per rows),
-                                      so the sampler is not compiled again for every width
+                                      so with width buckets the sampler is not compiled again
+                                      for every width
 
 Everything static is a hashable argument fixed when the engine is built (config, `ModelImpl`, the
 step's shape); everything per request is an array. Params are an argument, never closed over; the
@@ -360,8 +361,9 @@ def prefill(
     shape: PrefillShape,
 ):
     """JetStream `prefill` over fixed [R, T] chunks (R = shape.rows), K/V written into each row's
-    slot pages. Returns (cache, state, PrefillOutput). One program (the data-parallel step runs
-    it per shard); one device group runs `prefill_forward` then `prefill_sample`, which equal it."""
+    slot pages. Returns (cache, state, PrefillOutput). One program (each data shard runs it, as
+    does an engine with one page-table width); one device group with width buckets runs
+    `prefill_forward` then `prefill_sample`, which equal it."""
     cache, logits, prompt = _prefill_forward(params, cache, state, batch, config, impl, shape)
     state, out = _prefill_advance(state, batch, logits, want_top, shape.num_top)
     return pin_cache(cache), pin_slots(state), _prefill_output(out, prompt)

@@ -83,6 +83,7 @@ def test_no_recompilation_after_warmup(monkeypatch):
         if sp.greedy or sp.seed is not None:  # (an unseeded request draws a new seed)
             assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert llm.engine.runner.slot_buckets == (8, 16, 32)
+    assert not engine.runner.splits_prefill  # one page-table width (the C++ CPU kernel)
     st = llm.stats()
     assert st["num_slot_moves"] > 0 and 8 < st["mean_decode_rows"] < 32
 
@@ -114,7 +115,7 @@ def test_sampling_compiles_once_per_row_bucket():
 
     shapes = runner.resolved.prefill_shapes()  # rows x widths, plus the prompt-logprobs variant
     rows = {s.rows for s in shapes}
-    assert len(shapes) > len(rows)
+    assert runner.splits_prefill and len(shapes) > len(rows)
     before = steps.prefill_sample._cache_size(), steps.prefill_forward._cache_size()
     for shape in shapes:  # what warm-up runs for prefill (every row padding)
         runner.prefill(input_batch.padding_batch(shape.rows, 8, runner.resolved.chunk), shape)
@@ -123,16 +124,20 @@ def test_sampling_compiles_once_per_row_bucket():
 
 
 def test_split_prefill_equals_the_one_program_prefill(monkeypatch):
-    """One device group runs prefill as two programs (`prefill_forward`, `prefill_sample`); the
-    one-program `steps.prefill` (what each data shard runs) gives the same bits: sampled tokens,
-    their log-probs and ranks, and every prompt token's log-probs."""
+    """With width buckets, one device group runs prefill as two programs (`prefill_forward`,
+    `prefill_sample`); the one-program `steps.prefill` (what each data shard, and an engine with
+    one width, runs) gives the same bits: sampled tokens, their log-probs and ranks, and every
+    prompt token's log-probs."""
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 40)]
     sps = [
         SamplingParams(temperature=1.0, seed=5, max_tokens=6, logprobs=3, prompt_logprobs=2),
         SamplingParams(temperature=0, max_tokens=4, logprobs=0),
         SamplingParams(temperature=0.7, top_k=7, seed=2, max_tokens=5, prompt_logprobs=0),
     ]
-    split = LLM("tiny", **KW).generate(prompts, sps, use_tqdm=False)
+    kw = {**KW, "attention_impl": "ragged"}  # width buckets: the engine splits its prefill
+    llm = LLM("tiny", **kw)
+    assert llm.engine.runner.splits_prefill
+    split = llm.generate(prompts, sps, use_tqdm=False)
 
     def one_program(self, batch, shape, want_top=False):
         self.cache, self.state, out = steps.prefill(
@@ -148,7 +153,7 @@ def test_split_prefill_equals_the_one_program_prefill(monkeypatch):
         return out
 
     monkeypatch.setattr(ModelRunner, "prefill", one_program)
-    fused = LLM("tiny", **KW).generate(prompts, sps, use_tqdm=False)
+    fused = LLM("tiny", **kw).generate(prompts, sps, use_tqdm=False)
 
     def flat(lps):
         return [(t, v.logprob, v.rank) for e in lps or [] if e for t, v in sorted(e.items())]
