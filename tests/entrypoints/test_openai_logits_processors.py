@@ -4,6 +4,8 @@ sampler (issue 25), on the tiny dummy model's server. vLLM's server clamps each 
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import openai
 import pytest
@@ -53,3 +55,35 @@ def test_bad_fields_are_400_naming_them(tiny_server):
             r = httpx.post(f"{tiny_server.url}/completions", json=body, timeout=60)
             assert r.status_code == 400, (extra, stream, r.text)
             assert r.json()["error"]["param"] == param, r.text
+
+
+def test_a_slow_request_check_does_not_hold_other_clients(tiny_server, tiny_async, monkeypatch):
+    """A grammar's check (validation; the first one also builds llguidance's tokenizer) runs in a
+    worker thread: while one is held, another client's request is answered, then the held one
+    gets its 400."""
+    entered, gate, checked = threading.Event(), threading.Event(), threading.Event()
+    real = tiny_async.check
+
+    def slow(ids, sp):
+        if sp.structured_outputs is not None:
+            entered.set()
+            gate.wait(20)
+            checked.set()
+        return real(ids, sp)
+
+    monkeypatch.setattr(tiny_async, "check", slow)
+    url = f"{tiny_server.url}/completions"
+    base = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 2}
+    held = {}
+    body = {**base, "structured_outputs": {"regex": "a+"}}
+    t = threading.Thread(target=lambda: held.update(r=httpx.post(url, json=body, timeout=60)))
+    t.start()
+    try:
+        assert entered.wait(20)  # the held request is in its check
+        r = httpx.post(url, json=base, timeout=60)
+        assert r.status_code == 200 and not checked.is_set()
+    finally:
+        gate.set()
+        t.join(60)
+    assert held["r"].status_code == 400, held["r"].text  # the tiny model has no tokenizer
+    assert held["r"].json()["error"]["param"] == "structured_outputs"

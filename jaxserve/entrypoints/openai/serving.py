@@ -137,11 +137,16 @@ def make_sampling_params(state: ServingState, req, **fields) -> SamplingParams:
         raise APIError(400, str(e), word if word in _SAMPLING_FIELDS else None) from None
 
 
-def check_request(state: ServingState, req, ids: list[int], sp: SamplingParams) -> None:
+async def check_request(state: ServingState, req, ids: list[int], sp: SamplingParams) -> None:
     """400 naming the field for what the engine would refuse (a token id outside the vocabulary,
     too many log-probs, a grammar that does not compile, ...), before any response starts: as
-    vLLM's front end, a streamed request gets the status code, not an error event after 200."""
-    error = state.async_llm.check(ids, sp)
+    vLLM's front end, a streamed request gets the status code, not an error event after 200.
+    A grammar (whose validation, or the first one's tokenizer setup, can take a while) or
+    bad_words is checked in a worker thread, so other clients' streams do not wait on it."""
+    if sp.structured_outputs is not None or sp.bad_words:
+        error = await asyncio.to_thread(state.async_llm.check, ids, sp)
+    else:
+        error = state.async_llm.check(ids, sp)
     if error is not None:
         param = _param_of(error, req.structured_field)
         if param == "logprobs" and hasattr(req, "top_logprobs"):  # a chat asks for k this way

@@ -121,7 +121,7 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     sp = make_sampling_params(
         state, req, max_tokens=max(max_tokens, 1), logprobs=k if req.logprobs else None
     )
-    check_request(state, req, ids, sp)
+    await check_request(state, req, ids, sp)
     rid = random_id("chatcmpl")
     if req.stream:
         return sse_stream(_stream(state, req, text, ids, sp, rid, k))

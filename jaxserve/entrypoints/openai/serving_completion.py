@@ -142,7 +142,7 @@ async def create_completion(state: ServingState, req: CompletionRequest):
     )
     sps = [dataclasses.replace(sp, max_tokens=max(m, 1)) for m in max_tokens]
     for (_, ids), prompt_sp in zip(prompts, sps):
-        check_request(state, req, ids, prompt_sp)
+        await check_request(state, req, ids, prompt_sp)
     choices = [_Choices(state, req, p, m) for p, m in zip(prompts, max_tokens)]
     rid = random_id("cmpl")
     if req.stream:
