@@ -123,7 +123,7 @@ def test_sampling_compiles_once_per_row_bucket():
     assert (after[0] - before[0], after[1] - before[1]) == (len(rows), len(shapes))
 
 
-def test_split_prefill_equals_the_one_program_prefill(monkeypatch):
+def test_split_prefill_equals_the_one_program_prefill():
     """With width buckets, one device group runs prefill as two programs (`prefill_forward`,
     `prefill_sample`); the one-program `steps.prefill` (what each data shard, and an engine with
     one width, runs) gives the same bits: sampled tokens, their log-probs and ranks, and every
@@ -139,21 +139,9 @@ def test_split_prefill_equals_the_one_program_prefill(monkeypatch):
     assert llm.engine.runner.splits_prefill
     split = llm.generate(prompts, sps, use_tqdm=False)
 
-    def one_program(self, batch, shape, want_top=False):
-        self.cache, self.state, out = steps.prefill(
-            self.params,
-            self.cache,
-            self.state,
-            batch,
-            np.bool_(want_top),
-            config=self.model_config,
-            impl=self.resolved.model,
-            shape=shape,
-        )
-        return out
-
-    monkeypatch.setattr(ModelRunner, "prefill", one_program)
-    fused = LLM("tiny", **kw).generate(prompts, sps, use_tqdm=False)
+    one = LLM("tiny", **kw)
+    one.engine.runner.splits_prefill = False  # the runner's one-program path (`steps.prefill`)
+    fused = one.generate(prompts, sps, use_tqdm=False)
 
     def flat(lps):
         return [(t, v.logprob, v.rank) for e in lps or [] if e for t, v in sorted(e.items())]
