@@ -165,6 +165,10 @@ def test_half_of_64_streams_disconnect(tiny_server, tiny_async, offline):
 def test_models_health_metrics(client, tiny_server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert client.models.retrieve("tiny").max_model_len == models.data[0].max_model_len
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/gpt-4")
+    assert e.value.body["code"] == "model_not_found"
     assert httpx.get(f"{tiny_server.base}/health").status_code == 200
     client.completions.create(model="tiny", prompt=PROMPTS[0], **GREEDY)
     text = httpx.get(f"{tiny_server.base}/metrics").text

@@ -88,6 +88,31 @@ def test_bad_input(tiny_server, body, status, param):
     _error(_post(f"{tiny_server.url}/completions", body), status, param)
 
 
+def test_null_fields_take_their_defaults(tiny_server):
+    # OpenAI's API and vLLM read a null as the field left out; many clients send every field
+    fields = [
+        "n", "stream", "stream_options", "echo", "logprobs", "presence_penalty",
+        "frequency_penalty", "min_tokens", "ignore_eos", "stop", "seed", "top_k",
+        "skip_special_tokens", "include_stop_str_in_output", "response_format", "user",
+    ]  # fmt: skip
+    body = {**BASE, "temperature": 0}
+    want = _post(f"{tiny_server.url}/completions", body).json()["choices"]
+    r = _post(f"{tiny_server.url}/completions", {**body, **dict.fromkeys(fields)})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"] == want
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": None}
+    assert _error(_post(f"{tiny_server.url}/chat/completions", chat), 400, "messages")
+    _error(_post(f"{tiny_server.url}/completions", {**BASE, "prompt": None}), 400, "prompt")
+
+
+def test_unknown_paths_and_methods_answer_with_the_error_object(tiny_server):
+    err = _error(httpx.post(f"{tiny_server.url}/embeddings", json=BASE), 404)
+    assert err["message"] == "Invalid URL (POST /v1/embeddings)"
+    r = httpx.get(f"{tiny_server.url}/completions")
+    assert "POST" in r.headers["allow"]
+    assert "GET /v1/completions" in _error(r, 405)["message"]
+
+
 def test_bad_input_does_not_affect_a_request_in_flight(tiny_server, offline):
     client = openai.OpenAI(base_url=tiny_server.url, api_key="none", max_retries=0)
     got = {}

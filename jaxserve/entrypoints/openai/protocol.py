@@ -1,7 +1,8 @@
 """OpenAI's request and response objects (pydantic), plus vLLM's sampling extras.
 
 Requests are parsed strictly (no "5" -> 5 coercion), so a wrong type is a 400 naming the field;
-unknown fields are ignored, as OpenAI's API and vLLM do. Ranges that only the engine knows (the
+unknown fields are ignored, and a field sent as null takes its default, as OpenAI's API
+and vLLM do (many clients send every field, unset ones as null). Ranges that only the engine knows (the
 prompt against max_model_len, n against the slots) are checked in the serving code;
 `SamplingParams` checks the rest and names the field it rejects.
 """
@@ -12,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -21,6 +22,14 @@ def random_id(prefix: str) -> str:
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """`"n": null` means what leaving `n` out means (a required field stays required)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class _Response(BaseModel):

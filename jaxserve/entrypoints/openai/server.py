@@ -3,7 +3,7 @@
     app = build_app(async_llm, "tiny", api_key=None, max_queued_requests=1024)
     uvicorn.run(app, host="127.0.0.1", port=8000)        (jaxserve/launch/serve.py does this)
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
+Endpoints: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions, GET /health,
 GET /metrics (Prometheus text), GET /version (vLLM's), POST /tokenize, POST /detokenize.
 
 Each generation request: auth (Bearer api_key; /health, /metrics and /version stay open) -> body
@@ -22,6 +22,7 @@ import importlib.metadata
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from jaxserve.entrypoints.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import (
@@ -143,6 +144,13 @@ def build_app(
     async def on_api_error(request: Request, e: APIError):
         return _error(e)
 
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, e: HTTPException):
+        # an unknown path or a wrong method: OpenAI's error object, as every other error
+        what = "Invalid URL" if e.status_code == 404 else e.detail
+        message = f"{what} ({request.method} {request.url.path})"
+        return _error(APIError(e.status_code, message, headers=e.headers))
+
     async def body_of(request: Request) -> bytes:
         body = await request.body()
         if len(body) > max_body_bytes:
@@ -188,10 +196,17 @@ def build_app(
     async def chat_completions(request: Request):
         return await serve(request, ChatCompletionRequest, create_chat_completion)
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=served_model_name, max_model_len=state.max_model_len)
+
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(id=served_model_name, max_model_len=state.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=[model_card()]).model_dump()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):  # the openai client's models.retrieve(id)
+        state.check_model(model)
+        return model_card().model_dump()
 
     @app.get("/health")
     async def health():
