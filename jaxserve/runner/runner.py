@@ -217,23 +217,11 @@ class ModelRunner:
     def prefill(
         self, batch: input_batch.PrefillBatch, shape: PrefillShape, want_top: bool = False
     ) -> steps.PrefillOutput:
+        prefill = self.step_fns.prefill
+        if self.splits_prefill:  # forward then sample: one sampler program per row bucket
+            prefill, batch = steps.prefill_in_two, self.on_device(batch)
         with self._on_mesh():
-            if self.splits_prefill:  # forward then sample: one sampler program per row bucket
-                batch = self.on_device(batch)  # one transfer for both programs
-                self.cache, logits, prompt = steps.prefill_forward(
-                    self.params,
-                    self.cache,
-                    self.state,
-                    batch,
-                    config=self.model_config,
-                    impl=self.resolved.model,
-                    shape=shape,
-                )
-                self.state, out = steps.prefill_sample(
-                    self.state, batch, logits, np.bool_(want_top), num_top=shape.num_top
-                )
-                return out.replace(prompt=prompt)
-            self.cache, self.state, out = self.step_fns.prefill(
+            self.cache, self.state, out = prefill(
                 self.params,
                 self.cache,
                 self.state,

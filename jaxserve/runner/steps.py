@@ -385,3 +385,13 @@ def prefill_sample(state: SlotState, batch: PrefillBatch, logits, want_top, *, n
     on the page-table width: one per prefill row bucket."""
     state, out = _prefill_advance(state, batch, logits, want_top, num_top)
     return pin_slots(state), _prefill_output(out, None)
+
+
+def prefill_in_two(params, cache, state, batch, want_top, *, config, impl, shape):
+    """`prefill`'s call and result, run as `prefill_forward` then `prefill_sample` (not a jit
+    program itself: two). Put `batch` on the device first, so both read one transfer."""
+    cache, logits, prompt = prefill_forward(
+        params, cache, state, batch, config=config, impl=impl, shape=shape
+    )
+    state, out = prefill_sample(state, batch, logits, want_top, num_top=shape.num_top)
+    return cache, state, out.replace(prompt=prompt)
