@@ -139,12 +139,18 @@ class Resolved:
             return DecodeShape(rows, self.max_pages, 0, self.num_top)
         return DecodeShape(rows, self.width_for(max(pages)), 0, self.num_top)
 
+    @property
+    def prompt_logprob_rows(self) -> tuple[int, ...]:
+        """The row buckets with a prompt log-prob program: one row (a lone request, as
+        lm-evaluation-harness sends by default, runs no padding rows through the model) and
+        the full count, so the extra programs are one more per width, not one per row bucket."""
+        return tuple(sorted({self.prefill_rows[0], self.prefill_rows[-1]}))
+
     def prefill_shape(self, num_chunks: int, num_pages: int, prompt_logprobs: bool) -> PrefillShape:
         """The prefill program for `num_chunks` chunks whose longest sequence holds `num_pages`
-        pages (prompt log-probs are compiled for the full row count only)."""
-        rows = (
-            self.prefill_rows[-1] if prompt_logprobs else bucket_for(num_chunks, self.prefill_rows)
-        )
+        pages (with prompt log-probs, among `prompt_logprob_rows`)."""
+        buckets = self.prompt_logprob_rows if prompt_logprobs else self.prefill_rows
+        rows = bucket_for(num_chunks, buckets)
         width = self.width_for(num_pages)  # checks max_pages_per_seq
         if self.model.attention == "cpu_kernel":
             width = self.max_pages
@@ -168,7 +174,7 @@ class Resolved:
         widths = [self.max_pages] if self.model.attention == "cpu_kernel" else self.widths
         for w in widths:
             out += [PrefillShape(r, w, False, self.num_top) for r in self.prefill_rows]
-            out.append(PrefillShape(self.prefill_rows[-1], w, True, self.num_top))
+            out += [PrefillShape(r, w, True, self.num_top) for r in self.prompt_logprob_rows]
         return out
 
 

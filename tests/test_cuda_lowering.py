@@ -179,8 +179,9 @@ def test_every_warmup_program_lowers_for_cuda():
     shapes = r.decode_shapes() + r.prefill_shapes()
     for shape in shapes:
         assert kernels(lower_step(shape, c, params, cache, state, r.model)) == EXPECTED[type(shape)]
-    # 8 page-table widths (1..128 pages): 8 decode, 8 x (4 row buckets + prompt log-probs) prefill.
-    assert [sum(isinstance(s, k) for s in shapes) for k in (DecodeShape, PrefillShape)] == [8, 40]
+    # 8 page-table widths (1..128 pages): 8 decode, 8 x (4 row buckets + prompt log-probs at 1
+    # and 8 rows) prefill.
+    assert [sum(isinstance(s, k) for s in shapes) for k in (DecodeShape, PrefillShape)] == [8, 48]
     # the prefill's sampling half, one program per row bucket (XLA only: no Pallas kernel)
     for shape in {s.rows: s for s in r.prefill_shapes()}.values():
         logits = jax.ShapeDtypeStruct((shape.rows, c.vocab_size), jnp.float32)

@@ -89,7 +89,10 @@ def test_width_and_prefill_row_buckets():
     with pytest.raises(ValueError, match="max_pages_per_seq"):
         r.width_for(33)
     assert r.prefill_shape(3, 5, False) == PrefillShape(4, 8, False)
-    assert r.prefill_shape(1, 5, True) == PrefillShape(8, 8, True)  # prompt log-probs: all rows
+    # prompt log-probs: one row alone, else all rows
+    assert r.prompt_logprob_rows == (1, 8)
+    assert r.prefill_shape(1, 5, True) == PrefillShape(1, 8, True)
+    assert r.prefill_shape(2, 5, True) == PrefillShape(8, 8, True)
 
 
 def test_flat_buckets_cover_every_decode_step():
@@ -132,11 +135,11 @@ def test_decode_shape_follows_the_rows_and_pages():
 
 def test_step_shapes_counts():
     """The warm-up list: a decode shape per (slot bucket, width or flat bucket), a prefill shape
-    per (width, row bucket) plus one prompt log-probs variant per width."""
+    per (width, row bucket) plus two prompt log-probs variants per width (1 row, all rows)."""
     r = resolved("gpu", num_slots=32, max_model_len=512, page_size=4, prefill_chunk_size=64)
     assert len(r.decode_shapes()) == 1 * 8  # 128 pages: widths 1, 2, ..., 128
-    assert len(r.prefill_shapes()) == 8 * (4 + 1)
-    assert len(set(r.decode_shapes() + r.prefill_shapes())) == 48
+    assert len(r.prefill_shapes()) == 8 * (4 + 2)
+    assert len(set(r.decode_shapes() + r.prefill_shapes())) == 56
 
 
 def test_resolve_needs_a_filled_config():

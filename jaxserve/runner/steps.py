@@ -327,17 +327,34 @@ def _prefill_forward(params, cache, state, batch, config, impl, shape: PrefillSh
     logits = pin_replicated(llama.compute_logits(params, last, config, impl))  # (R, V)
     prompt = None
     if shape.prompt_logprobs:
-        all_logits = llama.compute_logits(params, hidden, config, impl)  # (R, T, V)
-        lp, top_ids, top_lp, ranks = sampling.token_logprobs(
-            all_logits.reshape(r * t, -1), batch.targets.reshape(r * t), shape.num_top
-        )
-        prompt = PromptLogprobs(
-            lp.reshape(r, t),
-            top_ids.reshape(r, t, -1),
-            top_lp.reshape(r, t, -1),
-            ranks.reshape(r, t),
-        )
+        prompt = _prompt_logprobs(params, hidden, batch.targets, config, impl, shape.num_top)
     return cache, logits, prompt
+
+
+def _prompt_logprobs(params, hidden, targets, config, impl, num_top: int) -> PromptLogprobs:
+    """Each row's prompt log-probs, a row at a time: a row with no target (padding, a request
+    that did not ask, a chunk that ends the prompt) skips its [T, V] logits, so a lone
+    lm-evaluation-harness request pays for one row of the program's R, not all of them."""
+    t = hidden.shape[1]
+
+    def row(args):
+        h, target = args
+
+        def skip(_):
+            return (
+                jnp.zeros((t,), jnp.float32),
+                jnp.zeros((t, num_top), jnp.int32),
+                jnp.zeros((t, num_top), jnp.float32),
+                jnp.zeros((t,), jnp.int32),
+            )
+
+        def compute(_):
+            logits = llama.compute_logits(params, h, config, impl)  # (T, V)
+            return sampling.token_logprobs(logits, target, num_top)
+
+        return jax.lax.cond(jnp.any(target >= 0), compute, skip, None)
+
+    return PromptLogprobs(*jax.lax.map(row, (hidden, targets)))
 
 
 def _prefill_output(out, prompt) -> PrefillOutput:

@@ -155,6 +155,37 @@ def test_split_prefill_equals_the_one_program_prefill():
             assert flat(x.logprobs) == flat(y.logprobs)
 
 
+def test_a_lone_prompt_logprobs_request_runs_one_row(monkeypatch):
+    """Prompt log-probs have a 1-row program beside the full-row one (`prompt_logprob_rows`): a
+    lone request (lm-evaluation-harness sends them one at a time) runs no padding rows through
+    the model. In a batch, the rows that did not ask skip their [T, V] logits. Both give the
+    same bits."""
+    llm = LLM("tiny", **KW)
+    runner = llm.engine.runner
+    shapes = []
+    real = runner.prefill
+    monkeypatch.setattr(
+        runner, "prefill", lambda batch, shape, *a: shapes.append(shape) or real(batch, shape, *a)
+    )
+    want = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    plain = SamplingParams(temperature=0, max_tokens=2)
+    prompt = {"prompt_token_ids": list(range(3, 40))}  # three 16-token chunks
+    others = [{"prompt_token_ids": list(range(50, 50 + n))} for n in (9, 12)]
+
+    alone = llm.generate([prompt], want, use_tqdm=False)[0]
+    assert {(s.rows, s.prompt_logprobs) for s in shapes} == {(1, True)}
+    shapes.clear()
+    mixed = llm.generate([others[0], prompt, others[1]], [plain, want, plain], use_tqdm=False)
+    assert (runner.resolved.prefill_rows[-1], True) in {(s.rows, s.prompt_logprobs) for s in shapes}
+
+    def flat(lps):
+        return [(t, v.logprob, v.rank) for e in lps[1:] for t, v in sorted(e.items())]
+
+    assert len(alone.prompt_logprobs) == 37 and all(o.prompt_logprobs is None for o in mixed[::2])
+    assert flat(mixed[1].prompt_logprobs) == flat(alone.prompt_logprobs)  # the same bits
+    assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
 def test_state_and_cache_are_donated():
     cfg = ModelConfig.preset("tiny")
     params = dummy_params(cfg, "float32")
