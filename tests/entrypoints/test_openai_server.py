@@ -113,6 +113,37 @@ def test_logprobs_and_echo(client, offline):
     assert len(r.choices[0].logprobs.tokens) == len(p) + MAX_TOKENS
 
 
+def test_vllm_prompt_logprobs_extra(client, offline):
+    """vLLM's `prompt_logprobs` extra: each choice (chat: the response) carries every prompt
+    token's top-n plus the token itself, with ranks, the first None; streaming refuses it."""
+    ref = offline["logprobs"][0].prompt_logprobs  # prompt_logprobs=2
+    kw = dict(temperature=0, max_tokens=MAX_TOKENS)
+    r = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], extra_body={"ignore_eos": True, "prompt_logprobs": 2}, **kw
+    )
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ref) == len(PROMPTS[0])
+    for entry, want in zip(got[1:], ref[1:]):
+        assert {int(t) for t in entry} == set(want)
+        for t, v in want.items():
+            assert entry[str(t)]["logprob"] == pytest.approx(v.logprob, abs=1e-5)
+            assert entry[str(t)]["rank"] == v.rank
+    assert r.choices[0].logprobs is None  # echo's table only with echo + logprobs
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[0], **GREEDY)
+    assert plain.choices[0].model_extra.get("prompt_logprobs") is None
+    assert plain.choices[0].text == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model="tiny", prompt=PROMPTS[0], stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert e.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:  # more than max_logprobs (20)
+        client.completions.create(
+            model="tiny", prompt=PROMPTS[0], extra_body={"prompt_logprobs": 50}
+        )
+    assert e.value.body["param"] == "prompt_logprobs"
+
+
 def test_async_client_64_concurrent_streams_equal_offline(tiny_server, tiny_async, offline):
     async def one(client, i):
         stream = await client.completions.create(

@@ -185,6 +185,19 @@ def test_chat_logprobs(smol, client):
     )
     assert all(len(c.top_logprobs) == 2 for c in content)
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    # vLLM's prompt_logprobs extra: the response's, one entry per prompt token (the first None),
+    # each token's decoded text beside it; the answer is unchanged
+    r2 = client.chat.completions.create(
+        model="smollm2", messages=CHAT, temperature=0, max_tokens=4,
+        extra_body={"prompt_logprobs": 1},
+    )  # fmt: skip
+    plps = r2.model_extra["prompt_logprobs"]
+    ids = smol[1]["chat"].prompt_token_ids
+    assert plps[0] is None and len(plps) == len(ids) == r2.usage.prompt_tokens
+    for t, entry in zip(ids[1:], plps[1:]):
+        assert entry[str(t)]["decoded_token"] == smol[2].tokenizer.decode([t])
+        assert 1 <= len(entry) <= 2 and all(v["logprob"] <= 0 for v in entry.values())
+    assert r2.choices[0].message.content == r.choices[0].message.content
 
 
 def test_stop_string(smol, client):

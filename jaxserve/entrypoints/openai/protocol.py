@@ -96,6 +96,7 @@ class _SamplingRequest(_Request):
     bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json / regex / choice / grammar
+    prompt_logprobs: int | None = Field(default=None, ge=-1)  # vLLM's: top-n per prompt token
 
     @property
     def structured_field(self) -> str:
@@ -204,6 +205,18 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """vLLM's `Logprob` as its server sends it in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token (the first None), token id (a JSON key) -> log-prob
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
@@ -211,6 +224,7 @@ class CompletionChoice(_Response):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # jaxserve extra (vLLM's return_token_ids)
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, whenever they were computed
 
 
 class CompletionResponse(_Response):
@@ -257,6 +271,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's
 
 
 class DeltaMessage(_Response):

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.entrypoints.metrics import ServerMetrics
-from jaxserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, random_id
+from jaxserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptLogprob, random_id
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -120,6 +120,8 @@ def make_sampling_params(state: ServingState, req, **fields) -> SamplingParams:
     """SamplingParams of a request (its sampling fields plus `fields`); 400 naming a bad one."""
     if req.n > state.max_n:
         raise APIError(400, f"n must be at most {state.max_n}, got {req.n}", "n")
+    if req.stream and req.prompt_logprobs not in (None, 0):  # as vLLM
+        raise APIError(400, "prompt_logprobs are not available when stream=true", "prompt_logprobs")
     try:
         kw = {**req.sampling_kwargs(), **fields}
     except ValueError as e:
@@ -148,7 +150,7 @@ async def check_request(state: ServingState, req, ids: list[int], sp: SamplingPa
     else:
         error = state.async_llm.check(ids, sp)
     if error is not None:
-        param = _param_of(error, req.structured_field)
+        param = _param_of(error, req.structured_field, req.prompt_logprobs is not None)
         if param == "logprobs" and hasattr(req, "top_logprobs"):  # a chat asks for k this way
             param = "top_logprobs"
         raise APIError(400, error, param)
@@ -252,7 +254,9 @@ async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def _param_of(error: str, structured_field: str = "structured_outputs") -> str | None:
+def _param_of(
+    error: str, structured_field: str = "structured_outputs", asked_prompt_logprobs: bool = False
+) -> str | None:
     """The request field an engine error starts with ("logprobs: requested ..." -> "logprobs",
     "logit_bias has token id(s) ..." -> "logit_bias"; a grammar's error names the field the
     request used), else "prompt" for the prompt's own errors."""
@@ -260,8 +264,26 @@ def _param_of(error: str, structured_field: str = "structured_outputs") -> str |
     word = m.group(1) if m else ""
     if word == "structured_outputs":
         return structured_field
-    if word == "prompt_logprobs":  # a completion's echo asks for them through `logprobs`
-        return "logprobs"
+    if word == "prompt_logprobs" and not asked_prompt_logprobs:
+        return "logprobs"  # a completion's echo asks for them through `logprobs`
     if word in _SAMPLING_FIELDS:
         return word
     return "prompt" if "prompt" in error else None
+
+
+def prompt_logprobs_out(state: ServingState, out) -> list | None:
+    """A finished output's prompt log-probs as vLLM's server sends them (the first entry None;
+    each position: token id -> logprob (clamped), rank, decoded_token), or None."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): PromptLogprob(
+                logprob=clamp_logprob(v.logprob), rank=v.rank, decoded_token=v.decoded_token
+            )
+            for t, v in entry.items()
+        }
+        for entry in out.prompt_logprobs
+    ]

@@ -35,6 +35,7 @@ from jaxserve.entrypoints.openai.serving import (
     deadline,
     generate_all,
     make_sampling_params,
+    prompt_logprobs_out,
     sse,
     sse_stream,
     token_str,
@@ -119,7 +120,11 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     sp = make_sampling_params(
-        state, req, max_tokens=max(max_tokens, 1), logprobs=k if req.logprobs else None
+        state,
+        req,
+        max_tokens=max(max_tokens, 1),
+        logprobs=k if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
     )
     await check_request(state, req, ids, sp)
     rid = random_id("chatcmpl")
@@ -143,7 +148,13 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     ]
     n_out = sum(len(c.token_ids) for c in final.outputs)
     usage = Usage(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)
-    return ChatCompletionResponse(id=rid, model=state.model_name, choices=choices, usage=usage)
+    return ChatCompletionResponse(
+        id=rid,
+        model=state.model_name,
+        choices=choices,
+        usage=usage,
+        prompt_logprobs=prompt_logprobs_out(state, final),
+    )
 
 
 async def _stream(state, req, text, ids, sp, rid, k) -> AsyncIterator[str]:

@@ -31,6 +31,7 @@ from jaxserve.entrypoints.openai.serving import (
     deadline,
     generate_all,
     make_sampling_params,
+    prompt_logprobs_out,
     sse,
     sse_stream,
     token_str,
@@ -138,7 +139,9 @@ async def create_completion(state: ServingState, req: CompletionRequest):
         req,
         max_tokens=max(max(max_tokens), 1),
         logprobs=req.logprobs,
-        prompt_logprobs=req.logprobs if echo_lp else None,
+        prompt_logprobs=req.prompt_logprobs
+        if req.prompt_logprobs is not None
+        else (req.logprobs if echo_lp else None),  # vLLM's order
     )
     sps = [dataclasses.replace(sp, max_tokens=max(m, 1)) for m in max_tokens]
     for (_, ids), prompt_sp in zip(prompts, sps):
@@ -161,6 +164,7 @@ async def _full(state, req, prompts, sps, choices, rid) -> CompletionResponse:
         out, ch = finals[i], choices[i]
         usage.prompt_tokens += len(out.prompt_token_ids)
         ptext, plps = ch.prompt_part(out)
+        prompt_lps = prompt_logprobs_out(state, out)
         for c in out.outputs:
             text, ids, lps = ch.generated(c, 0, 0, _end(plps, len(ptext)))
             usage.completion_tokens += len(c.token_ids)
@@ -172,6 +176,7 @@ async def _full(state, req, prompts, sps, choices, rid) -> CompletionResponse:
                     finish_reason=_finish(c, ch.zero),
                     stop_reason=c.stop_reason,
                     token_ids=ids,
+                    prompt_logprobs=prompt_lps,
                 )
             )
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
