@@ -15,7 +15,6 @@ the cached GGUF. Needs `pip install -e '.[test]'` (lm-eval).
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -32,8 +31,8 @@ _OUT = flags.DEFINE_string("out", None, "Append the JSON line here.")
 WORDS = ["river", "city", "market", "bridge", "harbour", "railway", "factory", "canal", "church"]
 
 
-def write_task(folder: Path, n: int) -> None:
-    rows = [
+def task_rows(n: int) -> list[dict]:
+    return [
         {
             "question": f"Question {i}: in the old story, the town was famous for its "
             f"{WORDS[i % len(WORDS)]} and its",
@@ -42,15 +41,6 @@ def write_task(folder: Path, n: int) -> None:
         }
         for i in range(n)
     ]
-    data = folder / "mc.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "mc_bench.yaml").write_text(
-        "task: mc_bench\ndataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\noutput_type: multiple_choice\n"
-        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
-        "metric_list:\n  - metric: acc\n"
-    )
 
 
 def main(argv):
@@ -60,13 +50,14 @@ def main(argv):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from jaxserve.bench.core import cpu_name
+    from jaxserve.bench.core import append_row_jsonl, cpu_name
     from jaxserve.loading.default_model import smollm2_gguf_path
     from jaxserve.loading.tokenizer import load_tokenizer
+    from jaxserve.testing.lm_eval_tasks import write_multiple_choice_task
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        write_task(folder, _N.value)
+        write_multiple_choice_task(folder, "mc_bench", task_rows(_N.value))
         load_tokenizer(smollm2_gguf_path()).save_pretrained(folder / "tokenizer")
         model_args = (
             f"model={_MODEL.value},base_url={_BASE_URL.value}/completions,"
@@ -93,10 +84,7 @@ def main(argv):
         "acc": results["results"]["mc_bench"]["acc,none"],
         "loglikelihoods": ll,
     }
-    print(json.dumps(row))
-    if _OUT.value:
-        with open(_OUT.value, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    append_row_jsonl(_OUT.value, row)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ uses only APIs both sides of a change have.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 from absl import app, flags
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.bench.core import cpu_name
+from jaxserve.bench.core import append_row_jsonl, cpu_name
 
 _N = flags.DEFINE_integer("num_prompts", 16, "Prompts per pass.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Passes per mode.")
@@ -69,10 +68,7 @@ def main(argv):
             "all_at_once_s": [round(x, 3) for x in batch],
             "median_request_s": round(statistics.median(per_request), 4),
         }
-    print(json.dumps(row))
-    if _OUT.value:
-        with open(_OUT.value, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    append_row_jsonl(_OUT.value, row)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ uses only APIs both sides of a change have.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
 from absl import app, flags
 
 from jaxserve import LLM
-from jaxserve.bench.core import CompileCounter, cpu_name
+from jaxserve.bench.core import CompileCounter, append_row_jsonl, cpu_name
 
 _IMPLS = flags.DEFINE_list(
     "attention_impls", ["auto", "ragged"], "attention_impl values to warm up."
@@ -53,10 +52,7 @@ def main(_):
     logging.getLogger("jax").setLevel(logging.WARNING)
     for impl in _IMPLS.value:
         res = measure(impl)
-        print(json.dumps(res), flush=True)
-        if _OUT.value:
-            with open(_OUT.value, "a") as f:
-                f.write(json.dumps(res) + "\n")
+        append_row_jsonl(_OUT.value, res)
 
 
 if __name__ == "__main__":

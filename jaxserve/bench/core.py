@@ -92,6 +92,16 @@ def write_rows_json(path: str | None, rows: list[dict]) -> None:
             json.dump({"cpu": cpu_name(), "rows": rows}, f, indent=1)
 
 
+def append_row_jsonl(path: str | None, row: dict) -> None:
+    """Prints an experiment's row as one JSON line and appends it to `path` (if given), so runs
+    of two checkouts, alternating, collect in one file."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
 def cpu_name() -> str:
     """This machine's CPU as RESULTS.md names it: /proc/cpuinfo's model name, family and model
     (the dev VMs vary between sessions: Intel with AVX-512, AMD EPYC Zen 3 or Zen 4)."""

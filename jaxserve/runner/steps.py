@@ -335,24 +335,18 @@ def _prompt_logprobs(params, hidden, targets, config, impl, num_top: int) -> Pro
     """Each row's prompt log-probs, a row at a time: a row with no target (padding, a request
     that did not ask, a chunk that ends the prompt) skips its [T, V] logits, so a lone
     lm-evaluation-harness request pays for one row of the program's R, not all of them."""
-    t = hidden.shape[1]
 
     def row(args):
         h, target = args
-
-        def skip(_):
-            return (
-                jnp.zeros((t,), jnp.float32),
-                jnp.zeros((t, num_top), jnp.int32),
-                jnp.zeros((t, num_top), jnp.float32),
-                jnp.zeros((t,), jnp.int32),
-            )
 
         def compute(_):
             logits = llama.compute_logits(params, h, config, impl)  # (T, V)
             return sampling.token_logprobs(logits, target, num_top)
 
-        return jax.lax.cond(jnp.any(target >= 0), compute, skip, None)
+        def skip(_):  # zeros of compute's shapes (read nowhere: the row has no target)
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(compute, 0))
+
+        return jax.lax.cond(jnp.any(target >= 0), compute, skip, 0)
 
     return PromptLogprobs(*jax.lax.map(row, (hidden, targets)))
 

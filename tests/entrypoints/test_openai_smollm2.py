@@ -14,6 +14,7 @@ import pytest
 from serving_testing import ServerThread, wait_idle
 
 from jaxserve import SamplingParams
+from jaxserve.testing.lm_eval_tasks import write_multiple_choice_task
 
 pytestmark = pytest.mark.smollm2
 
@@ -224,23 +225,13 @@ def test_tokenize_detokenize(smol):
 def test_lm_eval_local_completions(smol, tmp_path, monkeypatch):
     """lm-evaluation-harness's `local-completions` client scores a local multiple-choice task
     (YAML over a JSONL written here) end to end; its loglikelihoods equal LLM's prompt log-probs."""
-    import json
-
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     server, offline, llm = smol
-    data = tmp_path / "mc.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in MC))
-    (tmp_path / "tiny_mc.yaml").write_text(
-        "task: tiny_mc\ndataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\noutput_type: multiple_choice\n"
-        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
-        "metric_list:\n  - metric: acc\n"
-    )
+    write_multiple_choice_task(tmp_path, "tiny_mc", MC)
     tok_dir = tmp_path / "tokenizer"
     llm.tokenizer.save_pretrained(tok_dir)
     model_args = (
