@@ -12,13 +12,15 @@ special tokens again (the template already holds them).
 
 A message's content may be a string or OpenAI's list of content parts. As vLLM's "string" content
 format, a list becomes its text parts joined by newlines before the template sees it (a part
-whose text is missing is skipped, as vLLM does); a missing content becomes "". The models served
+whose text is missing is skipped, as vLLM does); a missing content becomes "". An assistant
+message's `tool_calls` reach the template with their arguments as a mapping (vLLM's rule). The models served
 take text only, so an image, audio, video or file part is an error naming it, never dropped in
 silence.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 RESERVED = (
@@ -82,8 +84,34 @@ def normalize_conversation(conversation: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be an object, not {type(message).__name__}")
         content = message_text(message.get("content"), f"messages[{i}].content")
-        out.append({**message, "content": content})
+        message = {**message, "content": content}
+        if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+            _tool_calls_as_dicts(message, f"messages[{i}].tool_calls")
+        out.append(message)
     return out
+
+
+def _tool_calls_as_dicts(message: dict[str, Any], where: str) -> None:
+    """As vLLM (and transformers' templates expect): an assistant message's tool calls carry
+    their arguments as a mapping, not OpenAI's JSON string. Arguments that are not a JSON object
+    become {} (history the next turn must still render); no calls at all, the key dropped."""
+    calls = message["tool_calls"]
+    if not calls:
+        del message["tool_calls"]
+        return
+    fixed = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise ValueError(f"{where}[{j}] must be a tool call of type 'function'")
+        args = function.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args else {}
+            except ValueError:
+                args = {}
+        fixed.append({**call, "function": {**function, "arguments": args if isinstance(args, dict) else {}}})  # fmt: skip
+    message["tool_calls"] = fixed
 
 
 def render_chat(

@@ -58,6 +58,18 @@ flags.DEFINE_string(
     None,
     "A Jinja chat template, or a file holding one, instead of the tokenizer's.",
 )
+flags.DEFINE_enum(
+    "tool_call_parser",
+    None,
+    ["hermes"],
+    "How tool calls are read out of the model's text for tool_choice='auto' (hermes: "
+    "<tool_call>{json}</tool_call>, as Hermes, Qwen2.5 and Qwen3 write them).",
+)
+flags.DEFINE_bool(
+    "enable_auto_tool_choice",
+    False,
+    "Allow tool_choice='auto' (the default when a request gives tools); needs --tool_call_parser.",
+)
 flags.DEFINE_bool("warmup_model", True, "Compile every step shape before the port opens.")
 flags.DEFINE_float(
     "graceful_shutdown_s", 60.0, "On SIGTERM, how long to wait for requests in flight."
@@ -100,6 +112,8 @@ def main(argv: list[str]) -> int:
                 "feed every process the same requests); run one server per host, each with "
                 "--tensor_parallel_size / --data_parallel_size over its own devices"
             )
+        if FLAGS.enable_auto_tool_choice and FLAGS.tool_call_parser is None:
+            raise ValueError("--enable_auto_tool_choice needs --tool_call_parser")
     except ValueError as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
@@ -123,6 +137,8 @@ def main(argv: list[str]) -> int:
         max_queued_requests=FLAGS.max_queued_requests,
         request_timeout_s=FLAGS.request_timeout_s,
         chat_template=read_chat_template(FLAGS.chat_template),
+        tool_call_parser=FLAGS.tool_call_parser,
+        enable_auto_tool_choice=FLAGS.enable_auto_tool_choice,
     )
     config = uvicorn.Config(
         application,

@@ -64,6 +64,40 @@ def test_tools_reach_the_template(tok):
     assert text == "[get_weather]Name three colors."
 
 
+def test_assistant_tool_calls_reach_the_template_with_mapping_arguments(tok):
+    """vLLM's rule: OpenAI's JSON-string arguments become a mapping ({} where they are not a JSON
+    object); an empty tool_calls list is dropped; a call that is not a function is an error."""
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<{{ c.function.name }} "
+        "{{ c.function.arguments | tojson }} {{ 'dict' if c.function.arguments is mapping }}>"
+        "{% endfor %}{{ 'T' if 'tool_calls' in m else '' }}|{% endfor %}"
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    conv = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            call,
+            {**call, "function": {"name": "g", "arguments": "[1]"}},
+            {**call, "function": {"name": "h", "arguments": "not json"}},
+            {**call, "function": {"name": "k", "arguments": {"b": 2}}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": "done", "tool_calls": []},
+    ]  # fmt: skip
+    text, _ = render_chat(tok, conv, chat_template=template, add_generation_prompt=False)
+    assert text == (
+        'user:q|assistant:<f {"a": 1} dict><g {} dict><h {} dict><k {"b": 2} dict>T|'
+        "tool:42|assistant:done|"
+    )
+    assert conv[1]["tool_calls"][0] is call and call["function"]["arguments"] == '{"a": 1}'
+    for bad in ({"type": "custom", "function": {"name": "f"}}, {"type": "function"}, "x"):
+        with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]"):
+            render_chat(
+                tok, [conv[0], {"role": "assistant", "tool_calls": [bad]}], chat_template=template
+            )
+
+
 def test_content_parts_render_as_vllm_joins_them(tok):
     """vLLM's "string" content format: text parts joined by newlines (a string part counts; one
     without its text is skipped); an image or a part without a type is an error naming it."""

@@ -14,6 +14,7 @@ import pytest
 from serving_testing import ServerThread, wait_idle
 
 from jaxserve import SamplingParams
+from jaxserve.entrypoints.openai.tool_calls import ToolUse
 from jaxserve.testing.lm_eval_tasks import write_multiple_choice_task
 
 pytestmark = pytest.mark.smollm2
@@ -31,6 +32,15 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+WEATHER_CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"], "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "A city's weather",
+                                      "parameters": CITY}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]  # fmt: skip
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 MC = [  # lm-eval multiple choice rows: context, choices (the " " delimiter goes before each)
     {"question": "The capital of France is", "choices": ["Paris", "London", "Rome"], "answer": 0},
     {"question": "Two plus two equals", "choices": ["four", "seven"], "answer": 0},
@@ -83,6 +93,10 @@ def smol():
     )
     so = SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": SCHEMA})
     offline["json"] = llm.chat(JSON_CHAT, so, use_tqdm=False)[0]
+    for key, choice in (("named", NAMED), ("required", "required")):  # the tool calls' grammars
+        schema = ToolUse.of(TOOLS, choice, parallel_tool_calls=False).schema
+        sp = SamplingParams(temperature=0, max_tokens=48, structured_outputs={"json": schema})
+        offline[key] = llm.chat(WEATHER_CHAT, sp, use_tqdm=False, tools=TOOLS)[0]
     allm = AsyncLLM.from_llm(llm)
     server = ServerThread(build_app(allm, "smollm2"))
     yield server, offline, llm
@@ -329,6 +343,105 @@ def test_structured_outputs_served_as_offline(smol, client):
         assert e.value.body["param"] == param, e.value.body
 
 
+def test_tool_calls_served_as_offline(smol, client):
+    """tool_choice as vLLM serves it: a named function's arguments are LLM.chat's output under
+    that function's schema; "required" gives the calls of LLM.chat's output under vLLM's array
+    schema; streamed, the deltas join into the same calls. "auto" (also what tools without
+    tool_choice mean) is a 400 unless the server has a tool-call parser; with hermes, the calls
+    are parsed out of the text. Bad tools and tool_choice values are 400s naming the field."""
+    import json
+
+    import jsonschema
+
+    server, offline, _ = smol
+    kw = dict(model="smollm2", messages=WEATHER_CHAT, tools=TOOLS, temperature=0, max_tokens=48)
+
+    def streamed(**extra):
+        chunks = list(client.chat.completions.create(stream=True, **kw, **extra))
+        calls, content = {}, ""
+        for ch in chunks:
+            for c in ch.choices:
+                content += c.delta.content or ""
+                for d in c.delta.tool_calls or []:
+                    call = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                    call["name"] += (d.function and d.function.name) or ""
+                    call["arguments"] += (d.function and d.function.arguments) or ""
+        finish = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+        return content, [calls[i] for i in sorted(calls)], finish
+
+    ref = offline["named"].outputs[0]
+    r = client.chat.completions.create(tool_choice=NAMED, parallel_tool_calls=False, **kw)
+    msg = r.choices[0].message
+    assert msg.content == "" and len(msg.tool_calls) == 1
+    assert msg.tool_calls[0].function.name == "get_weather"
+    assert msg.tool_calls[0].function.arguments == ref.text
+    jsonschema.validate(json.loads(ref.text), CITY)
+    assert r.choices[0].finish_reason == ref.finish_reason == "stop"  # named: the output's own
+    content, calls, finish = streamed(tool_choice=NAMED, parallel_tool_calls=False)
+    assert content == "" and finish == ["stop"]
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", ref.text)]
+    assert calls[0]["id"].startswith("chatcmpl-tool-")
+
+    ref = offline["required"].outputs[0]
+    want = [(it["name"], it["parameters"]) for it in json.loads(ref.text)]
+    assert len(want) == 1 and ref.finish_reason == "stop"
+    r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw)
+    got = [
+        (c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls
+    ]
+    assert got == want and r.choices[0].finish_reason == "tool_calls"
+    content, calls, finish = streamed(tool_choice="required", parallel_tool_calls=False)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == want
+    assert finish == ["tool_calls"]
+
+    r = client.chat.completions.create(tool_choice="none", **kw)  # the template sees the tools
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+    bad = [
+        ({}, "tool_choice"),  # tools without tool_choice: "auto", which needs a parser
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tool_choice": "required", "tools": []}, "tools"),
+        ({"tool_choice": "none", "tools": [{"type": "function"}]}, "tools"),
+    ]
+    for (extra, param), stream in itertools.product(bad, (False, True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**{**kw, **extra}, stream=stream)
+        assert e.value.body["param"] == param, (extra, e.value.body)
+
+    # a server with the hermes parser: "auto" reads <tool_call> blocks out of the text (forced
+    # here with a regex, as SmolLM2 was not trained to call tools)
+    from jaxserve.entrypoints.openai.server import build_app
+
+    allm = server.server.config.app.state.serving.async_llm
+    hermes = ServerThread(
+        build_app(allm, "smollm2", tool_call_parser="hermes", enable_auto_tool_choice=True)
+    )
+    try:
+        c2 = openai.OpenAI(base_url=hermes.url, api_key="none", max_retries=0)
+        call = (r'I will check\. <tool_call>\{"name": "get_weather", "arguments": '
+                r'\{"city": "[A-Z][a-z]{1,8}"\}\}</tool_call>')  # fmt: skip
+        extra = {"extra_body": {"structured_outputs": {"regex": call}}}
+        r = c2.chat.completions.create(**kw, **extra)
+        msg = r.choices[0].message
+        assert msg.content == "I will check. " and r.choices[0].finish_reason == "tool_calls"
+        assert [c.function.name for c in msg.tool_calls] == ["get_weather"]
+        args = json.loads(msg.tool_calls[0].function.arguments)
+        jsonschema.validate(args, CITY)
+        chunks = list(c2.chat.completions.create(stream=True, **kw, **extra))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        assert content == msg.content
+        assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+            ("get_weather", args)
+        ]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    finally:
+        hermes.stop()
+
+
 HOSTILE = [-1, 2**63, 1e308, 0.5, True, "x" * 4096, [None], [[1, 2], "x"], {"7": 1e9}, {"x": 1},
            [-1], [2**40], {"type": "json_schema"}]  # fmt: skip
 # null and empty values where they are not the default (elsewhere they are a plain request)
@@ -340,7 +453,7 @@ FIELDS = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_p
           "bad_words", "response_format", "structured_outputs", "model", "user")  # fmt: skip
 CHAT_FIELDS = ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "n",
                "stream", "chat_template_kwargs", "continue_final_message",
-               "add_generation_prompt")  # fmt: skip
+               "add_generation_prompt", "tool_choice", "parallel_tool_calls")  # fmt: skip
 ROUTES = {  # the shared sampling fields go through one parser and one check: tested once
     "/v1/completions": ({"prompt": PROMPT}, FIELDS + ("prompt", "logprobs", "echo")),
     "/v1/chat/completions": ({"messages": CHAT}, CHAT_FIELDS),

@@ -70,3 +70,16 @@ def test_serve_subprocess_and_sigterm_drain(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_auto_tool_choice_needs_a_parser():
+    """As vLLM's --enable-auto-tool-choice: without --tool_call_parser the server refuses to start
+    (exit 2, before loading anything)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxserve.launch.serve", "--enable_auto_tool_choice"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "--enable_auto_tool_choice needs --tool_call_parser" in r.stderr

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,13 +22,14 @@ def random_id(prefix: str) -> str:
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    keeps_null: ClassVar[frozenset[str]] = frozenset()  # fields where null means something
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         """`"n": null` means what leaving `n` out means (a required field stays required)."""
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
+            return {k: v for k, v in data.items() if v is not None or k in cls.keeps_null}
         return data
 
 
@@ -174,8 +175,25 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None  # given to the chat template (no tool-call parsing)
+    tools: list[dict[str, Any]] | None = None  # given to the chat template as sent
+    # tool_calls.ToolUse: absent -> "auto" with tools, else "none"; an explicit null -> "none"
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    keeps_null: ClassVar[frozenset[str]] = frozenset({"tool_choice"})
+
+    @property
+    def tool_choice_given(self) -> str | dict[str, Any] | None:
+        """tool_choice as `ToolUse.of` takes it: None where the request left it out."""
+        if "tool_choice" not in self.model_fields_set:
+            return None
+        return "none" if self.tool_choice is None else self.tool_choice
+
+    @property
+    def structured_field(self) -> str:
+        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
+            return "tools"  # the grammar of the tools' schemas
+        return super().structured_field
 
 
 class TokenizeRequest(_Request):
@@ -250,9 +268,33 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessageOut(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -277,6 +319,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -124,6 +124,8 @@ def build_app(
     request_timeout_s: float | None = None,
     chat_template: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The app. `max_queued_requests`: requests allowed to wait for a slot before 503."""
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
@@ -135,6 +137,8 @@ def build_app(
         request_timeout_s=request_timeout_s,
         chat_template=chat_template,
         max_n=async_llm.engine_config.num_slots,
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
     )
     app.state.serving = state
 

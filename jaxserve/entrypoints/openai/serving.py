@@ -52,6 +52,8 @@ class ServingState:
     request_timeout_s: float | None = None
     chat_template: str | None = None
     max_n: int = 32
+    tool_call_parser: str | None = None  # tool_calls.TOOL_CALL_PARSERS
+    enable_auto_tool_choice: bool = False  # tool_choice="auto" (needs the parser)
 
     @property
     def tokenizer(self):

@@ -2,7 +2,8 @@
 request with n samples (`LLM.chat`'s tokenization: the template's text, no special tokens added).
 
 max_tokens: `max_completion_tokens`, else `max_tokens`, else the room left in max_model_len (as
-vLLM). `logprobs=true` returns each token's log-prob and `top_logprobs` alternatives.
+vLLM). `logprobs=true` returns each token's log-prob and `top_logprobs` alternatives. Tool calls
+(`tools`, `tool_choice`, `parallel_tool_calls`): `tool_calls.ToolUse`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jaxserve.entrypoints.openai.protocol import (
     ChatMessageOut,
     ChatTokenLogprob,
     DeltaMessage,
+    DeltaToolCall,
     TopLogprob,
     Usage,
     random_id,
@@ -40,6 +42,7 @@ from jaxserve.entrypoints.openai.serving import (
     sse_stream,
     token_str,
 )
+from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, ToolError, ToolUse
 
 
 def apply_template(
@@ -104,6 +107,7 @@ def _logprobs(state, c: CompletionOutput, start: int, k: int) -> ChatLogprobs:
 async def create_chat_completion(state: ServingState, req: ChatCompletionRequest):
     """The response object, or (stream=True) an async iterator of SSE strings."""
     state.check_model(req.model)
+    use = tool_use(state, req)
     text, ids = apply_template(
         state,
         req.messages,
@@ -119,33 +123,41 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     k = req.top_logprobs or 0
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    fields = {}
+    if use.constrains:
+        fields["structured_outputs"] = {"json": use.schema}
+    if use.mode == "auto":  # the parser reads the call markers, special tokens or not (as vLLM)
+        fields["skip_special_tokens"] = False
     sp = make_sampling_params(
         state,
         req,
         max_tokens=max(max_tokens, 1),
         logprobs=k if req.logprobs else None,
         prompt_logprobs=req.prompt_logprobs,
+        **fields,
     )
     await check_request(state, req, ids, sp)
     rid = random_id("chatcmpl")
     if req.stream:
-        return sse_stream(_stream(state, req, text, ids, sp, rid, k))
+        return sse_stream(_stream(state, req, text, ids, sp, rid, k, use))
     final = None
     async with deadline(state):
         async with contextlib.aclosing(generate_all(state, [(text, ids)], [sp], False)) as outs:
             async for _, out in outs:
                 final = out
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=ChatMessageOut(content=c.text),
-            logprobs=_logprobs(state, c, 0, k) if req.logprobs else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-            token_ids=c.token_ids,
+    choices = []
+    for c in final.outputs:
+        content, calls = use.parse(c.text)
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=ChatMessageOut(content=content, tool_calls=calls),
+                logprobs=_logprobs(state, c, 0, k) if req.logprobs else None,
+                finish_reason=use.finish_reason(c.finish_reason, bool(calls)),
+                stop_reason=c.stop_reason,
+                token_ids=c.token_ids,
+            )
         )
-        for c in final.outputs
-    ]
     n_out = sum(len(c.token_ids) for c in final.outputs)
     usage = Usage(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)
     return ChatCompletionResponse(
@@ -157,8 +169,30 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     )
 
 
-async def _stream(state, req, text, ids, sp, rid, k) -> AsyncIterator[str]:
-    sent: dict[int, list] = {}  # choice index -> [tokens sent, chars sent, finished]
+def tool_use(state: ServingState, req: ChatCompletionRequest) -> ToolUse:
+    """The request's tool use (`tool_calls.ToolUse`), or a 400 naming the field."""
+    try:
+        use = ToolUse.of(
+            req.tools,
+            req.tool_choice_given,
+            req.parallel_tool_calls,
+            state.tool_call_parser,
+            state.enable_auto_tool_choice,
+        )
+    except ToolError as e:
+        raise APIError(400, str(e), e.param) from None
+    fmt = req.response_format
+    if use.constrains and (req.structured_outputs is not None or (fmt and fmt.type != "text")):
+        raise APIError(
+            400,
+            "You can only either use constraints for structured outputs or tools, not both.",
+            "tool_choice",
+        )
+    return use
+
+
+async def _stream(state, req, text, ids, sp, rid, k, use) -> AsyncIterator[str]:
+    sent: dict[int, list] = {}  # choice index -> [tokens sent, tool-call view, finished]
     usage = Usage(prompt_tokens=len(ids))
 
     def chunk(index, delta, lps=None, finish=None):
@@ -170,16 +204,23 @@ async def _stream(state, req, text, ids, sp, rid, k) -> AsyncIterator[str]:
             async for _, out in outs:
                 for c in out.outputs:
                     if c.index not in sent:
-                        sent[c.index] = [0, 0, False]
+                        sent[c.index] = [0, ToolCallStream(use), False]
                         yield chunk(c.index, DeltaMessage(role="assistant", content=""))
                     s = sent[c.index]
                     if s[2]:
                         continue
-                    delta = c.text[s[1] :]
+                    done = c.finish_reason is not None
+                    delta, calls = s[1].update(c.text, done)
                     lps = _logprobs(state, c, s[0], k) if req.logprobs else None
-                    if delta or len(c.token_ids) > s[0] or c.finish_reason:
-                        yield chunk(c.index, DeltaMessage(content=delta), lps, c.finish_reason)
-                    s[0], s[1], s[2] = len(c.token_ids), len(c.text), c.finish_reason is not None
+                    calls = [DeltaToolCall(**d) for d in calls] or None
+                    if delta or calls or len(c.token_ids) > s[0] or done:
+                        finish = use.finish_reason(c.finish_reason, s[1].calls > 0)
+                        if use.mode != "none":
+                            delta = delta or None  # a tool-call delta has no content
+                        yield chunk(
+                            c.index, DeltaMessage(content=delta, tool_calls=calls), lps, finish
+                        )
+                    s[0], s[2] = len(c.token_ids), done
                     if s[2]:
                         usage.completion_tokens += len(c.token_ids)
     if req.stream_options is not None and req.stream_options.include_usage:

@@ -1,0 +1,169 @@
+"""tool_calls.ToolUse (vLLM's tool_choice checks, the schemas, the parse of a finished output) and
+ToolCallStream (the streamed view: whatever the chunks, its deltas join into the parse)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, ToolError, ToolUse
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
+TOOLS = [WEATHER, TIME]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(
+    "tools, choice, param",
+    [
+        ([], None, "tools"),  # an empty list, as OpenAI and vLLM refuse it
+        (None, "required", "tool_choice"),  # a choice without tools
+        (None, NAMED, "tool_choice"),
+        (TOOLS, "sometimes", "tool_choice"),
+        (TOOLS, {"type": "function"}, "tool_choice.function"),
+        (TOOLS, {"type": "function", "function": {"name": ""}}, "tool_choice.function.name"),
+        (TOOLS, {"type": "function", "function": {"name": 5}}, "tool_choice.function.name"),
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        (TOOLS, "auto", "tool_choice"),  # no parser on this server
+        (TOOLS, None, "tool_choice"),  # tools without tool_choice mean "auto"
+        ([{"type": "function"}], "none", "tools"),  # no function
+        ([{"type": "function", "function": {"name": 3}}], "none", "tools"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "none", "tools"),
+    ],
+)
+def test_bad_tool_use_names_the_field(tools, choice, param):
+    with pytest.raises(ToolError) as e:
+        ToolUse.of(tools, choice)
+    assert e.value.param == param, str(e.value)
+
+
+def test_modes_and_their_schemas():
+    assert ToolUse.of(None, None).mode == "none"
+    none = ToolUse.of(TOOLS, "none")
+    assert none.mode == "none" and not none.constrains
+    assert none.parse("hello") == ("hello", [])
+
+    named = ToolUse.of(TOOLS, NAMED)
+    assert named.mode == "named" and named.schema == WEATHER["function"]["parameters"]
+    content, calls = named.parse('{"city": "Paris"}')
+    assert content == "" and len(calls) == 1
+    call = calls[0]
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert named.finish_reason("stop", True) == "stop"  # a named function keeps its reason
+    assert ToolUse.of(TOOLS, {"type": "function", "function": {"name": "get_time"}}).schema == {
+        "type": "object",
+        "properties": {},
+    }
+
+    required = ToolUse.of(TOOLS, "required")
+    schema = required.schema
+    good = [{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]  # fmt: skip
+    jsonschema.validate(good, schema)
+    for bad in ([], [{"name": "get_weather", "parameters": {}}], [{"name": "x", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    content, calls = required.parse(json.dumps(good))
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert required.finish_reason("stop", True) == "tool_calls"
+    assert required.finish_reason("length", False) == "length"
+    assert required.parse('[{"name": "get_wea') == ("", [])  # cut short: no call
+
+    single = ToolUse.of(TOOLS, "required", parallel_tool_calls=False)
+    assert single.schema["maxItems"] == 1
+    assert len(single.parse(json.dumps(good))[1]) == 1
+
+
+def test_required_hoists_defs_and_refuses_conflicting_ones():
+    def tool(name, defs):
+        params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": defs}
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    point = {"P": {"type": "integer"}}
+    schema = ToolUse.of([tool("a", point), tool("b", point)], "required").schema
+    assert schema["$defs"] == point
+    jsonschema.validate([{"name": "b", "parameters": {"p": 3}}], schema)
+    with pytest.raises(ToolError) as e:
+        ToolUse.of([tool("a", point), tool("b", {"P": {"type": "string"}})], "required")
+    assert e.value.param == "tools"
+
+
+HERMES = ToolUse.of(TOOLS, "auto", parser="hermes", auto=True)
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("Just text.", "Just text.", []),
+        (
+            'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>',
+            "Let me check. ",
+            [("get_weather", {"city": "Rome"})],
+        ),
+        (
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}',  # the last unterminated
+            None,
+            [("get_weather", {"city": "Rome"}), ("get_time", {})],
+        ),
+        ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ],
+)
+def test_hermes_parse(text, content, calls):
+    got_content, got = HERMES.parse(text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert HERMES.finish_reason("stop", bool(got)) == ("tool_calls" if calls else "stop")
+
+
+def _joined(use, text, cuts):
+    """Stream `text` in pieces ending at `cuts`; returns (content, calls) as a client joins them."""
+    stream, content, calls = ToolCallStream(use), [], {}
+    ends = sorted(set(cuts) | {len(text)})
+    for end in ends:
+        delta, deltas = stream.update(text[:end], end == len(text))
+        content.append(delta or "")
+        for d in deltas:
+            call = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+            if "id" in d:
+                assert call["name"] == "" and d["id"].startswith("chatcmpl-tool-")
+            fn = d.get("function") or {}
+            call["name"] += fn.get("name") or ""
+            call["arguments"] += fn.get("arguments") or ""
+    return "".join(content), [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize(
+    "use, text",
+    [
+        (ToolUse.of(TOOLS, "none"), "Plain words <tool_call> stay text."),
+        (ToolUse.of(TOOLS, NAMED), '{"city": "Paris"}'),
+        (ToolUse.of(TOOLS, "required"), '[{"name": "get_time", "parameters": {}}]'),
+        (HERMES, 'Sure. <tool_call>{"name": "get_time", "arguments": {}}</tool_call> trailing'),
+        (HERMES, 'A <tool_ca b <tool_call>{"name": "get_weather", "arguments": {"city": "X"}}'),
+        (HERMES, "No call, but a < and <tool_c at the end <tool_c"),
+        (HERMES, "<tool_call>{broken</tool_call>"),
+    ],
+)
+def test_streamed_deltas_join_into_the_parse(use, text):
+    """Every way of cutting the text into 1-, 2- and 5-character chunks, and in one piece."""
+    content, calls = use.parse(text)
+    want = [dict(c["function"]) for c in calls]
+    for step in (1, 2, 5, len(text)):
+        got_content, got_calls = _joined(use, text, range(step, len(text), step))
+        assert got_content == (content or ""), step
+        assert got_calls == want, step
