@@ -352,6 +352,7 @@ def test_tool_calls_served_as_offline(smol, client):
     import json
 
     import jsonschema
+    import pydantic
 
     server, offline, _ = smol
     kw = dict(model="smollm2", messages=WEATHER_CHAT, tools=TOOLS, temperature=0, max_tokens=48)
@@ -393,6 +394,27 @@ def test_tool_calls_served_as_offline(smol, client):
     content, calls, finish = streamed(tool_choice="required", parallel_tool_calls=False)
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == want
     assert finish == ["tool_calls"]
+
+    # the client's own helpers: a pydantic tool (strict), parsed arguments, the stream helper
+    # (which merges tool-call deltas), then the call and its result as history for a next turn
+    class GetWeather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=12)
+
+    helper_kw = {**kw, "tools": [openai.pydantic_function_tool(GetWeather)]}
+    forced = {"type": "function", "function": {"name": "GetWeather"}}
+    r = client.chat.completions.parse(tool_choice=forced, **helper_kw)
+    parsed = r.choices[0].message.tool_calls[0].function.parsed_arguments
+    assert isinstance(parsed, GetWeather)
+    with client.chat.completions.stream(tool_choice=forced, **helper_kw) as s:
+        final = s.get_final_completion()
+    assert final.choices[0].message.tool_calls[0].function.parsed_arguments == parsed
+    call = r.choices[0].message.tool_calls[0]
+    history = WEATHER_CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude={"function": {"parsed_arguments"}})]},
+        {"role": "tool", "tool_call_id": call.id, "content": "21 C and sunny"},
+    ]  # fmt: skip
+    r = client.chat.completions.create(tool_choice="none", **{**helper_kw, "messages": history})
+    assert r.choices[0].message.content
 
     r = client.chat.completions.create(tool_choice="none", **kw)  # the template sees the tools
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls

@@ -167,3 +167,13 @@ def test_streamed_deltas_join_into_the_parse(use, text):
         got_content, got_calls = _joined(use, text, range(step, len(text), step))
         assert got_content == (content or ""), step
         assert got_calls == want, step
+
+
+def test_a_streamed_tool_call_fragment_leaves_out_its_unset_fields():
+    """The openai client's stream helper merges fragments key by key, and a null "type" would
+    overwrite the first fragment's "function"."""
+    from jaxserve.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+
+    later = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='"x"'))
+    msg = json.loads(DeltaMessage(tool_calls=[later]).model_dump_json())
+    assert msg["tool_calls"] == [{"index": 0, "function": {"arguments": '"x"'}}]

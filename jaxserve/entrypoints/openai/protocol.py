@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -279,12 +279,21 @@ class ToolCall(_Response):
     function: FunctionCall
 
 
-class DeltaFunctionCall(_Response):
+class _Delta(_Response):
+    """A streamed fragment: its unset fields are left out, not sent as null (the openai
+    client's stream helper merges fragments, and a null `type` would overwrite "function")."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Delta):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(_Response):
+class DeltaToolCall(_Delta):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
