@@ -482,6 +482,8 @@ ROUTES = {  # the shared sampling fields go through one parser and one check: te
 }
 RAW = [b"", b"null", b"[]", b'"x"', b"{", b"\xff\xfe", b"[" * 100_000,
        b'{"prompt": "x", "max_tokens": NaN}', b'{"prompt": "x", "temperature": Infinity}']  # fmt: skip
+BAD_PARAMETERS = [{"type": "foo"}, {"type": "object", "$defs": 5}, [1, 2], "x",
+                  {"type": "object", "properties": {"a": {"$ref": "#/$defs/X"}}}]  # fmt: skip
 MESSAGES = [[{"role": "user"}], [{"role": "user", "content": [{"type": "text"}]}],
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
             [{"role": 5, "content": "x"}], [{"content": "x"}], ["x"], [None]]  # fmt: skip
@@ -504,6 +506,13 @@ def test_hostile_values_in_every_field_get_a_4xx_or_an_answer_and_harm_nobody(sm
         bodies += [(route, raw) for raw in RAW]
     chat = {"model": "smollm2", "max_tokens": 2}
     bodies += [("/v1/chat/completions", {**chat, "messages": m}) for m in MESSAGES]
+    for params, choice in itertools.product(BAD_PARAMETERS, (NAMED, "required")):
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+        body = {**chat, "messages": CHAT, "tools": tools, "tool_choice": choice}
+        bodies += [
+            ("/v1/chat/completions", body),
+            ("/v1/chat/completions", {**body, "stream": True}),
+        ]
 
     def failure(http, route, body):
         if isinstance(body, bytes):

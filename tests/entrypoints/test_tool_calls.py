@@ -97,9 +97,10 @@ def test_required_hoists_defs_and_refuses_conflicting_ones():
     schema = ToolUse.of([tool("a", point), tool("b", point)], "required").schema
     assert schema["$defs"] == point
     jsonschema.validate([{"name": "b", "parameters": {"p": 3}}], schema)
-    with pytest.raises(ToolError) as e:
-        ToolUse.of([tool("a", point), tool("b", {"P": {"type": "string"}})], "required")
-    assert e.value.param == "tools"
+    for bad in ([tool("a", point), tool("b", {"P": {"type": "string"}})], [tool("a", 5)]):
+        with pytest.raises(ToolError) as e:
+            ToolUse.of(bad, "required")
+        assert e.value.param == "tools"
 
 
 HERMES = ToolUse.of(TOOLS, "auto", parser="hermes", auto=True)

@@ -185,7 +185,14 @@ def _required_schema(functions: dict[str, _Function], single: bool) -> dict[str,
     variants = []
     for name, fn in functions.items():
         params = dict(_params(fn.parameters))
-        for key, value in params.pop("$defs", {}).items():
+        tool_defs = params.pop("$defs", {})
+        if not isinstance(tool_defs, dict):
+            raise ToolError(
+                f"`$defs` in the parameters of tool '{name}' must be an object, got "
+                f"{type(tool_defs).__name__}.",
+                "tools",
+            )
+        for key, value in tool_defs.items():
             if key in defs and defs[key] != value:
                 raise ToolError(
                     f"Tool definition '{key}' has multiple schemas, which is not supported.",
