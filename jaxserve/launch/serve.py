@@ -20,6 +20,7 @@ import sys
 
 from absl import app, flags
 
+from jaxserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from jaxserve.launch import distributed
 from jaxserve.launch import flags as engine_flags
 
@@ -61,9 +62,10 @@ flags.DEFINE_string(
 flags.DEFINE_enum(
     "tool_call_parser",
     None,
-    ["hermes"],
+    list(TOOL_CALL_PARSERS),
     "How tool calls are read out of the model's text for tool_choice='auto' (hermes: "
-    "<tool_call>{json}</tool_call>, as Hermes, Qwen2.5 and Qwen3 write them).",
+    "<tool_call>{json}</tool_call>, as Hermes, Qwen2.5 and Qwen3 write them; llama3_json: JSON "
+    "objects with name and parameters, as Llama 3.1-3.3 write them).",
 )
 flags.DEFINE_bool(
     "enable_auto_tool_choice",

@@ -131,6 +131,38 @@ def test_hermes_parse(text, content, calls):
     assert HERMES.finish_reason("stop", bool(got)) == ("tool_calls" if calls else "stop")
 
 
+LLAMA = ToolUse.of(TOOLS, "auto", parser="llama3_json", auto=True)
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("Just text.", "Just text.", []),
+        ('{"name": "get_weather", "parameters": {"city": "Rome"}}', None, [("get_weather", {"city": "Rome"})]),
+        (
+            '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Rome"}}; '
+            '{"name": "get_time", "parameters": {}}',
+            None,
+            [("get_weather", {"city": "Rome"}), ("get_time", {})],
+        ),
+        ('Sure: {"name": "get_time", "parameters": {}}', None, [("get_time", {})]),
+        ('{"name": "get_time"}', '{"name": "get_time"}', []),  # no arguments: not a call
+        ('{"city": "Rome"}', '{"city": "Rome"}', []),
+        ('{"name": 5, "parameters": {}}', '{"name": 5, "parameters": {}}', []),
+        ("a { b", "a { b", []),
+    ],
+)  # fmt: skip
+def test_llama3_json_parse(text, content, calls):
+    got_content, got = LLAMA.parse(text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+
+
+def test_a_call_name_that_is_not_a_string_is_no_call():
+    assert HERMES.parse('<tool_call>{"name": 5, "arguments": {}}</tool_call>')[1] == []
+    assert HERMES.parse("<tool_call>[1]</tool_call>")[1] == []
+
+
 def _joined(use, text, cuts):
     """Stream `text` in pieces ending at `cuts`; returns (content, calls) as a client joins them."""
     stream, content, calls = ToolCallStream(use), [], {}
@@ -158,8 +190,12 @@ def _joined(use, text, cuts):
         (HERMES, 'A <tool_ca b <tool_call>{"name": "get_weather", "arguments": {"city": "X"}}'),
         (HERMES, "No call, but a < and <tool_c at the end <tool_c"),
         (HERMES, "<tool_call>{broken</tool_call>"),
+        (LLAMA, '{"name": "get_weather", "parameters": {"city": "X"}}; {"name": "get_time", "parameters": {}}'),
+        (LLAMA, '<|python_tag|>{"name": "get_time", "parameters": {}}'),
+        (LLAMA, "Plain words, and <|python_ at the end <|py"),
+        (LLAMA, "Words then {not json"),
     ],
-)
+)  # fmt: skip
 def test_streamed_deltas_join_into_the_parse(use, text):
     """Every way of cutting the text into 1-, 2- and 5-character chunks, and in one piece."""
     content, calls = use.parse(text)
@@ -178,3 +214,13 @@ def test_a_streamed_tool_call_fragment_leaves_out_its_unset_fields():
     later = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='"x"'))
     msg = json.loads(DeltaMessage(tool_calls=[later]).model_dump_json())
     assert msg["tool_calls"] == [{"index": 0, "function": {"arguments": '"x"'}}]
+
+
+def test_llama3_json_streamed_keeps_the_words_before_the_calls():
+    """The one place a stream differs from the whole reply (tool_calls.py's docstring): words
+    already sent before the first JSON object stay sent."""
+    text = 'Sure: {"name": "get_time", "parameters": {}}'
+    assert LLAMA.parse(text)[0] is None
+    for step in (1, 3, len(text)):
+        content, calls = _joined(LLAMA, text, range(step, len(text), step))
+        assert content == "Sure: " and [c["name"] for c in calls] == ["get_time"]

@@ -17,8 +17,13 @@
   each becomes a tool call; finish_reason "tool_calls".
 - "auto" (the default when tools are given): the model chooses, and its calls are parsed out of
   the text by the server's --tool_call_parser. Without --enable_auto_tool_choice that is a 400, as
-  in vLLM. The parser here is `hermes` (Hermes, Qwen2.5, Qwen3: `<tool_call>{"name": ...,
-  "arguments": {...}}</tool_call>` blocks); the content is the text before the first block.
+  in vLLM. Parsers (vLLM's names and rules): `hermes` (Hermes, Qwen2.5, Qwen3: `<tool_call>{"name":
+  ..., "arguments": {...}}</tool_call>` blocks; the content is the text before the first block)
+  and `llama3_json` (Llama 3.1-3.3: JSON objects {"name", "parameters"}, after an optional
+  <|python_tag|>; with calls there is no content). Streamed, the text before the first call
+  marker is sent as content as it comes, so with llama3_json a reply that begins with words and
+  then calls keeps those words (vLLM's non-streamed parse drops them; its stream keeps the whole
+  reply as content).
 Named functions and "required" need no parser here (the grammar fixes the format); vLLM 0.32 asks
 for one. A structured output (`response_format` / `structured_outputs`) cannot be combined with a
 named function or "required": each is a grammar on the same output.
@@ -35,7 +40,6 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from jaxserve.entrypoints.openai.protocol import random_id
 
-TOOL_CALL_PARSERS = ("hermes",)
 _START, _END = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
@@ -154,16 +158,12 @@ class ToolUse:
             return "", calls
         if self.mode == "required":
             try:
-                items = json.loads(text)
-                calls = [
-                    _call(it["name"], json.dumps(it["parameters"], ensure_ascii=False))
-                    for it in items
-                ]
+                calls = [_named_call(it, "parameters") for it in json.loads(text)]
             except (ValueError, TypeError, KeyError):  # cut short by max_tokens or a stop
                 calls = []
             return "", calls[:1] if self.single else calls
         if self.mode == "auto":
-            content, calls = _parse_hermes(text)
+            content, calls = PARSERS[self.parser].parse(text)
             return content, calls[:1] if self.single else calls
         return text, []
 
@@ -221,12 +221,14 @@ def _call(name: str, arguments: str) -> dict:
     }
 
 
-def _hermes_calls(blocks: list[str]) -> list[dict] | None:
-    try:
-        raws = [json.loads(b) for b in blocks]
-        return [_call(r["name"], json.dumps(r["arguments"], ensure_ascii=False)) for r in raws]
-    except (ValueError, TypeError, KeyError):
-        return None
+def _named_call(obj: Any, *keys: str) -> dict:
+    """A call from a parsed {"name", <arguments key>} object; ValueError if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError("not a tool call")
+    key = next((k for k in keys if k in obj), None)
+    if key is None:
+        raise ValueError("a tool call without arguments")
+    return _call(obj["name"], json.dumps(obj[key], ensure_ascii=False))
 
 
 def _parse_hermes(text: str) -> tuple[str | None, list[dict]]:
@@ -235,19 +237,56 @@ def _parse_hermes(text: str) -> tuple[str | None, list[dict]]:
     if _START not in text:
         return text, []
     blocks = [a if a else b for a, b in _HERMES_BLOCK.findall(text)]
-    calls = _hermes_calls(blocks)
-    if calls is None:
+    try:
+        calls = [_named_call(json.loads(b), "arguments") for b in blocks]
+    except ValueError:
         return text, []
     content = text[: text.find(_START)]
     return (content if content else None), calls
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _parse_llama3_json(text: str) -> tuple[str | None, list[dict]]:
+    """vLLM's llama3_json parser (Llama 3.1-3.3's JSON tool calls, after an optional
+    <|python_tag|>): every JSON object not inside an earlier one is a call {"name", "arguments"
+    or "parameters"}; with calls there is no content. If any object is not a call, the whole
+    text is content."""
+    calls, end = [], -1
+    for m in re.finditer(r"\{", text):
+        if m.start() < end:
+            continue
+        try:
+            obj, n = _DECODER.raw_decode(text, m.start())
+            calls.append(_named_call(obj, "arguments", "parameters"))
+        except ValueError:
+            return text, []
+        end = n
+    return (None, calls) if calls else (text, [])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parser:
+    parse: Any  # text -> (content, calls)
+    markers: tuple[str, ...]  # where tool-call text can begin
+    closer: str | None  # what ends one call while the output goes on (None: only its end)
+
+
+PARSERS = {
+    "hermes": _Parser(_parse_hermes, (_START,), _END),
+    "llama3_json": _Parser(_parse_llama3_json, ("<|python_tag|>", "{"), None),
+}
+TOOL_CALL_PARSERS = tuple(PARSERS)
 
 
 class ToolCallStream:
     """The tool-call view of a streamed choice: `update(text, finished)` with the output's text so
     far returns (content delta or None, tool-call deltas). A named function streams its arguments
     as they come (the first delta carries the call's id and name); "required" sends its calls
-    once the output is finished and parses; "auto" streams the content before the first
-    <tool_call> (holding back what may be the start of one) and each call once its block closes."""
+    once the output is finished and parses; "auto" streams the content before the parser's first
+    call marker (holding back what may be the start of one), then each hermes call once its block
+    closes, llama3_json's calls once the output is finished."""
 
     def __init__(self, use: ToolUse):
         self.use = use
@@ -273,20 +312,23 @@ class ToolCallStream:
             if not finished:
                 return None, []
             return None, self._new_calls(self.use.parse(text)[1])
-        start = text.find(_START)  # "auto"
+        parser = PARSERS[self.use.parser]  # "auto"
+        start = _first(text, parser.markers)
         if finished:
             content, calls = self.use.parse(text)
             upto = start if calls else len(text)
             delta = text[self.sent : upto] if upto > self.sent else None
             self.sent = max(self.sent, upto)
             return delta, self._new_calls(calls)
-        upto = start if start >= 0 else _safe_end(text)
+        upto = start if start >= 0 else _safe_end(text, parser.markers)
         delta = text[self.sent : upto] if upto > self.sent else None
         self.sent = max(self.sent, upto)
-        closed = text.rfind(_END) + len(_END) if _END in text else -1
-        if start < 0 or closed <= start:
+        if start < 0 or parser.closer is None or parser.closer not in text:
             return delta, []
-        calls = _parse_hermes(text[:closed])[1]
+        closed = text.rfind(parser.closer) + len(parser.closer)
+        if closed <= start:
+            return delta, []
+        calls = parser.parse(text[:closed])[1]
         return delta, self._new_calls(calls[:1] if self.use.single else calls)
 
     def _new_calls(self, calls: list[dict]) -> list[dict]:
@@ -295,9 +337,17 @@ class ToolCallStream:
         return fresh
 
 
-def _safe_end(text: str) -> int:
-    """Where the content that cannot be the start of a <tool_call> ends."""
-    for k in range(min(len(_START) - 1, len(text)), 0, -1):
-        if _START.startswith(text[-k:]):
+def _first(text: str, markers: tuple[str, ...]) -> int:
+    """Where the first marker begins, or -1."""
+    found = [i for i in (text.find(m) for m in markers) if i >= 0]
+    return min(found) if found else -1
+
+
+def _safe_end(text: str, markers: tuple[str, ...]) -> int:
+    """Where the content that cannot be the start of a marker ends (holding back a suffix that
+    may grow into one)."""
+    longest = max(len(m) for m in markers)
+    for k in range(min(longest - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-k:]) for m in markers):
             return len(text) - k
     return len(text)
