@@ -1,6 +1,6 @@
 """Tool calls in chat completions, as vLLM's server makes them (host only, no engine):
 
-    use = ToolUse.of(req.tools, req.tool_choice, req.parallel_tool_calls, parser, auto)  # or 400
+    use = ToolUse.of(tools, tool_choice, parallel_tool_calls, parser, auto)   # or ToolError
     use.schema                     the JSON schema the output must follow, or None
     content, calls = use.parse(text)            the message's content and its tool_calls
     use.finish_reason(c.finish_reason, bool(calls))   "tool_calls" where OpenAI's says so
