@@ -224,3 +224,20 @@ def test_llama3_json_streamed_keeps_the_words_before_the_calls():
     for step in (1, 3, len(text)):
         content, calls = _joined(LLAMA, text, range(step, len(text), step))
         assert content == "Sure: " and [c["name"] for c in calls] == ["get_time"]
+
+
+def test_an_explicit_null_tool_choice_is_none_and_a_missing_one_is_the_default():
+    """As vLLM: tools without tool_choice mean "auto"; `"tool_choice": null` calls no tool (many
+    clients send every field, unset ones as null)."""
+    from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
+
+    msgs = [{"role": "user", "content": "hi"}]
+    given = ChatCompletionRequest.model_validate({"messages": msgs, "tools": TOOLS})
+    null = ChatCompletionRequest.model_validate(
+        {"messages": msgs, "tools": TOOLS, "tool_choice": None, "parallel_tool_calls": None}
+    )
+    assert given.tool_choice_given is None and null.tool_choice_given == "none"
+    with pytest.raises(ToolError):  # "auto", and this server has no parser
+        ToolUse.of(given.tools, given.tool_choice_given)
+    assert ToolUse.of(null.tools, null.tool_choice_given).mode == "none"
+    assert null.parallel_tool_calls is None
