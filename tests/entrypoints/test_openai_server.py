@@ -113,6 +113,64 @@ def test_logprobs_and_echo(client, offline):
     assert len(r.choices[0].logprobs.tokens) == len(p) + MAX_TOKENS
 
 
+def test_truncate_prompt_tokens_and_what_is_not_served(client, offline):
+    """vLLM's truncate_prompt_tokens keeps the prompt's last k tokens (so a long prefix in front
+    of PROMPTS[0] gives PROMPTS[0]'s output); fields whose meaning is not served (FIM suffix,
+    beam search) are 400s naming them, not ignored."""
+    p = PROMPTS[0]
+    long = [7] * 30 + p
+    r = client.completions.create(
+        model="tiny", prompt=long, extra_body={"truncate_prompt_tokens": len(p), "ignore_eos": True},
+        temperature=0, max_tokens=MAX_TOKENS,
+    )  # fmt: skip
+    assert r.choices[0].token_ids == _ids(offline["greedy"][0])
+    assert r.usage.prompt_tokens == len(p)
+    r = client.completions.create(
+        model="tiny", prompt=p, max_tokens=2, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert r.usage.prompt_tokens == len(p)  # -1: up to max_model_len
+    bad = [
+        ({"suffix": "x"}, "suffix"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+        ({"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
+        ({"extra_body": {"truncate_prompt_tokens": -2}}, "truncate_prompt_tokens"),
+    ]
+    for extra, param in bad:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(
+                    model="tiny", prompt=p, max_tokens=2, stream=stream, **extra
+                )
+            assert e.value.body["param"] == param, e.value.body
+
+
+def test_add_special_tokens_reaches_the_tokenizer():
+    """vLLM's add_special_tokens for text prompts (default true), and a truncated text prompt's
+    text is its kept tokens' decoding."""
+    from types import SimpleNamespace
+
+    from jaxserve.entrypoints.openai.protocol import CompletionRequest
+    from jaxserve.entrypoints.openai.serving_completion import _prompts
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    state = SimpleNamespace(tokenizer=Tok(), max_model_len=64)
+    state.async_llm = SimpleNamespace(tokenizer=state.tokenizer)
+
+    def prompts(**body):
+        return _prompts(state, CompletionRequest.model_validate({"prompt": "ab", **body}))
+
+    assert prompts() == [("ab", [1, 97, 98])]
+    assert prompts(add_special_tokens=False) == [("ab", [97, 98])]
+    assert prompts(truncate_prompt_tokens=2) == [(None, [97, 98])]
+    assert prompts(truncate_prompt_tokens=3) == [("ab", [1, 97, 98])]
+
+
 def test_vllm_prompt_logprobs_extra(client, offline):
     """vLLM's `prompt_logprobs` extra: each choice (chat: the response) carries every prompt
     token's top-n plus the token itself, with ranks, the first None; streaming refuses it."""

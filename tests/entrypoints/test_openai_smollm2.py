@@ -215,6 +215,14 @@ def test_chat_logprobs(smol, client):
     assert r2.choices[0].message.content == r.choices[0].message.content
 
 
+def test_chat_truncate_prompt_tokens(client):
+    """vLLM's truncate_prompt_tokens on a chat: the rendered conversation's last k tokens."""
+    r = client.chat.completions.create(
+        model="smollm2", messages=CHAT, max_tokens=2, extra_body={"truncate_prompt_tokens": 5}
+    )
+    assert r.usage.prompt_tokens == 5 and r.choices[0].message.content
+
+
 def test_stop_string(smol, client):
     ref = smol[1]["text"].outputs[0].text
     stop = ref.strip().split()[1]
@@ -472,12 +480,16 @@ EMPTY = {"prompt": [None, "", [], [[]]], "messages": [None, [], {}], "n": [None]
 FIELDS = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
           "frequency_penalty", "stream", "stream_options", "logit_bias", "top_k", "min_p",
           "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "allowed_token_ids",
-          "bad_words", "response_format", "structured_outputs", "model", "user")  # fmt: skip
+          "bad_words", "response_format", "structured_outputs", "model", "user",
+          "truncate_prompt_tokens", "use_beam_search")  # fmt: skip
 CHAT_FIELDS = ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "n",
                "stream", "chat_template_kwargs", "continue_final_message",
                "add_generation_prompt", "tool_choice", "parallel_tool_calls")  # fmt: skip
 ROUTES = {  # the shared sampling fields go through one parser and one check: tested once
-    "/v1/completions": ({"prompt": PROMPT}, FIELDS + ("prompt", "logprobs", "echo")),
+    "/v1/completions": (
+        {"prompt": PROMPT},
+        FIELDS + ("prompt", "logprobs", "echo", "suffix", "add_special_tokens"),
+    ),
     "/v1/chat/completions": ({"messages": CHAT}, CHAT_FIELDS),
 }
 RAW = [b"", b"null", b"[]", b'"x"', b"{", b"\xff\xfe", b"[" * 100_000,

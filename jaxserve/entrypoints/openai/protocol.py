@@ -98,6 +98,8 @@ class _SamplingRequest(_Request):
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json / regex / choice / grammar
     prompt_logprobs: int | None = Field(default=None, ge=-1)  # vLLM's: top-n per prompt token
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: keep the last k
+    use_beam_search: bool = False  # vLLM's; not served here (a 400, never ignored)
 
     @property
     def structured_field(self) -> str:
@@ -159,6 +161,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0)  # at most the engine's max_logprobs
     echo: bool = False
+    suffix: str | None = None  # fill-in-the-middle: no model here renders it (a 400, as vLLM)
+    add_special_tokens: bool = True  # vLLM's: for text prompts
 
 
 class ChatMessage(_Request):

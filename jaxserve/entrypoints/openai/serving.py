@@ -85,6 +85,30 @@ class ServingState:
             )
 
 
+def check_unserved(req) -> None:
+    """400s for vLLM request fields whose meaning this server does not provide (ignoring them
+    would answer another question than the one asked)."""
+    if req.use_beam_search:
+        raise APIError(400, "beam search is not supported by this server", "use_beam_search")
+    if getattr(req, "suffix", None) is not None:
+        raise APIError(
+            400, "suffix is only supported for models with FIM completion rendering", "suffix"
+        )
+    if req.truncate_prompt_tokens == 0:
+        raise APIError(
+            400, "truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens"
+        )
+
+
+def truncate(state: ServingState, req, ids: list[int]) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last k tokens of the prompt (-1: max_model_len)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    k = state.max_model_len if k == -1 else k
+    return ids[-k:]
+
+
 def check_prompt(state: ServingState, ids: list[int], max_tokens: int | None, default: int) -> int:
     """Checks one tokenized prompt; returns its max_tokens (the request's, else `default`,
     capped at the room left)."""

@@ -33,6 +33,7 @@ from jaxserve.entrypoints.openai.serving import (
     ServingState,
     check_prompt,
     check_request,
+    check_unserved,
     clamp_logprob,
     deadline,
     generate_all,
@@ -41,6 +42,7 @@ from jaxserve.entrypoints.openai.serving import (
     sse,
     sse_stream,
     token_str,
+    truncate,
 )
 from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, ToolError, ToolUse
 
@@ -107,6 +109,7 @@ def _logprobs(state, c: CompletionOutput, start: int, k: int) -> ChatLogprobs:
 async def create_chat_completion(state: ServingState, req: ChatCompletionRequest):
     """The response object, or (stream=True) an async iterator of SSE strings."""
     state.check_model(req.model)
+    check_unserved(req)
     use = tool_use(state, req)
     text, ids = apply_template(
         state,
@@ -116,6 +119,8 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
         req.continue_final_message,
         req.tools,
     )
+    kept = truncate(state, req, ids)
+    text, ids = (text if len(kept) == len(ids) else state.tokenizer.decode(kept)), kept
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )

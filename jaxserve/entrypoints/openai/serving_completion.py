@@ -27,6 +27,7 @@ from jaxserve.entrypoints.openai.serving import (
     ServingState,
     check_prompt,
     check_request,
+    check_unserved,
     clamp_logprob,
     deadline,
     generate_all,
@@ -36,21 +37,31 @@ from jaxserve.entrypoints.openai.serving import (
     sse_stream,
     token_str,
     tokenize_text,
+    truncate,
 )
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
-def _prompts(state: ServingState, p) -> list[tuple[str | None, list[int]]]:
+def _prompts(state: ServingState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt, after truncate_prompt_tokens (a truncated prompt's
+    text is its tokens' decoding)."""
+    p, special = req.prompt, req.add_special_tokens
     if isinstance(p, str):
-        return [(p, tokenize_text(state, p))]
-    if not p:
+        prompts = [(p, tokenize_text(state, p, special))]
+    elif not p:
         raise APIError(400, "prompt is empty", "prompt")
-    if all(isinstance(x, int) for x in p):
-        return [(None, list(p))]
-    if all(isinstance(x, str) for x in p):
-        return [(x, tokenize_text(state, x)) for x in p]
-    return [(None, list(x)) for x in p]
+    elif all(isinstance(x, int) for x in p):
+        prompts = [(None, list(p))]
+    elif all(isinstance(x, str) for x in p):
+        prompts = [(x, tokenize_text(state, x, special)) for x in p]
+    else:
+        prompts = [(None, list(x)) for x in p]
+    out = []
+    for text, ids in prompts:
+        kept = truncate(state, req, ids)
+        out.append((text if len(kept) == len(ids) else None, kept))
+    return out
 
 
 class _Choices:
@@ -129,7 +140,8 @@ def _finish(c: CompletionOutput, zero: bool) -> str | None:
 async def create_completion(state: ServingState, req: CompletionRequest):
     """The response object, or (stream=True) an async iterator of SSE strings."""
     state.check_model(req.model)
-    prompts = _prompts(state, req.prompt)
+    check_unserved(req)
+    prompts = _prompts(state, req)
     max_tokens = [
         check_prompt(state, ids, req.max_tokens, DEFAULT_MAX_TOKENS) for _, ids in prompts
     ]
