@@ -72,6 +72,12 @@ flags.DEFINE_bool(
     False,
     "Allow tool_choice='auto' (the default when a request gives tools); needs --tool_call_parser.",
 )
+flags.DEFINE_bool(
+    "trust_request_chat_template",
+    False,
+    "Let a chat request bring its own Jinja template (chat_template, or in chat_template_kwargs); "
+    "otherwise such a request is a 400, as in vLLM.",
+)
 flags.DEFINE_bool("warmup_model", True, "Compile every step shape before the port opens.")
 flags.DEFINE_float(
     "graceful_shutdown_s", 60.0, "On SIGTERM, how long to wait for requests in flight."
@@ -141,6 +147,7 @@ def main(argv: list[str]) -> int:
         chat_template=read_chat_template(FLAGS.chat_template),
         tool_call_parser=FLAGS.tool_call_parser,
         enable_auto_tool_choice=FLAGS.enable_auto_tool_choice,
+        trust_request_chat_template=FLAGS.trust_request_chat_template,
     )
     config = uvicorn.Config(
         application,

@@ -215,6 +215,49 @@ def test_chat_logprobs(smol, client):
     assert r2.choices[0].message.content == r.choices[0].message.content
 
 
+def test_chat_echo_documents_and_a_request_template(smol, client):
+    """vLLM's chat extras: `echo` puts the final assistant message before the reply (streamed as
+    its own delta); a request's own chat template (or one in chat_template_kwargs) is a 400
+    unless the server trusts them; then it renders, `documents` reaching it."""
+    from jaxserve.entrypoints.openai.server import build_app
+
+    server, offline, llm = smol
+    ref = offline["continued"][0].outputs[0]
+    kw = dict(model="smollm2", messages=PARTIAL, temperature=0, max_tokens=N,
+              extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                          "echo": True})  # fmt: skip
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == PARTIAL[-1]["content"] + ref.text
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks)
+        == PARTIAL[-1]["content"] + ref.text
+    )
+    plain = client.chat.completions.create(**{**kw, "messages": CHAT, "extra_body": {"echo": True}})
+    assert plain.choices[0].message.content == offline["chat"].outputs[0].text  # user turn last
+
+    template = "{% for d in documents %}[{{ d.text }}]{% endfor %}{{ messages[0].content }} ="
+    bodies = [{"extra_body": {"chat_template": template}},
+              {"extra_body": {"chat_template_kwargs": {"chat_template": template}}}]  # fmt: skip
+    for extra in bodies:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=1, **extra)
+        assert e.value.body["param"] == "chat_template"
+    allm = server.server.config.app.state.serving.async_llm
+    trusted = ServerThread(build_app(allm, "smollm2", trust_request_chat_template=True))
+    try:
+        c2 = openai.OpenAI(base_url=trusted.url, api_key="none", max_retries=0)
+        docs = [{"text": "Colors are hues."}]
+        r = c2.chat.completions.create(
+            model="smollm2", messages=CHAT, max_tokens=1,
+            extra_body={"chat_template": template, "documents": docs},
+        )  # fmt: skip
+        want = llm.tokenizer("[Colors are hues.]Name three colors. =", add_special_tokens=False)
+        assert r.usage.prompt_tokens == len(want["input_ids"])
+    finally:
+        trusted.stop()
+
+
 def test_chat_truncate_prompt_tokens(client):
     """vLLM's truncate_prompt_tokens on a chat: the rendered conversation's last k tokens."""
     r = client.chat.completions.create(
@@ -484,7 +527,8 @@ FIELDS = ("max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_p
           "truncate_prompt_tokens", "use_beam_search")  # fmt: skip
 CHAT_FIELDS = ("messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "n",
                "stream", "chat_template_kwargs", "continue_final_message",
-               "add_generation_prompt", "tool_choice", "parallel_tool_calls")  # fmt: skip
+               "add_generation_prompt", "tool_choice", "parallel_tool_calls", "echo",
+               "documents", "chat_template")  # fmt: skip
 ROUTES = {  # the shared sampling fields go through one parser and one check: tested once
     "/v1/completions": (
         {"prompt": PROMPT},

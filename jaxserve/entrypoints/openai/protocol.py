@@ -184,6 +184,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: needs --trust_request_chat_template
+    documents: list[dict[str, Any]] | None = None  # vLLM's: given to the template
+    echo: bool = False  # vLLM's: the final assistant message's text before the reply
     keeps_null: ClassVar[frozenset[str]] = frozenset({"tool_choice"})
 
     @property

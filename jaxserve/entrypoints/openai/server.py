@@ -126,6 +126,7 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The app. `max_queued_requests`: requests allowed to wait for a slot before 503."""
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
@@ -139,6 +140,7 @@ def build_app(
         max_n=async_llm.engine_config.num_slots,
         tool_call_parser=tool_call_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
+        trust_request_chat_template=trust_request_chat_template,
     )
     app.state.serving = state
 

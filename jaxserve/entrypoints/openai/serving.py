@@ -54,6 +54,7 @@ class ServingState:
     max_n: int = 32
     tool_call_parser: str | None = None  # tool_calls.TOOL_CALL_PARSERS
     enable_auto_tool_choice: bool = False  # tool_choice="auto" (needs the parser)
+    trust_request_chat_template: bool = False  # a request may bring its own chat template
 
     @property
     def tokenizer(self):

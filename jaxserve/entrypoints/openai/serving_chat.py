@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from jaxserve.core.outputs import CompletionOutput
-from jaxserve.entrypoints.chat_utils import normalize_conversation, render_chat
+from jaxserve.entrypoints.chat_utils import message_text, normalize_conversation, render_chat
 from jaxserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -54,11 +54,22 @@ def apply_template(
     kwargs=None,
     continue_final_message: bool = False,
     tools=None,
+    chat_template: str | None = None,
 ) -> tuple[str, list[int]]:
-    """(text, token ids) of a conversation (`render_chat`); 400 naming what is wrong."""
+    """(text, token ids) of a conversation (`render_chat`); 400 naming what is wrong. A request's
+    own template (`chat_template`, or one in `kwargs`) needs --trust_request_chat_template, as
+    in vLLM."""
     tok = state.tokenizer
     if tok is None:
         raise APIError(400, "chat needs a tokenizer; this model has none", "messages")
+    asked = chat_template is not None or (kwargs or {}).get("chat_template") is not None
+    if asked and not state.trust_request_chat_template:
+        raise APIError(
+            400,
+            "Chat template is passed with request, but --trust_request_chat_template is not "
+            "set. Refused request with untrusted chat template.",
+            "chat_template",
+        )
     if continue_final_message and add_generation_prompt:
         raise APIError(
             400,
@@ -73,7 +84,7 @@ def apply_template(
         return render_chat(
             tok,
             conv,
-            chat_template=state.chat_template,
+            chat_template=chat_template if chat_template is not None else state.chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
@@ -111,13 +122,17 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     state.check_model(req.model)
     check_unserved(req)
     use = tool_use(state, req)
+    kwargs = req.chat_template_kwargs
+    if req.documents is not None:  # vLLM's: for templates that render documents (RAG)
+        kwargs = {"documents": req.documents, **(kwargs or {})}
     text, ids = apply_template(
         state,
         req.messages,
         req.add_generation_prompt,
-        req.chat_template_kwargs,
+        kwargs,
         req.continue_final_message,
         req.tools,
+        req.chat_template,
     )
     kept = truncate(state, req, ids)
     text, ids = (text if len(kept) == len(ids) else state.tokenizer.decode(kept)), kept
@@ -150,9 +165,12 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
         async with contextlib.aclosing(generate_all(state, [(text, ids)], [sp], False)) as outs:
             async for _, out in outs:
                 final = out
+    echo = _echo(req)
     choices = []
     for c in final.outputs:
         content, calls = use.parse(c.text)
+        if echo:
+            content = echo + (content or "")
         choices.append(
             ChatChoice(
                 index=c.index,
@@ -172,6 +190,15 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
         usage=usage,
         prompt_logprobs=prompt_logprobs_out(state, final),
     )
+
+
+def _echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text when it is the assistant's (the turn the
+    reply continues), put before the reply; else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant":
+        return ""
+    return message_text(last.content)
 
 
 def tool_use(state: ServingState, req: ChatCompletionRequest) -> ToolUse:
@@ -198,6 +225,7 @@ def tool_use(state: ServingState, req: ChatCompletionRequest) -> ToolUse:
 
 async def _stream(state, req, text, ids, sp, rid, k, use) -> AsyncIterator[str]:
     sent: dict[int, list] = {}  # choice index -> [tokens sent, tool-call view, finished]
+    echo = _echo(req)
     usage = Usage(prompt_tokens=len(ids))
 
     def chunk(index, delta, lps=None, finish=None):
@@ -211,6 +239,8 @@ async def _stream(state, req, text, ids, sp, rid, k, use) -> AsyncIterator[str]:
                     if c.index not in sent:
                         sent[c.index] = [0, ToolCallStream(use), False]
                         yield chunk(c.index, DeltaMessage(role="assistant", content=""))
+                        if echo:
+                            yield chunk(c.index, DeltaMessage(content=echo))
                     s = sent[c.index]
                     if s[2]:
                         continue
