@@ -47,34 +47,24 @@ def main(argv):
     del argv
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
     from jaxserve.bench.core import append_row_jsonl, cpu_name
     from jaxserve.loading.default_model import smollm2_gguf_path
     from jaxserve.loading.tokenizer import load_tokenizer
-    from jaxserve.testing.lm_eval_tasks import write_multiple_choice_task
+    from jaxserve.testing.lm_eval_tasks import (
+        score_with_local_completions,
+        write_multiple_choice_task,
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         write_multiple_choice_task(folder, "mc_bench", task_rows(_N.value))
         load_tokenizer(smollm2_gguf_path()).save_pretrained(folder / "tokenizer")
-        model_args = (
-            f"model={_MODEL.value},base_url={_BASE_URL.value}/completions,"
-            f"tokenizer_backend=huggingface,tokenizer={folder / 'tokenizer'},"
-            "tokenized_requests=True,max_length=2048"
-        )
         t0 = time.perf_counter()
-        results = lm_eval.simple_evaluate(
-            model="local-completions",
-            model_args=model_args,
-            tasks=["mc_bench"],
-            task_manager=TaskManager(include_path=str(folder)),
-            log_samples=True,
-        )
+        results, ll = score_with_local_completions(
+            _BASE_URL.value, _MODEL.value, folder, "mc_bench", folder / "tokenizer",
+            ",max_length=2048",
+        )  # fmt: skip
         wall = time.perf_counter() - t0
-    samples = sorted(results["samples"]["mc_bench"], key=lambda s: s["doc_id"])
-    ll = [float(r[0][0]) for s in samples for r in s["resps"]]
     row = {
         "label": _LABEL.value,
         "cpu": cpu_name(),

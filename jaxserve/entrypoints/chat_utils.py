@@ -13,9 +13,9 @@ special tokens again (the template already holds them).
 A message's content may be a string or OpenAI's list of content parts. As vLLM's "string" content
 format, a list becomes its text parts joined by newlines before the template sees it (a part
 whose text is missing is skipped, as vLLM does); a missing content becomes "". An assistant
-message's `tool_calls` reach the template with their arguments as a mapping (vLLM's rule). The models served
-take text only, so an image, audio, video or file part is an error naming it, never dropped in
-silence.
+message's `tool_calls` reach the template with their arguments as a mapping (vLLM's rule). The
+models served take text only, so an image, audio, video or file part is an error naming it,
+never dropped in silence.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ def _tool_calls_as_dicts(message: dict[str, Any], where: str) -> None:
                 args = json.loads(args) if args else {}
             except ValueError:
                 args = {}
-        fixed.append({**call, "function": {**function, "arguments": args if isinstance(args, dict) else {}}})  # fmt: skip
+        args = args if isinstance(args, dict) else {}
+        fixed.append({**call, "function": {**function, "arguments": args}})
     message["tool_calls"] = fixed
 
 

@@ -15,7 +15,10 @@ from serving_testing import ServerThread, wait_idle
 
 from jaxserve import SamplingParams
 from jaxserve.entrypoints.openai.tool_calls import ToolUse
-from jaxserve.testing.lm_eval_tasks import write_multiple_choice_task
+from jaxserve.testing.lm_eval_tasks import (
+    score_with_local_completions,
+    write_multiple_choice_task,
+)
 
 pytestmark = pytest.mark.smollm2
 
@@ -290,28 +293,16 @@ def test_tokenize_detokenize(smol):
 def test_lm_eval_local_completions(smol, tmp_path, monkeypatch):
     """lm-evaluation-harness's `local-completions` client scores a local multiple-choice task
     (YAML over a JSONL written here) end to end; its loglikelihoods equal LLM's prompt log-probs."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     server, offline, llm = smol
     write_multiple_choice_task(tmp_path, "tiny_mc", MC)
     tok_dir = tmp_path / "tokenizer"
     llm.tokenizer.save_pretrained(tok_dir)
-    model_args = (
-        f"model=smollm2,base_url={server.url}/completions,tokenizer_backend=huggingface,"
-        f"tokenizer={tok_dir},tokenized_requests=True,max_length=256,num_concurrent=2,max_retries=1"
-    )
-    results = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args=model_args,
-        tasks=["tiny_mc"],
-        task_manager=TaskManager(include_path=str(tmp_path)),
-        log_samples=True,
-    )
-    samples = sorted(results["samples"]["tiny_mc"], key=lambda s: s["doc_id"])
-    got = [float(r[0][0]) for s in samples for r in s["resps"]]
+    results, got = score_with_local_completions(
+        server.url, "smollm2", tmp_path, "tiny_mc", tok_dir,
+        ",max_length=256,num_concurrent=2,max_retries=1",
+    )  # fmt: skip
     assert got == pytest.approx(offline["mc"], abs=1e-4)
     assert 0.0 <= results["results"]["tiny_mc"]["acc,none"] <= 1.0
 

@@ -101,13 +101,13 @@ def check_unserved(req) -> None:
         )
 
 
-def truncate(state: ServingState, req, ids: list[int]) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the last k tokens of the prompt (-1: max_model_len)."""
+def truncate(state: ServingState, req, text: str | None, ids: list[int]):
+    """vLLM's truncate_prompt_tokens: (text, ids) of the prompt's last k tokens (-1:
+    max_model_len); a prompt that lost tokens has no text (None), as a token-id prompt."""
     k = req.truncate_prompt_tokens
-    if k is None:
-        return ids
-    k = state.max_model_len if k == -1 else k
-    return ids[-k:]
+    if k is None or len(ids) <= (k := state.max_model_len if k == -1 else k):
+        return text, ids
+    return None, ids[-k:]
 
 
 def check_prompt(state: ServingState, ids: list[int], max_tokens: int | None, default: int) -> int:

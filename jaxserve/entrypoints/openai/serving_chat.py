@@ -134,8 +134,7 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
         req.tools,
         req.chat_template,
     )
-    kept = truncate(state, req, ids)
-    text, ids = (text if len(kept) == len(ids) else state.tokenizer.decode(kept)), kept
+    text, ids = truncate(state, req, text, ids)
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )

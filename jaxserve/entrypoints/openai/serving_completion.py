@@ -44,8 +44,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
 def _prompts(state: ServingState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt, after truncate_prompt_tokens (a truncated prompt's
-    text is its tokens' decoding)."""
+    """(text or None, token ids) per prompt, after truncate_prompt_tokens."""
     p, special = req.prompt, req.add_special_tokens
     if isinstance(p, str):
         prompts = [(p, tokenize_text(state, p, special))]
@@ -57,11 +56,7 @@ def _prompts(state: ServingState, req: CompletionRequest) -> list[tuple[str | No
         prompts = [(x, tokenize_text(state, x, special)) for x in p]
     else:
         prompts = [(None, list(x)) for x in p]
-    out = []
-    for text, ids in prompts:
-        kept = truncate(state, req, ids)
-        out.append((text if len(kept) == len(ids) else None, kept))
-    return out
+    return [truncate(state, req, text, ids) for text, ids in prompts]
 
 
 class _Choices:
