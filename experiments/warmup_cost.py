@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
+import jax
 from absl import app, flags
 
 from jaxserve import LLM
@@ -26,10 +27,15 @@ _IMPLS = flags.DEFINE_list(
 )
 _SLOTS = flags.DEFINE_integer("num_slots", 32, "Engine slots.")
 _OUT = flags.DEFINE_string("out", None, "Append one JSON line per engine here.")
+_MODEL = flags.DEFINE_string("model", None, "Model (default: SmolLM2-135M-Instruct's GGUF).")
+_LOAD_FORMAT = flags.DEFINE_string(
+    "load_format", None, "'dummy': random weights of the model's shapes (no files needed)."
+)
 
 
 def measure(impl: str) -> dict:
-    llm = LLM(dtype="bfloat16", num_slots=_SLOTS.value, attention_impl=impl)
+    kwargs = {k: v for k, v in [("model", _MODEL.value), ("load_format", _LOAD_FORMAT.value)] if v}
+    llm = LLM(dtype="bfloat16", num_slots=_SLOTS.value, attention_impl=impl, **kwargs)
     r = llm.engine.runner.resolved
     with CompileCounter() as cc:
         t0 = time.perf_counter()
@@ -37,6 +43,8 @@ def measure(impl: str) -> dict:
         wall = time.perf_counter() - t0
     return {
         "attention_impl": impl,
+        "model": _MODEL.value or "default",
+        "load_format": _LOAD_FORMAT.value or "auto",
         "resolved_attention": r.model.attention,
         "decode_shapes": len(r.decode_shapes()),
         "prefill_shapes": len(r.prefill_shapes()),
@@ -44,6 +52,7 @@ def measure(impl: str) -> dict:
         "compile_s": round(cc.seconds, 2),
         "warmup_s": round(wall, 2),
         "cpu": cpu_name(),
+        "device": jax.devices()[0].device_kind,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
