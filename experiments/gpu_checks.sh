@@ -14,6 +14,7 @@ set -u
 OUT=${OUT:-experiments/out/gpu_checks}
 DEADLINE=$(($(date +%s) + ${GPU_CHECKS_BUDGET_S:-560}))
 R=/tmp/gpu_checks  # outside $OUT: only log.txt and the tarball come back
+rm -rf "$R"
 mkdir -p "$R" "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
