@@ -329,9 +329,11 @@ def time_config(c, weights, t, slots, spec, hbm_gbps, trace_dir=None) -> list[di
     ctx, n = spec["context"], spec["steps"]
     base = dict(model=c.name, weights=weights, tp=t, context=ctx, steps_per_call=n)
     abstract, dtype = abstract_params(c, weights, spec["group_size"])
+    # The INT4 matmul impl is pytree metadata: set it before the specs are built from the tree,
+    # or jit's out_shardings ('xla') and the params ('pallas' on a GPU) differ in structure.
+    abstract = with_matmul_impl(abstract, resolved(c, 1, ctx, 1).int4_matmul)
     p_abs, specs, tc = partitioned(abstract, c, t)
     mesh = make_mesh(t, 1) if t > 1 else None
-    p_abs = with_matmul_impl(p_abs, resolved(tc, 1, ctx, 1).int4_matmul)
     shardings = partition.named(mesh if mesh is not None else make_mesh(1, 1), specs)
     need, limit = local_bytes(p_abs, shardings), device_limit()
     if limit is not None and need > 0.9 * limit:

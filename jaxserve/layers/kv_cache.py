@@ -61,6 +61,26 @@ def storage_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
     raise ValueError(f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {kv_cache_dtype!r}")
 
 
+# Pallas' Triton lowering indexes an array under 4 GiB with 32-bit signed offsets, so a one-byte
+# (int8 / fp8) pool array of 2^31 or more elements that is still under 4 GiB reads the wrong pages
+# (seen on the H200: experiments/RESULTS.md 48). Wider dtypes cannot fall in that range.
+TRITON_OFFSET_LIMIT = 2**31
+
+
+def triton_safe_num_pages(num_pages: int, page_elements: int, itemsize: int, shards: int = 1):
+    """The most pages, at most `num_pages`, whose pool array on one device stays out of the
+    range the Pallas Triton kernels misread: under 2^31 elements, or 4 GiB and over.
+
+    page_elements: elements one page holds in one device's array (layers x local KV heads x
+    page_size x head_dim); shards: the data shards the pages are split over (each holds an equal
+    share)."""
+    local = num_pages // shards
+    elements = local * page_elements
+    if elements < TRITON_OFFSET_LIMIT or elements * itemsize >= 2 * TRITON_OFFSET_LIMIT:
+        return num_pages
+    return (TRITON_OFFSET_LIMIT - 1) // page_elements * shards
+
+
 def bytes_per_token(
     num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str, model_dtype
 ) -> int:

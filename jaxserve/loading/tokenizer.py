@@ -23,10 +23,14 @@ from pathlib import Path
 import gguf
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
-from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-    GGUF_TOKENIZER_MAPPING,
-    convert_gguf_tokenizer,
-)
+
+try:  # transformers >= 5.18 moved the GGUF tokenizer table and converter here
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+except ImportError:  # transformers 5.0-5.17 (the lent H200's image has 5.17.0)
+    from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from jaxserve.loading.gguf_file import open_gguf
@@ -79,7 +83,8 @@ def tokenizer_from_gguf(reader: gguf.GGUFReader) -> PreTrainedTokenizerFast:
         tok_config[name] = tokens[int(token_id)] if token_id is not None else None
     architecture = reader.fields["general.architecture"].contents()
     backend, extra = convert_gguf_tokenizer(architecture, tok_dict)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **tok_config, **extra)
+    # transformers <= 5.17's converter also returns special tokens; the file's own ids win.
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **(extra | tok_config))
 
 
 def check_chat_template(tokenizer: PreTrainedTokenizerBase, where) -> None:

@@ -27,7 +27,8 @@ lm_head view [D, V] (it unpacks only the gathered columns).
 
 The matmul implementation is a static field, `impl`, chosen when the engine is built (the runner
 sets it with `jaxserve.quant.with_matmul_impl`: 'pallas' on GPU, 'xla' elsewhere); nothing reads
-the backend while tracing.
+the backend while tracing. 'pallas' runs the fused kernel for up to `PALLAS_MAX_ROWS` rows (decode)
+and XLA's unpack + dot for more (prefill), which is faster there (RESULTS.md 48).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ from pallas_kernels.int4_matmul import IMPLS, int4_matmul
 
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_IMPL = "xla"  # runs on every backend; the engine picks 'pallas' on GPU
+# Rows up to which impl 'pallas' runs the fused kernel; more rows (a prefill chunk, a decode
+# batch of 32+) take the XLA unpack + dot. On the H200 the kernel took 0.35-0.5x XLA's time at
+# 1 and 8 rows and 1.7-3.4x at 32 to 512 rows (Llama-3-8B projections, bf16; RESULTS.md 48).
+PALLAS_MAX_ROWS = 16
 
 
 @struct.dataclass
@@ -137,7 +142,10 @@ class Int4Weight:
             )
         if x.ndim < 1 or x.shape[-1] != self.shape[-2]:
             raise ValueError(f"x has shape {x.shape}; its last dim must be K={self.shape[-2]}")
-        impl = impl or self.impl
+        if impl is None:
+            impl = self.impl
+            if impl == "pallas" and int(np.prod(x.shape[:-1])) > PALLAS_MAX_ROWS:
+                impl = "xla"
 
         def local(w, x, layer, out_dtype):
             return int4_matmul(

@@ -3,6 +3,7 @@
     state_bytes(model_config, engine_config, num_pages)   KV pool and slot state bytes (totals)
     device_memory_bytes()                                  the first local device's memory
     check_memory(...)                                      ValueError before an allocation fails
+    pallas_pool_pages(num_pages, model_config, engine_config)   pages the Pallas kernels read right
     bytes_on_device(tree, device)                          bytes of `tree`'s shards on `device`
     memory_plan(runner) -> dict                            per device: params, KV pool, slot
                                                            state, workspace; pages per data shard
@@ -17,6 +18,7 @@ None until warm-up has compiled them.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -25,6 +27,8 @@ import numpy as np
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers import kv_cache
 from jaxserve.runner import input_batch, steps
+
+logger = logging.getLogger(__name__)
 
 
 def state_bytes(model_config: ModelConfig, engine_config: EngineConfig, num_pages: int) -> dict:
@@ -45,6 +49,27 @@ def device_memory_bytes() -> int:
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pallas_pool_pages(num_pages: int, model_config: ModelConfig, engine_config: EngineConfig):
+    """num_pages, lowered (with a warning) where one device's int8 / fp8 pool array would hold
+    2^31 elements or more but under 4 GiB, which the Pallas Triton kernels misread
+    (`kv_cache.triton_safe_num_pages`). The pool stays within the bytes it was given."""
+    c, e = model_config, engine_config
+    itemsize = kv_cache.storage_dtype(e.kv_cache_dtype, e.dtype).itemsize
+    heads = max(1, c.num_kv_heads // e.tensor_parallel_size)  # under TP: one device's heads
+    per_page = c.num_layers * heads * e.page_size * c.head_dim
+    safe = kv_cache.triton_safe_num_pages(num_pages, per_page, itemsize, e.data_parallel_size)
+    if safe != num_pages:
+        logger.warning(
+            "KV pool lowered from %d to %d pages: an %s pool array of 2^31 or more elements "
+            "under 4 GiB is misread by the Pallas Triton kernels (32-bit offsets; "
+            "experiments/RESULTS.md 48). A pool of 4 GiB or more per array is read right.",
+            num_pages,
+            safe,
+            e.kv_cache_dtype,
+        )
+    return safe
 
 
 def check_memory(model_config: ModelConfig, engine_config: EngineConfig, num_pages: int) -> None:

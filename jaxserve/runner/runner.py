@@ -137,6 +137,9 @@ class ModelRunner:
         # CPU warms up in 0.53-0.55x the time). With one width (the C++ CPU kernel) it would
         # save nothing and cost a program launch per step, so that prefill stays one program.
         self.splits_prefill = d == 1 and len({s.width for s in r.prefill_shapes()}) > 1
+        if r.model.attention == "pallas":
+            num_pages = memory.pallas_pool_pages(num_pages, model_config, engine_config)
+        self.num_pages = num_pages  # the pool's pages (the engine's allocator takes this count)
         check_memory(model_config, engine_config, num_pages)  # before anything is allocated
 
         def init_cache():

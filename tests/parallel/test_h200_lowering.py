@@ -50,7 +50,9 @@ from jaxserve.resolve import DecodeShape, PrefillShape, resolve
 from jaxserve.runner import data_parallel, steps
 from jaxserve.runner.input_batch import PrefillBatch
 
-SLOTS_PER_SHARD, MAX_PAGES, PAGES_PER_SHARD, PAGE_SIZE, CHUNK, ROWS = 32, 16, 512, 16, 64, 8
+# 16 slots per shard: INT4 decode runs the fused kernel (up to int4.PALLAS_MAX_ROWS rows);
+# the prefill's 8 x 64 rows take XLA's unpack + dot
+SLOTS_PER_SHARD, MAX_PAGES, PAGES_PER_SHARD, PAGE_SIZE, CHUNK, ROWS = 16, 16, 512, 16, 64, 8
 _TINY = ModelConfig.preset("tiny")
 GPU = resolve(
     EngineConfig(num_slots=SLOTS_PER_SHARD, max_model_len=256, page_size=PAGE_SIZE).for_model(
@@ -215,9 +217,11 @@ def test_sharded_steps_lower_for_cuda_on_8_h200s(model, quantization, d, t):
     for step, text in texts.items():
         calls = triton_calls(text)
         attention = [ops for kind, ops in calls if kind.startswith("paged_")]
-        assert {kind for kind, _ in calls} == {f"paged_{step}"} | (
-            {"int4_matmul"} if quantization else set()
-        ), step
+        fused = quantization and step == "decode"  # <= 16 rows: the fused INT4 kernel
+        assert {kind for kind, _ in calls} - {"int4_matmul"} == {f"paged_{step}"}, step
+        if quantization and not fused:  # the prefill's lm_head on its 8 last tokens, alone
+            shards = {int4_kn(ops) for kind, ops in calls if kind == "int4_matmul"}
+            assert shards == {(D, V // t)}, (step, shards)
         assert attention and all(local_pool in ops for ops in attention), (step, attention)
         # The kernels sit inside shard_map: manual over 'model' (and 'data' for DP).
         assert 'manual_axes={"model"}' in text, step
@@ -225,7 +229,7 @@ def test_sharded_steps_lower_for_cuda_on_8_h200s(model, quantization, d, t):
         specs = arg_specs(text)
         pool = f"{L}x{c.num_kv_heads}x{d * PAGES_PER_SHARD}x{PAGE_SIZE}x{dh}xbf16"
         assert specs[pool] == {'[{}, {"model"}, {%s}, {}, {}]' % ('"data"' if d > 1 else "")}
-        if quantization:
+        if fused:
             # Each INT4 weight's kernel gets one device's shard: columns N/T (wq, wk, wv, gate,
             # up, lm_head) or rows K/T (wo, w_down); the row shards' partial sums and the
             # vocab-parallel embedding lookup each end in an all-reduce over 'model'.
@@ -239,7 +243,7 @@ def test_sharded_steps_lower_for_cuda_on_8_h200s(model, quantization, d, t):
                 (D, V // t),
             }, (step, shards)
             assert text.count("stablehlo.all_reduce") >= 3, step
-        else:
+        elif not quantization:
             # The GSPMD splits the partitioner turns into collectives at compile time.
             assert '[{}, {}, {"model"}]' in specs[f"{L}x{D}x{qd}xbf16"]  # wq: column
             assert '[{}, {}, {"model"}]' in specs[f"{L}x{D}x{kd}xbf16"]  # wk / wv: column

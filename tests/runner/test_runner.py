@@ -359,3 +359,26 @@ except RuntimeError as e:
     assert lines[2] == "False"  # the matmuls: XLA's dot
     assert "matmul_impl='cpu_kernel'" in lines[3] and "no C++ compiler" in lines[3]
     assert "CPU matmul kernel not available" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "kv, num_pages, want", [("int8", 12, 7), ("int8", 16, 16), ("fp8", 9, 7), ("auto", 12, 12)]
+)
+def test_gpu_runner_keeps_one_byte_pools_where_the_kernels_read_them(
+    monkeypatch, kv, num_pages, want
+):
+    """A Pallas (GPU) engine lowers an int8 / fp8 pool whose array would hold 2^31 elements or
+    more but under 4 GiB, which the Triton kernels misread (RESULTS.md 48), and allocates and
+    reports the lowered count. Here the limit is scaled down to the tiny model's 1,024-element
+    pages: 8-15 pages are in the range, 16 are past it."""
+    from jaxserve.layers import kv_cache
+
+    monkeypatch.setattr(kv_cache, "TRITON_OFFSET_LIMIT", 8 * 1024)
+    cfg = ModelConfig.preset("tiny")
+    ec = EngineConfig(
+        num_slots=2, max_model_len=64, page_size=16, dtype="float32", kv_cache_dtype=kv
+    )
+    runner = ModelRunner(dummy_params(cfg, "float32"), cfg, ec, num_pages=num_pages, backend="gpu")
+    assert runner.num_pages == runner.cache.num_pages == want
+    cpu = ModelRunner(dummy_params(cfg, "float32"), cfg, ec, num_pages=num_pages, backend="cpu")
+    assert cpu.num_pages == num_pages  # the XLA paths index with 64-bit offsets where needed
