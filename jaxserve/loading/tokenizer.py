@@ -24,12 +24,12 @@ import gguf
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-try:  # transformers >= 5.18 moved the GGUF tokenizer table and converter here
+try:  # where transformers 5.25 (this repo's CI) keeps the GGUF tokenizer table and converter
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,
     )
-except ImportError:  # transformers 5.0-5.17 (the lent H200's image has 5.17.0)
+except ImportError:  # where 5.17 (the lent H200's image) keeps them
     from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 from transformers.utils.chat_template_utils import _compile_jinja_template
 

@@ -60,7 +60,7 @@ DEFAULT_GROUP_SIZE = 128
 DEFAULT_IMPL = "xla"  # runs on every backend; the engine picks 'pallas' on GPU
 # Rows up to which impl 'pallas' runs the fused kernel; more rows (a prefill chunk, a decode
 # batch of 32+) take the XLA unpack + dot. On the H200 the kernel took 0.35-0.5x XLA's time at
-# 1 and 8 rows and 1.7-3.4x at 32 to 512 rows (Llama-3-8B projections, bf16; RESULTS.md 48).
+# 1 and 8 rows and 1.2-3.4x at 32 to 512 rows (Llama-3-8B projections, bf16; RESULTS.md 48).
 PALLAS_MAX_ROWS = 16
 
 
