@@ -44,7 +44,7 @@ step() {
 run_step() {
   case $1 in
   env) step env 90 bash -c 'nvidia-smi; python3 -c "import jax, jaxserve; print(jax.__version__, jax.devices())"' ;;
-  kernels) step kernels 170 python3 experiments/gpu_kernels.py --out "$R/kernels" --budget_s 60 ;;
+  kernels) step kernels 260 python3 experiments/gpu_kernels.py --out "$R/kernels" --budget_s 150 ;;
   int4) step int4 130 python3 experiments/gpu_int4.py --out "$R/int4" --no-sweep --iters 50 ;;
   engine) step engine 170 python3 experiments/gpu_engine_check.py --out "$R/engine" --budget_s 90 ;;
   warmup)

@@ -7,7 +7,7 @@ Steps, each printed and written to DIR/gpu_kernels.json and DIR/gpu_kernels.md:
 
 1. KV bytes per token (Llama-3-8B, 32 layers x 8 KV heads x 128), from the arrays `kv_cache.init`
    allocates: bf16 vs int8 vs fp8 (scales included) -- quantized should be about half.
-2. Copy bandwidth: a jitted `x + 1` over a large u8 buffer (read + write), the ceiling decode can reach.
+2. Copy bandwidth: a jitted `x + 1` over a large u32 buffer (read + write), the ceiling decode can reach.
 3. Correctness on the device: decode and prefill kernels against `paged_attention_reference` for
    f32/bf16 queries x auto/int8/fp8 KV x page 16/32, ragged lengths (0, 1, ps-1, ps, ps+1, max) and
    chunk offsets (0, 1, mid-page), random permuted page tables.
@@ -107,9 +107,10 @@ def kv_bytes_per_token() -> dict:
 
 
 def copy_bandwidth(nbytes: int) -> float:
-    """GB/s of a jitted elementwise `x + 1` over nbytes of u8 (counts read + write)."""
-    x = jnp.zeros((nbytes,), jnp.uint8)
-    f = jax.jit(lambda x: x + jnp.uint8(1))
+    """GB/s of a jitted elementwise `x + 1` over nbytes of u32 (counts read + write). u8 read
+    1,696 GB/s on the H200 (RESULTS.md 48b), far under its ~4.3 TB/s copy: too narrow a word."""
+    x = jnp.zeros((nbytes // 4,), jnp.uint32)
+    f = jax.jit(lambda x: x + jnp.uint32(1))
     t = timeit(f, x, min_time=0.5)
     return 2 * nbytes / t / 1e9
 
@@ -135,9 +136,12 @@ def check_correctness(interpret: bool, small: bool) -> list[dict]:
                 pt = page_table(ks_[1], b, w, pages)
                 q = jax.random.normal(ks_[2], (b, kvh * g, d), jnp.float32).astype(q_dt)
                 out = paged_attention(q, k, v, lens, pt, 1, ksc, vsc, interpret=interpret)
-                ref = paged_attention_reference(
-                    q[:, None], k, v, lens[:, None] - 1, lens, pt, 1, ksc, vsc
-                )
+                # The reference at full f32 ("highest": no TF32 on the GPU; RESULTS.md 48b), so
+                # an f32 error left is the kernel's own rounding.
+                with jax.default_matmul_precision("highest"):
+                    ref = paged_attention_reference(
+                        q[:, None], k, v, lens[:, None] - 1, lens, pt, 1, ksc, vsc
+                    )
                 dec_err = float(
                     jnp.max(jnp.abs(out.astype(jnp.float32) - ref[:, 0].astype(jnp.float32)))
                 )
@@ -151,7 +155,8 @@ def check_correctness(interpret: bool, small: bool) -> list[dict]:
                 outp = paged_prefill_attention(
                     qp, k, v, pos, seq, pt, 1, ksc, vsc, interpret=interpret
                 )
-                refp = paged_attention_reference(qp, k, v, pos, seq, pt, 1, ksc, vsc)
+                with jax.default_matmul_precision("highest"):
+                    refp = paged_attention_reference(qp, k, v, pos, seq, pt, 1, ksc, vsc)
                 real = (jnp.arange(t)[None, :] < counts[:, None])[..., None, None]
                 pre_err = float(
                     jnp.max(
