@@ -113,9 +113,9 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError(f"tokenizer: no tokenizer files in {vllm.tokenizer}")
         self.source = loaded.source
-        self.num_pages = resolve_num_pages(engine_config, config)
+        num_pages = resolve_num_pages(engine_config, config)
         seed = engine_config.seed
-        runner = ModelRunner(loaded.params, config, engine_config, self.num_pages, mesh=mesh)
+        runner = ModelRunner(loaded.params, config, engine_config, num_pages, mesh=mesh)
         self.num_pages = runner.num_pages  # fewer where the GPU kernels need it (RESULTS.md 48)
         self.engine = LLMEngine(
             runner, config, engine_config, self.num_pages, tokenizer=self.tokenizer, seed=seed

@@ -57,7 +57,8 @@ def pallas_pool_pages(num_pages: int, model_config: ModelConfig, engine_config: 
     (`kv_cache.triton_safe_num_pages`). The pool stays within the bytes it was given."""
     c, e = model_config, engine_config
     itemsize = kv_cache.storage_dtype(e.kv_cache_dtype, e.dtype).itemsize
-    heads = max(1, c.num_kv_heads // e.tensor_parallel_size)  # under TP: one device's heads
+    # one device's KV heads: the runner's config has them replicated up to T where T exceeds them
+    heads = max(1, c.num_kv_heads // e.tensor_parallel_size)
     per_page = c.num_layers * heads * e.page_size * c.head_dim
     safe = kv_cache.triton_safe_num_pages(num_pages, per_page, itemsize, e.data_parallel_size)
     if safe != num_pages:
