@@ -6,11 +6,23 @@ Helpers (paged metadata, a greedy loop over the paged cache, golden files) are i
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 OPT_FLAG = "--xla_backend_optimization_level"
+# JAX's persistent compilation cache for one run: the tests build many engines of the same
+# config (and so the same programs), each with its own jit caches; the cache lets the second
+# and later load what the first compiled. Programs under 0.1 s of compiling are not kept.
+CACHE_ENV = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    # a size limit turns on JAX's file lock: the workers and subprocesses share the directory
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
+}
 
 
 def pytest_addoption(parser):
@@ -23,13 +35,35 @@ def pytest_addoption(parser):
         "users run; CI runs the tests marked default_opt so). Subprocesses the tests start "
         "inherit it.",
     )
+    parser.addoption(
+        "--compile-cache",
+        choices=("run", "off"),
+        default="run",
+        help="run (the default): a JAX persistent compilation cache in a new temporary directory "
+        "shared by this run's workers and the subprocesses they start, removed at the end (a "
+        "JAX_COMPILATION_CACHE_DIR already set is used instead, and kept); off: every program "
+        "is compiled.",
+    )
 
 
 def pytest_configure(config):
-    """Sets XLA_FLAGS before any jax backend starts (in every xdist worker, too)."""
+    """Sets XLA_FLAGS and the compilation cache before any jax backend starts. xdist's workers
+    start after this has run in the controller, and inherit its environment."""
     flags = os.environ.get("XLA_FLAGS", "")
     if config.getoption("xla_cpu_opt") == "0" and OPT_FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {OPT_FLAG}=0".strip()
+    if config.getoption("compile_cache") == "run" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        path = tempfile.mkdtemp(prefix="jaxserve-test-xla-cache-")
+        os.environ.update(CACHE_ENV, JAX_COMPILATION_CACHE_DIR=path)
+        config._jaxserve_owned_cache = path
+        # jax reads these variables when it is imported, which no plugin has done yet
+        assert "jax" not in sys.modules, "jax was imported before tests/conftest.py configured it"
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_jaxserve_owned_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's and -m's hooks read the marks

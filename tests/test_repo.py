@@ -1,5 +1,6 @@
 """Repository contracts: CI runs README's test command verbatim; the suite's workers keep the tests
-of a module-scoped fixture together and compile at LLVM -O0 unless asked not to."""
+of a module-scoped fixture together, compile at LLVM -O0 unless asked not to, and share one
+compilation cache per run."""
 
 import os
 import pathlib
@@ -35,8 +36,8 @@ def test_main_job_uses_example_prompts():
 
 def _pytest_with_repo_conftest(tmp_path, *args: str) -> subprocess.CompletedProcess:
     """pytest -n 2 on the tests in tmp_path with this repo's conftest and pyproject settings, in
-    an environment without XLA_FLAGS (this suite's own run sets them)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    an environment without XLA_FLAGS or a compilation cache (this suite's own run sets them)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_")}
     return subprocess.run(
         [sys.executable, "-m", "pytest", *args, "-n", "2", "-p", "conftest"]
         + ["-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml")]
@@ -82,3 +83,25 @@ def test_the_suite_compiles_at_llvm_o0_unless_asked_not_to(tmp_path, option, o0)
     )
     proc = _pytest_with_repo_conftest(tmp_path, "-q", *option)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("option, cached", [([], True), (["--compile-cache=off"], False)])
+def test_the_suite_shares_one_compilation_cache_per_run(tmp_path, option, cached):
+    """tests/conftest.py gives a run one JAX persistent compilation cache, in a new directory that
+    both xdist workers use and that is gone after the run; `--compile-cache=off` gives none."""
+    (tmp_path / "test_cache.py").write_text(
+        "import os\n\n"
+        "import pytest\n\n"
+        "@pytest.mark.parametrize('i', range(2))\n"
+        "def test_cache(i, worker_id):\n"
+        f"    with open({str(tmp_path)!r} + f'/{{worker_id}}.txt', 'w') as f:\n"
+        "        f.write(str(os.environ.get('JAX_COMPILATION_CACHE_DIR')))\n"
+    )
+    proc = _pytest_with_repo_conftest(tmp_path, "-q", *option)
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:]
+    dirs = {p.read_text() for p in tmp_path.glob("gw*.txt")}
+    if cached:
+        assert len(dirs) == 1 and "jaxserve-test-xla-cache-" in next(iter(dirs)), dirs
+        assert not pathlib.Path(next(iter(dirs))).exists()
+    else:
+        assert dirs == {"None"}, dirs

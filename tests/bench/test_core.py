@@ -3,6 +3,11 @@ percentiles, the workload's sampling params, and the compile counter."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -37,13 +42,43 @@ def test_percentiles_and_sampling_params():
 
 
 def test_compile_counter_counts_backend_compiles():
-    f = jax.jit(lambda x: x * 3 + 1)
+    c = float(time.time_ns() % 1_000_003)  # a constant no other program of this run has
+    f = jax.jit(lambda x: x * c + 1)
     x = jax.block_until_ready(jnp.ones(7))
     with bench.CompileCounter() as first:
         f(x)
     with bench.CompileCounter() as again:
         f(x)  # cached: no compile
     assert first.count == 1 and first.seconds > 0 and again.count == 0
+
+
+_CACHE_LOAD = """
+import jax, jax.numpy as jnp
+from jaxserve.bench.core import CompileCounter
+f = lambda x: jnp.sin(x) @ x.T + 2
+x = jnp.ones((8, 8))
+with CompileCounter() as first:
+    jax.jit(f)(x)
+jax.clear_caches()  # a new process would also miss jit's in-memory cache
+with CompileCounter() as again:
+    jax.jit(f)(x)
+print(first.count, first.loaded, again.count, again.loaded)
+"""
+
+
+def test_compile_counter_counts_persistent_cache_loads(tmp_path):
+    """A program read from JAX's persistent compilation cache is built too: counted, and as loaded
+    (the suite runs with such a cache: tests/conftest.py)."""
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _CACHE_LOAD], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["1", "0", "1", "1"]
 
 
 def test_alternating_medians_rotates_the_order():
