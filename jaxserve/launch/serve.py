@@ -65,7 +65,9 @@ flags.DEFINE_enum(
     list(TOOL_CALL_PARSERS),
     "How tool calls are read out of the model's text for tool_choice='auto' (hermes: "
     "<tool_call>{json}</tool_call>, as Hermes, Qwen2.5 and Qwen3 write them; llama3_json: JSON "
-    "objects with name and parameters, as Llama 3.1-3.3 write them).",
+    "objects with name and parameters, as Llama 3.1-3.3 write them; pythonic: a Python list of "
+    "calls, as Llama 3.2 and 4 write them; mistral: [TOOL_CALLS] and JSON, as Mistral writes "
+    "them).",
 )
 flags.DEFINE_bool(
     "enable_auto_tool_choice",

@@ -389,8 +389,9 @@ def test_tool_calls_served_as_offline(smol, client):
     """tool_choice as vLLM serves it: a named function's arguments are LLM.chat's output under
     that function's schema; "required" gives the calls of LLM.chat's output under vLLM's array
     schema; streamed, the deltas join into the same calls. "auto" (also what tools without
-    tool_choice mean) is a 400 unless the server has a tool-call parser; with hermes, the calls
-    are parsed out of the text. Bad tools and tool_choice values are 400s naming the field."""
+    tool_choice mean) is a 400 unless the server has a tool-call parser; with each parser
+    (hermes, llama3_json, pythonic, mistral), the calls are parsed out of the text, streamed or
+    not. Bad tools and tool_choice values are 400s naming the field."""
     import json
 
     import jsonschema
@@ -475,35 +476,41 @@ def test_tool_calls_served_as_offline(smol, client):
             client.chat.completions.create(**{**kw, **extra}, stream=stream)
         assert e.value.body["param"] == param, (extra, e.value.body)
 
-    # a server with the hermes parser: "auto" reads <tool_call> blocks out of the text (forced
-    # here with a regex, as SmolLM2 was not trained to call tools)
+    # servers with each tool-call parser: "auto" reads the calls out of the text (forced here
+    # with a regex, as SmolLM2 was not trained to call tools); the content is what precedes them
     from jaxserve.entrypoints.openai.server import build_app
 
     allm = server.server.config.app.state.serving.async_llm
-    hermes = ServerThread(
-        build_app(allm, "smollm2", tool_call_parser="hermes", enable_auto_tool_choice=True)
-    )
-    try:
-        c2 = openai.OpenAI(base_url=hermes.url, api_key="none", max_retries=0)
-        call = (r'I will check\. <tool_call>\{"name": "get_weather", "arguments": '
-                r'\{"city": "[A-Z][a-z]{1,8}"\}\}</tool_call>')  # fmt: skip
-        extra = {"extra_body": {"structured_outputs": {"regex": call}}}
-        r = c2.chat.completions.create(**kw, **extra)
-        msg = r.choices[0].message
-        assert msg.content == "I will check. " and r.choices[0].finish_reason == "tool_calls"
-        assert [c.function.name for c in msg.tool_calls] == ["get_weather"]
-        args = json.loads(msg.tool_calls[0].function.arguments)
-        jsonschema.validate(args, CITY)
-        chunks = list(c2.chat.completions.create(stream=True, **kw, **extra))
-        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
-        assert content == msg.content
-        assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
-            ("get_weather", args)
-        ]
-        assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    finally:
-        hermes.stop()
+    city = r'\{"city": "[A-Z][a-z]{1,8}"\}'
+    forced = {
+        "hermes": (rf'I will check\. <tool_call>\{{"name": "get_weather", "arguments": {city}\}}</tool_call>', "I will check. "),
+        "llama3_json": (rf'\{{"name": "get_weather", "parameters": {city}\}}', None),
+        "pythonic": (r'\[get_weather\(city="[A-Z][a-z]{1,8}"\)\]', None),
+        "mistral": (rf'I will check\.\[TOOL_CALLS\]\[\{{"name": "get_weather", "arguments": {city}\}}\]', "I will check."),
+    }  # fmt: skip
+    for parser, (call, want_content) in forced.items():
+        parsing = ServerThread(
+            build_app(allm, "smollm2", tool_call_parser=parser, enable_auto_tool_choice=True)
+        )
+        try:
+            c2 = openai.OpenAI(base_url=parsing.url, api_key="none", max_retries=0)
+            extra = {"extra_body": {"structured_outputs": {"regex": call}}}
+            r = c2.chat.completions.create(**kw, **extra)
+            msg = r.choices[0].message
+            assert msg.content == want_content and r.choices[0].finish_reason == "tool_calls"
+            assert [c.function.name for c in msg.tool_calls] == ["get_weather"], parser
+            args = json.loads(msg.tool_calls[0].function.arguments)
+            jsonschema.validate(args, CITY)
+            chunks = list(c2.chat.completions.create(stream=True, **kw, **extra))
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+            assert content == (msg.content or ""), parser
+            assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+                ("get_weather", args)
+            ]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        finally:
+            parsing.stop()
 
 
 HOSTILE = [-1, 2**63, 1e308, 0.5, True, "x" * 4096, [None], [[1, 2], "x"], {"7": 1e9}, {"x": 1},

@@ -158,6 +158,81 @@ def test_llama3_json_parse(text, content, calls):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
 
 
+PYTHONIC = ToolUse.of(TOOLS, "auto", parser="pythonic", auto=True)
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("Just text.", "Just text.", []),
+        ('[get_weather(city="Rome")]', None, [("get_weather", {"city": "Rome"})]),
+        (
+            "[get_weather(city='Rome', days=-2, hourly=true, unit=None, at=(1, 2.5), tags={'a'}, "
+            "opts={'x': [null, false]}, note=f'hi'), get_time()]",
+            None,
+            [
+                ("get_weather", {"city": "Rome", "days": -2, "hourly": True, "unit": None,
+                                 "at": [1, 2.5], "tags": ["a"], "opts": {"x": [None, False]}, "note": "hi"}),
+                ("get_time", {}),
+            ],
+        ),
+        ("[tools.search(q='x')]", None, [("tools.search", {"q": "x"})]),
+        ("[1, 2] are numbers.", "[1, 2] are numbers.", []),
+        ("[get_weather('Rome')]", "[get_weather('Rome')]", []),  # positional: not a call
+        ("[get_weather(city=rome)]", "[get_weather(city=rome)]", []),  # a variable
+        ("[get_weather(city=open('x'))]", "[get_weather(city=open('x'))]", []),  # a call
+        ("[get_weather(**kw)]", "[get_weather(**kw)]", []),
+        ("[get_time(), 5]", "[get_time(), 5]", []),
+        ("[get_time()] and more", "[get_time()] and more", []),
+        ("[get_time(", "[get_time(", []),  # cut short
+        (" [get_time()]", " [get_time()]", []),  # a call list starts the reply
+        ("Sure: [get_time()]", "Sure: [get_time()]", []),
+    ],
+)  # fmt: skip
+def test_pythonic_parse(text, content, calls):
+    got_content, got = PYTHONIC.parse(text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+
+
+MISTRAL = ToolUse.of(TOOLS, "auto", parser="mistral", auto=True)
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("Just text.", "Just text.", []),
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {}}]',
+         None, [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+        ('Let me see. [TOOL_CALLS] {"name": "get_time", "arguments": "{}"} and then', "Let me see. ", [("get_time", {})]),
+        ('[TOOL_CALLS][{"name": "get_time", "arguments": {}}, 7, {"city": "x"}]', None, [("get_time", {})]),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time{} trailing words',
+         None, [("get_weather", {"city": "Rome"}), ("get_time", {})]),
+        ("[TOOL_CALLS]get_weather[ARGS]not json", "[TOOL_CALLS]get_weather[ARGS]not json", []),
+        ('[TOOL_CALLS]{"name": 5}', '[TOOL_CALLS]{"name": 5}', []),
+        ("[TOOL_CALLS]", "[TOOL_CALLS]", []),
+    ],
+)  # fmt: skip
+def test_mistral_parse(text, content, calls):
+    got_content, got = MISTRAL.parse(text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got)  # Mistral's templates ask
+
+
+def test_pythonic_content_streams_unless_the_reply_opens_a_list():
+    """A pythonic call can only open the reply, so words stream as they come, brackets and all;
+    a reply that opens with "[" is held back until it is finished."""
+    words = "See [1] and [get_time()]"
+    stream = ToolCallStream(PYTHONIC)
+    assert stream.update(words[:5], False) == ("See [", [])
+    assert stream.update(words, True) == (words[5:], [])
+    stream = ToolCallStream(PYTHONIC)
+    assert stream.update("[get_ti", False) == (None, [])
+    delta, calls = stream.update("[get_time()]", True)
+    assert delta is None and [c["function"]["name"] for c in calls] == ["get_time"]
+
+
 def test_a_call_name_that_is_not_a_string_is_no_call():
     assert HERMES.parse('<tool_call>{"name": 5, "arguments": {}}</tool_call>')[1] == []
     assert HERMES.parse("<tool_call>[1]</tool_call>")[1] == []
@@ -173,7 +248,7 @@ def _joined(use, text, cuts):
         for d in deltas:
             call = calls.setdefault(d["index"], {"name": "", "arguments": ""})
             if "id" in d:
-                assert call["name"] == "" and d["id"].startswith("chatcmpl-tool-")
+                assert call["name"] == "" and len(d["id"]) >= 9
             fn = d.get("function") or {}
             call["name"] += fn.get("name") or ""
             call["arguments"] += fn.get("arguments") or ""
@@ -194,6 +269,12 @@ def _joined(use, text, cuts):
         (LLAMA, '<|python_tag|>{"name": "get_time", "parameters": {}}'),
         (LLAMA, "Plain words, and <|python_ at the end <|py"),
         (LLAMA, "Words then {not json"),
+        (PYTHONIC, "[get_weather(city='X'), get_time()]"),
+        (PYTHONIC, "Plain [words] (and more)"),
+        (PYTHONIC, "[1, 2]"),
+        (MISTRAL, 'Sure. [TOOL_CALLS][{"name": "get_time", "arguments": {}}]'),
+        (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "X"}[TOOL_CALLS]get_time{}'),
+        (MISTRAL, "No call, but [TOOL_ at the end [TOOL_CA"),
     ],
 )  # fmt: skip
 def test_streamed_deltas_join_into_the_parse(use, text):

@@ -20,7 +20,15 @@
   in vLLM. Parsers (vLLM's names and rules): `hermes` (Hermes, Qwen2.5, Qwen3: `<tool_call>{"name":
   ..., "arguments": {...}}</tool_call>` blocks; the content is the text before the first block)
   and `llama3_json` (Llama 3.1-3.3: JSON objects {"name", "parameters"}, after an optional
-  <|python_tag|>; with calls there is no content). Streamed, the text before the first call
+  <|python_tag|>; with calls there is no content), `pythonic` (Llama 3.2 and 4: a reply that is a
+  Python list of calls with keyword arguments, `[get_weather(city="Rome"), get_time()]`, read
+  with `ast`, never evaluated; argument values are literals, JSON's null/true/false included)
+  and `mistral` (Mistral's `[TOOL_CALLS]` marker, then a JSON array of {"name", "arguments"}
+  (tokenizers before v11, e.g. Mistral-7B-Instruct-v0.3) or `name[ARGS]{...}` / `name{...}`
+  per marker (v11 on); the content is the text before the first marker; the call ids are 9
+  letters and digits, which Mistral's chat templates require when the calls come back in the
+  next request). Text that does not parse as calls stays content, with no calls (vLLM's mistral
+  parser returns only the text after the marker then). Streamed, the text before the first call
   marker is sent as content as it comes, so with llama3_json a reply that begins with words and
   then calls keeps those words (vLLM's non-streamed parse drops them; its stream keeps the whole
   reply as content).
@@ -31,9 +39,12 @@ named function or "required": each is a grammar on the same output.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import random
 import re
+import string
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
@@ -213,9 +224,9 @@ def _required_schema(functions: dict[str, _Function], single: bool) -> dict[str,
     return schema
 
 
-def _call(name: str, arguments: str) -> dict:
+def _call(name: str, arguments: str, call_id: str | None = None) -> dict:
     return {
-        "id": random_id("chatcmpl-tool"),
+        "id": call_id or random_id("chatcmpl-tool"),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
@@ -266,16 +277,129 @@ def _parse_llama3_json(text: str) -> tuple[str | None, list[dict]]:
     return (None, calls) if calls else (text, [])
 
 
+_PYTHONIC_START = re.compile(r"\[[A-Za-z_][\w.]*\(")  # "[name(" opens a pythonic reply
+_JSON_NAMES = {"null": None, "true": True, "false": False}
+
+
+def _parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
+    """vLLM's pythonic parser (Llama 3.2 and 4): a reply that begins `[name(` and is a Python list
+    of calls, `[f(a=1, b="x"), g()]`, becomes those calls and no content; anything else, or
+    any argument that is not a literal, leaves the whole text as content."""
+    if not _PYTHONIC_START.match(text):
+        return text, []
+    try:
+        body = ast.parse(text).body
+        listed = body[0].value if body and isinstance(body[0], ast.Expr) else None
+        if not isinstance(listed, ast.List) or not listed.elts:
+            return text, []
+        calls = [_pythonic_call(c) for c in listed.elts]
+    except (SyntaxError, ValueError, RecursionError):
+        return text, []
+    return None, calls
+
+
+def _pythonic_call(node: ast.expr) -> dict:
+    if not isinstance(node, ast.Call) or node.args:
+        raise ValueError("not a call with keyword arguments")
+    parts, func = [], node.func
+    while isinstance(func, ast.Attribute):  # a dotted name: tools.search(...)
+        parts.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name):
+        raise ValueError("not a named function")
+    name = ".".join([func.id, *reversed(parts)])
+    if any(k.arg is None for k in node.keywords):  # **kwargs
+        raise ValueError("unpacked arguments")
+    args = {k.arg: _literal(k.value) for k in node.keywords}
+    return _call(name, json.dumps(args, ensure_ascii=False))
+
+
+def _literal(node: ast.expr) -> Any:
+    """A JSON value from a Python literal (a tuple or set becomes a list, null/true/false their
+    JSON values); ValueError for anything else (a variable, a call, an f-string with fields)."""
+    if isinstance(node, ast.Constant) and (
+        node.value is None or isinstance(node.value, (str, int, float))
+    ):
+        return node.value
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
+        return {k.value: _literal(v) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return [_literal(v) for v in node.elts]
+    if isinstance(node, ast.JoinedStr) and all(isinstance(p, ast.Constant) for p in node.values):
+        return "".join(str(p.value) for p in node.values)
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _literal(node.operand)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return -value if isinstance(node.op, ast.USub) else value
+    raise ValueError(f"not a literal: {ast.dump(node)[:80]}")
+
+
+_MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+_ALNUM = string.ascii_letters + string.digits
+
+
+def _mistral_id() -> str:
+    """Mistral's chat templates take back only tool-call ids of 9 letters and digits."""
+    return "".join(random.choices(_ALNUM, k=9))
+
+
+def _parse_mistral(text: str) -> tuple[str | None, list[dict]]:
+    """Mistral's tool calls: the text before the first [TOOL_CALLS] is the content; after it a
+    JSON array of {"name", "arguments"} (or one such object; tokenizers before v11), or, after
+    each marker, `name[ARGS]{...}` or `name{...}` (v11 on; text after the arguments' JSON is
+    dropped). Array entries that are not calls are skipped (as vLLM); if no call is left, or a
+    v11 segment does not parse, the whole text is content."""
+    if _MISTRAL_CALLS not in text:
+        return text, []
+    content, *segments = text.split(_MISTRAL_CALLS)
+    segments = [seg.strip() for seg in segments if seg.strip()]
+    calls = []
+    try:
+        if segments and segments[0][0] in "[{":  # before v11: one JSON value of calls
+            parsed, _ = _DECODER.raw_decode(segments[0])
+            for it in parsed if isinstance(parsed, list) else [parsed]:
+                if not isinstance(it, dict) or not isinstance(it.get("name"), str):
+                    continue
+                args = it.get("arguments", {})
+                args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                calls.append(_call(it["name"], args, _mistral_id()))
+        else:
+            for seg in segments:
+                cut = seg.find(_MISTRAL_ARGS)
+                name, rest = (
+                    (seg[:cut], seg[cut + len(_MISTRAL_ARGS) :])
+                    if cut >= 0
+                    else (seg[: seg.find("{")], seg[seg.find("{") :])
+                )
+                if "{" not in seg or not name.strip():
+                    raise ValueError("no name{arguments}")
+                rest = rest.strip()
+                args, end = _DECODER.raw_decode(rest)
+                if not isinstance(args, dict):
+                    raise ValueError("arguments are not an object")
+                calls.append(_call(name.strip(), rest[:end], _mistral_id()))
+    except ValueError:
+        return text, []
+    if not calls:
+        return text, []
+    return (content if content.strip() else None), calls
+
+
 @dataclasses.dataclass(frozen=True)
 class _Parser:
     parse: Any  # text -> (content, calls)
     markers: tuple[str, ...]  # where tool-call text can begin
     closer: str | None  # what ends one call while the output goes on (None: only its end)
+    at_start: bool = False  # a call can begin only at the text's start (pythonic)
 
 
 PARSERS = {
     "hermes": _Parser(_parse_hermes, (_START,), _END),
     "llama3_json": _Parser(_parse_llama3_json, ("<|python_tag|>", "{"), None),
+    "mistral": _Parser(_parse_mistral, (_MISTRAL_CALLS,), None),
+    "pythonic": _Parser(_parse_pythonic, ("[",), None, at_start=True),
 }
 TOOL_CALL_PARSERS = tuple(PARSERS)
 
@@ -286,7 +410,8 @@ class ToolCallStream:
     as they come (the first delta carries the call's id and name); "required" sends its calls
     once the output is finished and parses; "auto" streams the content before the parser's first
     call marker (holding back what may be the start of one), then each hermes call once its block
-    closes, llama3_json's calls once the output is finished."""
+    closes, the other parsers' calls once the output is finished (a pythonic reply is content
+    as it comes unless it begins with "[")."""
 
     def __init__(self, use: ToolUse):
         self.use = use
@@ -313,14 +438,14 @@ class ToolCallStream:
                 return None, []
             return None, self._new_calls(self.use.parse(text)[1])
         parser = PARSERS[self.use.parser]  # "auto"
-        start = _first(text, parser.markers)
+        start = _first(text, parser.markers, parser.at_start)
         if finished:
             content, calls = self.use.parse(text)
             upto = start if calls else len(text)
             delta = text[self.sent : upto] if upto > self.sent else None
             self.sent = max(self.sent, upto)
             return delta, self._new_calls(calls)
-        upto = start if start >= 0 else _safe_end(text, parser.markers)
+        upto = start if start >= 0 else _safe_end(text, parser.markers, parser.at_start)
         delta = text[self.sent : upto] if upto > self.sent else None
         self.sent = max(self.sent, upto)
         if start < 0 or parser.closer is None or parser.closer not in text:
@@ -337,15 +462,19 @@ class ToolCallStream:
         return fresh
 
 
-def _first(text: str, markers: tuple[str, ...]) -> int:
-    """Where the first marker begins, or -1."""
+def _first(text: str, markers: tuple[str, ...], at_start: bool = False) -> int:
+    """Where the first marker begins (only at 0 when at_start), or -1."""
+    if at_start:
+        return 0 if any(text.startswith(m) for m in markers) else -1
     found = [i for i in (text.find(m) for m in markers) if i >= 0]
     return min(found) if found else -1
 
 
-def _safe_end(text: str, markers: tuple[str, ...]) -> int:
+def _safe_end(text: str, markers: tuple[str, ...], at_start: bool = False) -> int:
     """Where the content that cannot be the start of a marker ends (holding back a suffix that
-    may grow into one)."""
+    may grow into one; with at_start, holding back an empty start only)."""
+    if at_start:
+        return len(text)
     longest = max(len(m) for m in markers)
     for k in range(min(longest - 1, len(text)), 0, -1):
         if any(m.startswith(text[-k:]) for m in markers):
