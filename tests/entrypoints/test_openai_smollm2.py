@@ -385,6 +385,85 @@ def test_structured_outputs_served_as_offline(smol, client):
         assert e.value.body["param"] == param, e.value.body
 
 
+def test_responses_api_as_chat(smol, client):
+    """POST /v1/responses through the openai client's `responses.create`: the text equals
+    LLM.chat's (input a string), or the served chat's with `instructions` as a system message
+    (input a list with text parts); streamed, OpenAI's events in order whose deltas join into
+    the text; text.format is a structured output; what is not served is a 400 naming it."""
+    ref = smol[1]["chat"]
+    kw = dict(model="smollm2", temperature=0, max_output_tokens=N)
+    r = client.responses.create(input=CHAT[0]["content"], **kw)
+    out = ref.outputs[0]
+    assert (
+        r.output_text == out.text and r.id.startswith("resp_") and r.output[0].role == "assistant"
+    )
+    assert r.usage.output_tokens == len(out.token_ids)
+    assert r.usage.input_tokens == len(ref.prompt_token_ids) and r.store is False
+    if out.finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+
+    system = [{"role": "system", "content": "Answer in one word."},
+              {"role": "user", "content": "Name a color."}]  # fmt: skip
+    chat = client.chat.completions.create(
+        model="smollm2", messages=system, temperature=0, max_tokens=8
+    )
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]}]
+    r2 = client.responses.create(
+        model="smollm2", instructions="Answer in one word.", input=items, temperature=0,
+        max_output_tokens=8, metadata={"run": "7"},
+    )  # fmt: skip
+    assert r2.output_text == chat.choices[0].message.content
+    assert r2.instructions == "Answer in one word." and r2.metadata == {"run": "7"}
+
+    events = list(client.responses.create(input=CHAT[0]["content"], stream=True, **kw))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{r.status}"]  # fmt: skip
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events[4:-4]) == out.text == events[-4].text
+    assert events[-1].response.output_text == out.text
+
+    async def streamed_async():
+        aclient = openai.AsyncOpenAI(base_url=smol[0].url, api_key="none", max_retries=0)
+        stream = await aclient.responses.create(input=CHAT[0]["content"], stream=True, **kw)
+        return "".join([e.delta async for e in stream if e.type == "response.output_text.delta"])
+
+    assert asyncio.run(streamed_async()) == out.text
+
+    fmt = {"format": {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}}
+    r3 = client.responses.create(
+        model="smollm2", input=JSON_CHAT[0]["content"], text=fmt, temperature=0,
+        max_output_tokens=64,
+    )  # fmt: skip
+    assert r3.output_text == smol[1]["json"].outputs[0].text
+
+    bad = [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input"),
+        ({"input": []}, "input"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+        ({"background": True}, "background"),
+    ]  # fmt: skip
+    for extra, param in bad:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.responses.create(**{"input": "hi", **kw, **extra}, stream=stream)
+            assert e.value.body["param"] == param, (extra, e.value.body)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(**{**kw, "model": "other"}, input="hi")
+
+
 def test_tool_calls_served_as_offline(smol, client):
     """tool_choice as vLLM serves it: a named function's arguments are LLM.chat's output under
     that function's schema; "required" gives the calls of LLM.chat's output under vLLM's array
@@ -533,6 +612,34 @@ ROUTES = {  # the shared sampling fields go through one parser and one check: te
         FIELDS + ("prompt", "logprobs", "echo", "suffix", "add_special_tokens"),
     ),
     "/v1/chat/completions": ({"messages": CHAT}, CHAT_FIELDS),
+    "/v1/responses": (
+        {"input": CHAT[0]["content"], "max_output_tokens": 2},
+        (
+            "input",
+            "instructions",
+            "max_output_tokens",
+            "text",
+            "metadata",
+            "store",
+            "previous_response_id",
+            "conversation",
+            "background",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "include",
+            "top_logprobs",
+            "truncation",
+            "reasoning",
+            "stream",
+            "temperature",
+            "top_p",
+            "n",
+            "stop",
+            "seed",
+            "structured_outputs",
+        ),
+    ),  # fmt: skip
 }
 RAW = [b"", b"null", b"[]", b'"x"', b"{", b"\xff\xfe", b"[" * 100_000,
        b'{"prompt": "x", "max_tokens": NaN}', b'{"prompt": "x", "temperature": Infinity}']  # fmt: skip
@@ -552,7 +659,7 @@ def test_hostile_values_in_every_field_get_a_4xx_or_an_answer_and_harm_nobody(sm
     bodies = []
     for route, (base, fields) in ROUTES.items():
         base = {"model": "smollm2", "max_tokens": 2, "max_completion_tokens": 2, **base}
-        if route == "/v1/completions":
+        if route != "/v1/chat/completions":
             base.pop("max_completion_tokens")
         for field in fields:
             for value in HOSTILE + EMPTY.get(field, []):
@@ -573,7 +680,11 @@ def test_hostile_values_in_every_field_get_a_4xx_or_an_answer_and_harm_nobody(sm
             r = http.post(route, content=body, headers={"content-type": "application/json"})
         else:
             r = http.post(route, json=body)
-        if 200 <= r.status_code < 300:
+        if 200 <= r.status_code < 300 and route == "/v1/responses":
+            streamed = body.get("stream") is True
+            ok = "event: response.completed" in r.text or "event: response.incomplete" in r.text
+            ok = ok if streamed else r.json()["status"] in ("completed", "incomplete")
+        elif 200 <= r.status_code < 300:
             ok = "data: [DONE]" in r.text if body.get("stream") is True else "choices" in r.json()
         else:
             err = r.json().get("error", {}) if 400 <= r.status_code < 500 else {}

@@ -3,8 +3,9 @@
     app = build_app(async_llm, "tiny", api_key=None, max_queued_requests=1024)
     uvicorn.run(app, host="127.0.0.1", port=8000)        (jaxserve/launch/serve.py does this)
 
-Endpoints: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions, GET /health,
-GET /metrics (Prometheus text), GET /version (vLLM's), POST /tokenize, POST /detokenize.
+Endpoints: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions,
+POST /v1/responses (text: serving_responses.py), GET /health, GET /metrics (Prometheus text),
+GET /version (vLLM's), POST /tokenize, POST /detokenize.
 
 Each generation request: auth (Bearer api_key; /health, /metrics and /version stay open) -> body
 size -> queue check (503 + Retry-After once max_queued_requests wait for a slot) -> strict parsing
@@ -31,11 +32,13 @@ from jaxserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from jaxserve.entrypoints.openai.serving import APIError, ServingState, tokenize_text
 from jaxserve.entrypoints.openai.serving_chat import apply_template, create_chat_completion
 from jaxserve.entrypoints.openai.serving_completion import create_completion
+from jaxserve.entrypoints.openai.serving_responses import create_response
 
 MAX_BODY_BYTES = 8 * 2**20
 _OPEN_PATHS = ("/health", "/metrics", "/version")
@@ -201,6 +204,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await serve(request, ChatCompletionRequest, create_chat_completion)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await serve(request, ResponsesRequest, create_response)
 
     def model_card() -> ModelCard:
         return ModelCard(id=served_model_name, max_model_len=state.max_model_len)
