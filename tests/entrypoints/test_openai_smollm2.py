@@ -444,8 +444,11 @@ def test_responses_api_as_chat(smol, client):
 
     bad = [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),  # auto
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
+         "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input"),
         ({"input": []}, "input"),
@@ -462,6 +465,87 @@ def test_responses_api_as_chat(smol, client):
             assert e.value.body["param"] == param, (extra, e.value.body)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(**{**kw, "model": "other"}, input="hi")
+
+
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses form
+
+
+def test_responses_api_tools_as_chat(smol, client):
+    """Function tools on /v1/responses as chat completions serve them: a named function's
+    arguments and "required"'s calls equal LLM.chat's under the same grammars, as function_call
+    items, streamed as argument deltas; "auto" with a parser gives the words, then the call; a
+    function_call and its function_call_output as input render as chat's tool-call history."""
+    import json
+
+    server, offline, _ = smol
+    kw = dict(model="smollm2", input=WEATHER_CHAT[0]["content"], tools=RESPONSE_TOOLS,
+              temperature=0, max_output_tokens=48, parallel_tool_calls=False)  # fmt: skip
+    named = {"type": "function", "name": "get_weather"}
+    ref = offline["named"].outputs[0]
+    r = client.responses.create(tool_choice=named, **kw)
+    assert [(o.type, o.name, o.arguments) for o in r.output] == [
+        ("function_call", "get_weather", ref.text)
+    ]
+    assert r.status == "completed" and r.output[0].call_id and r.output_text == ""
+    events = list(client.responses.create(tool_choice=named, stream=True, **kw))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == ref.text and len(deltas) > 1  # the arguments as they come
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(a.type, a.name) for a in added] == [("function_call", "get_weather")]
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output[0].arguments == ref.text
+    assert events[-1].response.output[0].call_id == added[0].call_id
+
+    want = [
+        (it["name"], it["parameters"]) for it in json.loads(offline["required"].outputs[0].text)
+    ]
+    r = client.responses.create(tool_choice="required", **kw)
+    assert [(o.name, json.loads(o.arguments)) for o in r.output] == want
+
+    # "auto" on a server with the hermes parser (the call forced by a regex, as in chat's test)
+    from jaxserve.entrypoints.openai.server import build_app
+
+    allm = server.server.config.app.state.serving.async_llm
+    hermes = ServerThread(
+        build_app(allm, "smollm2", tool_call_parser="hermes", enable_auto_tool_choice=True)
+    )
+    try:
+        c2 = openai.OpenAI(base_url=hermes.url, api_key="none", max_retries=0)
+        call = (r'I will check\. <tool_call>\{"name": "get_weather", "arguments": '
+                r'\{"city": "[A-Z][a-z]{1,8}"\}\}</tool_call>')  # fmt: skip
+        extra = {"extra_body": {"structured_outputs": {"regex": call}}}
+        r = c2.responses.create(**kw, **extra)
+        assert [o.type for o in r.output] == ["message", "function_call"]
+        assert r.output_text == "I will check. " and r.output[1].name == "get_weather"
+        events = list(c2.responses.create(stream=True, **kw, **extra))
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert [(d.type, d.status) for d in done] == [("message", "completed"),
+                                                      ("function_call", "completed")]  # fmt: skip
+        assert done[0].content[0].text == "I will check. "
+        assert json.loads(done[1].arguments) == json.loads(r.output[1].arguments)
+    finally:
+        hermes.stop()
+
+    # a call and its result as history: the template sees chat's tool-call turns
+    args = '{"city": "Paris"}'
+    history = [
+        {"role": "user", "content": WEATHER_CHAT[0]["content"]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": args},
+        {"type": "function_call_output", "call_id": "call_1", "output": "21 C and sunny"},
+    ]
+    chat_history = WEATHER_CHAT + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C and sunny"},
+    ]  # fmt: skip
+    chat = client.chat.completions.create(
+        model="smollm2", messages=chat_history, tools=TOOLS, tool_choice="none", temperature=0,
+        max_tokens=16,
+    )  # fmt: skip
+    r = client.responses.create(
+        **{**kw, "input": history, "max_output_tokens": 16}, tool_choice="none"
+    )
+    assert r.output_text == chat.choices[0].message.content
 
 
 def test_tool_calls_served_as_offline(smol, client):

@@ -232,7 +232,7 @@ class ResponsesRequest(_SamplingRequest):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools: {"type", "name", "parameters"}
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     include: list[str] | None = None
@@ -441,6 +441,15 @@ class OutputMessage(_Response):
     content: list[OutputText] = Field(default_factory=list)
 
 
+class FunctionCallItem(_Response):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class ResponseUsage(_Response):
     input_tokens: int
     input_tokens_details: dict[str, int]  # {"cached_tokens": prompt tokens the prefix cache held}
@@ -457,7 +466,7 @@ class ResponseObject(_Response):
     incomplete_details: dict[str, str] | None = None
     error: dict[str, Any] | None = None
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputMessage | FunctionCallItem] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None

@@ -1,22 +1,33 @@
-"""POST /v1/responses: OpenAI's Responses API for text, as the `openai` client's
-`client.responses.create(...)` and agent frameworks built on it call it.
+"""POST /v1/responses: OpenAI's Responses API for text and function tools, as the `openai`
+client's `client.responses.create(...)` and agent frameworks built on it call it.
 
-`instructions` becomes a system message before `input` (a string: one user message; or a list
-of messages, {"role", "content"} with or without "type": "message", content a string or text
-parts), then the chat template, then one engine request, as a chat completion. The reply is one
-output message with one `output_text` part; `status` is "incomplete" (reason
-"max_output_tokens") when the output hit its token limit. `text.format` (json_object or
-json_schema) is a structured output. `usage.input_tokens_details.cached_tokens` counts the prompt
-tokens the prefix cache held. Streamed (`stream: true`), the events are OpenAI's, each with its
-`sequence_number`: response.created, response.in_progress, response.output_item.added,
-response.content_part.added, response.output_text.delta (one per engine output),
-response.output_text.done, response.content_part.done, response.output_item.done, then
-response.completed or response.incomplete; an error after the stream began is an `error` event.
+`instructions` becomes a system message before `input`: a string (one user message) or a list of
+items: messages ({"role", "content"}, with or without "type": "message"; content a string or
+text parts), `function_call` items (the model's earlier calls: an assistant message's
+tool_calls) and `function_call_output` items (their results: tool messages). Then the chat
+template (with the tools), then one engine request, as a chat completion. The output is a
+message with one `output_text` part, and a `function_call` item per tool call; `status` is
+"incomplete" (reason "max_output_tokens") when the output hit its token limit. `text.format`
+(json_object or json_schema) is a structured output. `usage.input_tokens_details.cached_tokens`
+counts the prompt tokens the prefix cache held.
+
+Tools are function tools ({"type": "function", "name", "description", "parameters"}) and
+`tool_choice` is served as chat completions serve it (`tool_calls.ToolUse`): a named function
+({"type": "function", "name"}) or "required" constrains the output to the tools' schemas;
+"auto" (the default with tools) needs the server's --tool_call_parser; "none" gives the template
+the tools and returns text.
+
+Streamed (`stream: true`), the events are OpenAI's, each with its `sequence_number`:
+response.created, response.in_progress, then per output item response.output_item.added, for a
+message response.content_part.added / response.output_text.delta (as the text comes) /
+response.output_text.done / response.content_part.done, for a function call
+response.function_call_arguments.delta / .done, then response.output_item.done; last
+response.completed or response.incomplete. An error after the stream began is an `error` event.
 
 Not served, each a 400 naming its field rather than a silent difference: stored responses
 (`previous_response_id`, `conversation`, `background`; every response says `store: false`),
-`tools` (chat completions serve them), `include`, `top_logprobs`, `truncation: "auto"`, `n` > 1,
-and input items other than messages (function calls and their outputs, images, files).
+tools other than functions, `include`, `top_logprobs`, `truncation: "auto"`, `n` > 1, and
+input items other than the three above (images, files, reasoning).
 """
 
 from __future__ import annotations
@@ -25,11 +36,13 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pydantic
 
 from jaxserve.entrypoints.openai.protocol import (
     ChatMessage,
+    FunctionCallItem,
     OutputMessage,
     OutputText,
     ResponseObject,
@@ -48,6 +61,7 @@ from jaxserve.entrypoints.openai.serving import (
     truncate,
 )
 from jaxserve.entrypoints.openai.serving_chat import apply_template
+from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, ToolError, ToolUse
 
 ROLES = ("user", "system", "developer", "assistant")
 
@@ -67,10 +81,6 @@ def check_responses_unserved(req: ResponsesRequest) -> None:
         )
     if req.background:
         raise APIError(400, "background responses are not supported by this server", "background")
-    if req.tools:
-        raise APIError(
-            400, "tools are not served on /v1/responses; /v1/chat/completions serves them", "tools"
-        )
     if req.include:
         raise APIError(400, f"include is not supported by this server: {req.include}", "include")
     if req.top_logprobs is not None:
@@ -83,32 +93,99 @@ def check_responses_unserved(req: ResponsesRequest) -> None:
         raise APIError(400, "n must be 1 on /v1/responses", "n")
 
 
+def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    """The request's function tools in chat completions' form ({"type", "function": {...}})."""
+    if req.tools is None:
+        return None
+    tools = []
+    for i, tool in enumerate(req.tools):
+        if tool.get("type") != "function":
+            raise APIError(
+                400,
+                f"tools[{i}] is of type {tool.get('type')!r}; this server serves function tools "
+                "only",
+                "tools",
+            )
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+def tool_use(state: ServingState, req: ResponsesRequest, tools) -> ToolUse:
+    """The request's tool use (`tool_calls.ToolUse`, as chat's), or a 400 naming the field."""
+    choice = req.tool_choice if "tool_choice" in req.model_fields_set else None
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise APIError(
+                400, f"tool_choice of type {choice.get('type')!r} is not served", "tool_choice"
+            )
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if tools is None and choice in (None, "auto", "none"):
+        choice = "none"  # the API's default "auto" with no tools: text
+    try:
+        use = ToolUse.of(
+            tools,
+            choice,
+            req.parallel_tool_calls,
+            state.tool_call_parser,
+            state.enable_auto_tool_choice,
+        )
+    except ToolError as e:
+        raise APIError(400, str(e), e.param) from None
+    if use.constrains and req.structured_outputs_kwargs() is not None:
+        raise APIError(
+            400,
+            "You can only either use constraints for structured outputs or tools, not both.",
+            "tool_choice",
+        )
+    return use
+
+
 def to_messages(req: ResponsesRequest) -> list[ChatMessage]:
     """The chat messages of `instructions` and `input`; 400 naming the bad item."""
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     if not items:
         raise APIError(400, "input must not be empty", "input")
-    messages = []
+    messages: list[dict[str, Any]] = []
     if req.instructions is not None:
-        messages.append(ChatMessage(role="system", content=req.instructions))
+        messages.append({"role": "system", "content": req.instructions})
     for i, item in enumerate(items):
         kind = item.get("type", "message")
-        if kind != "message":
+        if kind == "message":
+            if item.get("role") not in ROLES:
+                raise APIError(400, f"input[{i}].role must be one of {', '.join(ROLES)}", "input")
+            messages.append({"role": item["role"], "content": item.get("content")})
+        elif kind == "function_call":
+            _strings(item, i, "call_id", "name", "arguments")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            _strings(item, i, "call_id")
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item.get("output")}
+            )
+        else:
             raise APIError(
                 400,
-                f"input[{i}] is of type {kind!r}; this server takes messages only "
-                "(type 'message': role and content)",
+                f"input[{i}] is of type {kind!r}; this server takes messages, function_call and "
+                "function_call_output items",
                 "input",
             )
-        if item.get("role") not in ROLES:
-            raise APIError(400, f"input[{i}].role must be one of {', '.join(ROLES)}", "input")
-        try:
-            messages.append(
-                ChatMessage.model_validate({"role": item["role"], "content": item.get("content")})
-            )
-        except pydantic.ValidationError as e:
-            raise APIError(400, f"input[{i}].content: {e.errors()[0]['msg']}", "input") from None
-    return messages
+    try:
+        return [ChatMessage.model_validate(m) for m in messages]
+    except pydantic.ValidationError as e:
+        raise APIError(400, f"input: {e.errors()[0]['msg']}", "input") from None
+
+
+def _strings(item: dict, i: int, *keys: str) -> None:
+    for key in keys:
+        if not isinstance(item.get(key), str):
+            raise APIError(400, f"input[{i}].{key} must be a string", "input")
 
 
 async def create_response(state: ServingState, req: ResponsesRequest):
@@ -116,8 +193,10 @@ async def create_response(state: ServingState, req: ResponsesRequest):
     state.check_model(req.model)
     check_unserved(req)
     check_responses_unserved(req)
+    tools = chat_tools(req)
+    use = tool_use(state, req, tools)
     try:
-        text, ids = apply_template(state, to_messages(req))
+        text, ids = apply_template(state, to_messages(req), tools=tools)
     except APIError as e:
         if e.param == "messages":
             e.param = "input"
@@ -129,17 +208,44 @@ async def create_response(state: ServingState, req: ResponsesRequest):
     except APIError as e:
         e.param = {"prompt": "input", "max_tokens": "max_output_tokens"}.get(e.param, e.param)
         raise
-    sp = make_sampling_params(state, req, max_tokens=max_tokens)
+    fields: dict[str, Any] = {}
+    if use.constrains:
+        fields["structured_outputs"] = {"json": use.schema}
+    if use.mode == "auto":  # the parser reads the call markers, special tokens or not
+        fields["skip_special_tokens"] = False
+    sp = make_sampling_params(state, req, max_tokens=max_tokens, **fields)
     await check_request(state, req, ids, sp)
     shell = _shell(state, req, _id("resp"))
     if req.stream:
-        return _events(_stream(state, text, ids, sp, shell))
+        return _events(_stream(state, text, ids, sp, shell, use))
     final = None
     async with deadline(state):
         async with contextlib.aclosing(generate_all(state, [(text, ids)], [sp], False)) as outs:
             async for _, out in outs:
                 final = out
-    return _finished(shell, _id("msg"), final)
+    c = final.outputs[0]
+    status = _status(c)
+    content, calls = use.parse(c.text)
+    items: list[OutputMessage | FunctionCallItem] = []
+    if content or not calls:
+        items.append(_message(_id("msg"), status, content or ""))
+    items += [_function_call(_id("fc"), call, status) for call in calls]
+    return _finished(shell, status, items, final)
+
+
+def _status(c) -> str:
+    return "incomplete" if c.finish_reason == "length" else "completed"
+
+
+def _message(mid: str, status: str, text: str) -> OutputMessage:
+    return OutputMessage(id=mid, status=status, content=[OutputText(text=text)])
+
+
+def _function_call(fid: str, call: dict, status: str) -> FunctionCallItem:
+    fn = call["function"]
+    return FunctionCallItem(
+        id=fid, call_id=call["id"], name=fn["name"], arguments=fn["arguments"], status=status
+    )
 
 
 def _shell(state: ServingState, req: ResponsesRequest, rid: str) -> ResponseObject:
@@ -156,6 +262,7 @@ def _shell(state: ServingState, req: ResponsesRequest, rid: str) -> ResponseObje
         temperature=req.temperature,
         top_p=req.top_p,
         tool_choice=req.tool_choice,
+        tools=req.tools or [],
         text={"format": fmt.model_dump(by_alias=True, exclude_none=True)}
         if fmt is not None
         else {"format": {"type": "text"}},
@@ -163,11 +270,8 @@ def _shell(state: ServingState, req: ResponsesRequest, rid: str) -> ResponseObje
     )
 
 
-def _finished(shell: ResponseObject, mid: str, out) -> ResponseObject:
-    c = out.outputs[0]
-    status = "incomplete" if c.finish_reason == "length" else "completed"
-    message = OutputMessage(id=mid, status=status, content=[OutputText(text=c.text)])
-    n_in, n_out = len(out.prompt_token_ids), len(c.token_ids)
+def _finished(shell: ResponseObject, status: str, items: list, out) -> ResponseObject:
+    n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
     usage = ResponseUsage(
         input_tokens=n_in,
         input_tokens_details={"cached_tokens": out.num_cached_tokens},
@@ -180,39 +284,112 @@ def _finished(shell: ResponseObject, mid: str, out) -> ResponseObject:
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete"
             else None,
-            "output": [message],
+            "output": items,
             "usage": usage,
         }
     )
 
 
-async def _stream(state, text, ids, sp, shell: ResponseObject) -> AsyncIterator[dict]:
+class _Items:
+    """The stream's output items as they open and close: a message (its text as it comes) and a
+    function call per tool call (its arguments as they come), one open at a time."""
+
+    def __init__(self):
+        self.items: list[OutputMessage | FunctionCallItem] = []
+        self.calls: dict[int, int] = {}  # tool-call index -> output index
+        self.open: int | None = None  # the output index of the open item
+        self.text = ""  # the message's text
+
+    def _at(self, index: int) -> dict:
+        return {"item_id": self.items[index].id, "output_index": index}
+
+    def add(self, item) -> list[dict]:
+        events = self.close("completed")  # the item before is whole
+        self.items.append(item)
+        self.open = len(self.items) - 1
+        events.append({"type": "response.output_item.added", "output_index": self.open,
+                       "item": item.model_dump()})  # fmt: skip
+        if isinstance(item, OutputMessage):
+            events.append({"type": "response.content_part.added", **self._at(self.open),
+                           "content_index": 0, "part": OutputText(text="").model_dump()})  # fmt: skip
+        return events
+
+    def content(self, delta: str) -> list[dict]:
+        events = []
+        if self.open is None or not isinstance(self.items[self.open], OutputMessage):
+            events += self.add(OutputMessage(id=_id("msg"), status="in_progress"))
+        self.text += delta
+        events.append({"type": "response.output_text.delta", **self._at(self.open),
+                       "content_index": 0, "delta": delta, "logprobs": []})  # fmt: skip
+        return events
+
+    def call(self, d: dict) -> list[dict]:
+        events = []
+        fn = d.get("function") or {}
+        if d["index"] not in self.calls:
+            item = FunctionCallItem(id=_id("fc"), call_id=d["id"], name=fn.get("name") or "",
+                                    arguments="", status="in_progress")  # fmt: skip
+            events += self.add(item)
+            self.calls[d["index"]] = self.open
+        index = self.calls[d["index"]]
+        if fn.get("arguments"):
+            self.items[index].arguments += fn["arguments"]
+            events.append({"type": "response.function_call_arguments.delta", **self._at(index),
+                           "delta": fn["arguments"]})  # fmt: skip
+        return events
+
+    def close(self, status: str) -> list[dict]:
+        """Ends the open item (its status, its done events)."""
+        if self.open is None:
+            return []
+        index, self.open = self.open, None
+        item = self.items[index]
+        events = []
+        if isinstance(item, OutputMessage):
+            part = OutputText(text=self.text)
+            item.content = [part]
+            events += [
+                {"type": "response.output_text.done", **self._at(index), "content_index": 0,
+                 "text": self.text, "logprobs": []},
+                {"type": "response.content_part.done", **self._at(index), "content_index": 0,
+                 "part": part.model_dump()},
+            ]  # fmt: skip
+        else:
+            events.append({"type": "response.function_call_arguments.done", **self._at(index),
+                           "name": item.name, "arguments": item.arguments})  # fmt: skip
+        item.status = status
+        events.append({"type": "response.output_item.done", "output_index": index,
+                       "item": item.model_dump()})  # fmt: skip
+        return events
+
+
+async def _stream(state, text, ids, sp, shell, use: ToolUse) -> AsyncIterator[dict]:
     """The stream's events (dicts with their "type"), in OpenAI's order."""
-    mid = _id("msg")
-    at = {"item_id": mid, "output_index": 0, "content_index": 0}
     yield {"type": "response.created", "response": shell.model_dump()}
     yield {"type": "response.in_progress", "response": shell.model_dump()}
-    item = OutputMessage(id=mid, status="in_progress")
-    yield {"type": "response.output_item.added", "output_index": 0, "item": item.model_dump()}
-    part = OutputText(text="")
-    yield {"type": "response.content_part.added", **at, "part": part.model_dump()}
-    sent, final = 0, None
+    items, view, final = _Items(), ToolCallStream(use), None
+    if use.mode == "none":  # a text reply: its message opens at once, as OpenAI's
+        for event in items.add(OutputMessage(id=_id("msg"), status="in_progress")):
+            yield event
     async with deadline(state):
         async with contextlib.aclosing(generate_all(state, [(text, ids)], [sp], True)) as outs:
             async for _, out in outs:
                 c = out.outputs[0]
-                if len(c.text) > sent:
-                    yield {"type": "response.output_text.delta", **at,
-                           "delta": c.text[sent:], "logprobs": []}  # fmt: skip
-                    sent = len(c.text)
+                delta, calls = view.update(c.text, c.finish_reason is not None)
+                events = items.content(delta) if delta else []
+                for d in calls:
+                    events += items.call(d)
+                for event in events:
+                    yield event
                 final = out
-    done = _finished(shell, mid, final)
-    message = done.output[0]
-    full = message.content[0].model_dump()
-    yield {"type": "response.output_text.done", **at, "text": full["text"], "logprobs": []}
-    yield {"type": "response.content_part.done", **at, "part": full}
-    yield {"type": "response.output_item.done", "output_index": 0, "item": message.model_dump()}
-    yield {"type": f"response.{done.status}", "response": done.model_dump()}
+    status = _status(final.outputs[0])
+    if not items.items:  # nothing came: an empty message
+        for event in items.add(OutputMessage(id=_id("msg"), status="in_progress")):
+            yield event
+    for event in items.close(status):
+        yield event
+    done = _finished(shell, status, items.items, final)
+    yield {"type": f"response.{status}", "response": done.model_dump()}
 
 
 async def _events(events: AsyncIterator[dict]) -> AsyncIterator[str]:
