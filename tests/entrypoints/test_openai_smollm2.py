@@ -390,6 +390,8 @@ def test_responses_api_as_chat(smol, client):
     LLM.chat's (input a string), or the served chat's with `instructions` as a system message
     (input a list with text parts); streamed, OpenAI's events in order whose deltas join into
     the text; text.format is a structured output; what is not served is a 400 naming it."""
+    import pydantic
+
     ref = smol[1]["chat"]
     kw = dict(model="smollm2", temperature=0, max_output_tokens=N)
     r = client.responses.create(input=CHAT[0]["content"], **kw)
@@ -441,6 +443,20 @@ def test_responses_api_as_chat(smol, client):
         max_output_tokens=64,
     )  # fmt: skip
     assert r3.output_text == smol[1]["json"].outputs[0].text
+
+    # the client's helpers: a pydantic text_format parsed, the stream helper's final response
+    class Person(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(max_length=16)
+        age: int
+
+    parsed = client.responses.parse(
+        model="smollm2", input=JSON_CHAT[0]["content"], text_format=Person, temperature=0,
+        max_output_tokens=64,
+    ).output_parsed  # fmt: skip
+    assert isinstance(parsed, Person)
+    with client.responses.stream(input=CHAT[0]["content"], **kw) as s:
+        assert s.get_final_response().output_text == out.text
 
     bad = [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
