@@ -55,7 +55,10 @@ constexpr int kPath = 0;
 
 constexpr int kMr = 4;          // rows of x per register block
 constexpr int kNr = 4;          // rows of w (output columns) per register block
-constexpr int kPrefetch = 2;    // register blocks of w prefetched ahead
+// register blocks of w prefetched ahead, into L2 (_MM_HINT_T1): prefetching into L1 capped a core
+// at about 11 GB/s on the Zen 4 VM (the L1's few outstanding misses), and evicted x's rows there;
+// into L2, an 8-row decode matmul streams w at 26-28 GB/s (experiments/RESULTS.md 49c)
+constexpr int kPrefetch = 2;
 constexpr int64_t kMTile = 64;  // rows of x per work tile (kept in L2 while w streams past)
 
 inline uint16_t F32ToBf16(float f) {  // round to nearest even; NaN stays NaN
@@ -140,7 +143,7 @@ inline void Block(const Problem& p, const int64_t m, const int64_t n, const uint
   for (; kk + 32 <= k; kk += 32) {
     __m512bh wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * k + kk);
-    for (int j = 0; j < npf; ++j) _mm_prefetch((const char*)(pf + j * k + kk), _MM_HINT_T0);
+    for (int j = 0; j < npf; ++j) _mm_prefetch((const char*)(pf + j * k + kk), _MM_HINT_T1);
     for (int i = 0; i < MR; ++i) {
       __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * k + kk);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
@@ -269,7 +272,7 @@ inline void Half(const float* xw, int64_t xs, const uint16_t* const (&w)[NR], in
   for (; kk + 32 <= k; kk += 32) {
     const uint16_t* wr[NR];
     for (int j = 0; j < NR; ++j) wr[j] = w[j] + kk;
-    for (int j = 0; j < npf; ++j) _mm_prefetch((const char*)(pf + j * k + kk), _MM_HINT_T0);
+    for (int j = 0; j < npf; ++j) _mm_prefetch((const char*)(pf + j * k + kk), _MM_HINT_T1);
     step(kk, wr);
   }
   if (kk < k) {  // the last k % 32 elements, the rest zero (x's widened tail is zero already)
