@@ -392,9 +392,10 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi:
   p.y_f32 = ydt == ffi::DataType::F32;
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
 
-  // Column chunks: about four per thread, for balance; one when the call is too small to share.
+  // Column chunks: about four per thread, for balance; one when the call is too small to share:
+  // little arithmetic, and a weight small enough that one core streams it as fast as two.
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  const bool small = p.m * p.n * p.k < (int64_t{1} << 21);
+  const bool small = p.m * p.n * p.k < (int64_t{1} << 21) && p.n * p.k < (int64_t{1} << 18);
   const int64_t want = small ? 1 : 4 * workers;
   p.chunk = std::max<int64_t>(kNr, (p.n + want - 1) / want);
   p.chunk = (p.chunk + kNr - 1) / kNr * kNr;
