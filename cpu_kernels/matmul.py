@@ -9,8 +9,9 @@ Why a kernel:
 inside `lax.scan`, XLA's CPU backend copies every layer's weights out of the stack before its
 GEMM, and on decode-sized batches that GEMM reaches about half of what AVX512-BF16's dot product
 instruction does here. The kernel (`matmul.cc` beside this file) reads the layer where it lies,
-prefetching, on XLA's intra-op thread pool (RESULTS.md sections 38, 40 and 41). Each output is summed
-in one fixed order whatever the number of rows, so a row's result never depends on the batch.
+prefetching into L2, on XLA's intra-op thread pool (RESULTS.md sections 38, 40, 41 and 49c-d).
+Each output is summed in one fixed order whatever the number of rows, so a row's result never
+depends on the batch.
 
 `matmul_reference` at the end of this file is the pure-jnp definition; tests compare the two
 (tests/cpu_kernels/). The kernel is compiled on first use (`build.py`); `available()` says whether
