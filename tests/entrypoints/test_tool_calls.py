@@ -261,6 +261,10 @@ def _joined(use, text, cuts):
         (ToolUse.of(TOOLS, "none"), "Plain words <tool_call> stay text."),
         (ToolUse.of(TOOLS, NAMED), '{"city": "Paris"}'),
         (ToolUse.of(TOOLS, "required"), '[{"name": "get_time", "parameters": {}}]'),
+        (ToolUse.of(TOOLS, "required"),
+         '[{"name": "get_weather", "parameters": {"city": "X, {[Y]}"}}, {"name": "get_time", "parameters": {}}]'),
+        (ToolUse.of(TOOLS, "required", parallel_tool_calls=False),
+         '[{"name": "get_weather", "parameters": {"city": "X"}}, {"name": "get_time", "parameters": {}}]'),
         (HERMES, 'Sure. <tool_call>{"name": "get_time", "arguments": {}}</tool_call> trailing'),
         (HERMES, 'A <tool_ca b <tool_call>{"name": "get_weather", "arguments": {"city": "X"}}'),
         (HERMES, "No call, but a < and <tool_c at the end <tool_c"),
@@ -285,6 +289,18 @@ def test_streamed_deltas_join_into_the_parse(use, text):
         got_content, got_calls = _joined(use, text, range(step, len(text), step))
         assert got_content == (content or ""), step
         assert got_calls == want, step
+
+
+def test_required_streams_each_call_as_its_object_closes():
+    text = '[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_time", "parameters": {}}]'
+    first = text.index("}}") + 2
+    stream = ToolCallStream(ToolUse.of(TOOLS, "required"))
+    assert stream.update(text[: first - 1], False) == (None, [])
+    _, calls = stream.update(text[:first], False)
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather")]
+    assert stream.update(text[: first + 3], False) == (None, [])
+    _, calls = stream.update(text, True)
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(1, "get_time")]
 
 
 def test_a_streamed_tool_call_fragment_leaves_out_its_unset_fields():

@@ -407,8 +407,9 @@ TOOL_CALL_PARSERS = tuple(PARSERS)
 class ToolCallStream:
     """The tool-call view of a streamed choice: `update(text, finished)` with the output's text so
     far returns (content delta or None, tool-call deltas). A named function streams its arguments
-    as they come (the first delta carries the call's id and name); "required" sends its calls
-    once the output is finished and parses; "auto" streams the content before the parser's first
+    as they come (the first delta carries the call's id and name); "required" sends each call
+    as its object in the array closes (so an output cut short by max_tokens keeps the calls
+    already sent, where the whole reply's parse has none); "auto" streams the content before the parser's first
     call marker (holding back what may be the start of one), then each hermes call once its block
     closes, the other parsers' calls once the output is finished (a pythonic reply is content
     as it comes unless it begins with "[")."""
@@ -434,9 +435,8 @@ class ToolCallStream:
                 return None, [{"index": 0, "id": self.id, "type": "function", "function": fn}]
             return None, ([{"index": 0, "function": {"arguments": delta}}] if delta else [])
         if mode == "required":
-            if not finished:
-                return None, []
-            return None, self._new_calls(self.use.parse(text)[1])
+            calls = self.use.parse(text)[1] if finished else _closed_items(text)
+            return None, self._new_calls(calls[:1] if self.use.single else calls)
         parser = PARSERS[self.use.parser]  # "auto"
         start = _first(text, parser.markers, parser.at_start)
         if finished:
@@ -460,6 +460,21 @@ class ToolCallStream:
         fresh = [{"index": self.calls + i, **c} for i, c in enumerate(calls[self.calls :])]
         self.calls = max(self.calls, len(calls))
         return fresh
+
+
+def _closed_items(text: str) -> list[dict]:
+    """The calls of "required"'s JSON array whose objects have closed so far (the grammar keeps
+    the array well formed, so each object parses once its closing brace is out)."""
+    calls, at = [], text.find("[") + 1
+    while 0 < at < len(text):
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            obj, at = _DECODER.raw_decode(text, at)
+            calls.append(_named_call(obj, "parameters"))
+        except ValueError:  # not closed yet (or not a call: the finished parse decides)
+            break
+    return calls
 
 
 def _first(text: str, markers: tuple[str, ...], at_start: bool = False) -> int:
