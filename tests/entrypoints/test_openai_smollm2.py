@@ -417,6 +417,11 @@ def test_responses_api_as_chat(smol, client):
         max_output_tokens=8, metadata={"run": "7"},
     )  # fmt: skip
     assert r2.output_text == chat.choices[0].message.content
+    no_tools = client.responses.create(  # no tools, as an empty list: plain text
+        model="smollm2", instructions="Answer in one word.", input=items, temperature=0,
+        max_output_tokens=8, tools=[], tool_choice="auto",
+    )  # fmt: skip
+    assert no_tools.output_text == chat.choices[0].message.content
     assert r2.instructions == "Answer in one word." and r2.metadata == {"run": "7"}
 
     events = list(client.responses.create(input=CHAT[0]["content"], stream=True, **kw))

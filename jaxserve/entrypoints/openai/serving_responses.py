@@ -94,8 +94,9 @@ def check_responses_unserved(req: ResponsesRequest) -> None:
 
 
 def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
-    """The request's function tools in chat completions' form ({"type", "function": {...}})."""
-    if req.tools is None:
+    """The request's function tools in chat completions' form ({"type", "function": {...}});
+    None for none (`tools: []` too, which the Responses API accepts)."""
+    if not req.tools:
         return None
     tools = []
     for i, tool in enumerate(req.tools):
