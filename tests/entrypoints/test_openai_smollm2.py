@@ -488,6 +488,43 @@ def test_responses_api_as_chat(smol, client):
         client.responses.create(**{**kw, "model": "other"}, input="hi")
 
 
+def test_responses_clients_that_leave_free_their_slots(smol):
+    """Four /v1/responses streams at once (the slots): the two that leave after two text deltas
+    and a non-streamed request whose client times out are aborted; the two that stay get
+    LLM.chat's text; afterwards no slot or page is held."""
+    import json
+
+    server, offline, _ = smol
+    url = f"{server.url}/responses"
+    body = {"model": "smollm2", "input": CHAT[0]["content"], "temperature": 0, "stream": True}
+
+    async def one(http, i):
+        extra = (
+            {"max_output_tokens": N} if i % 2 else {"max_output_tokens": 220, "ignore_eos": True}
+        )
+        deltas = []
+        async with http.stream("POST", url, json={**body, **extra}) as r:
+            async for line in r.aiter_lines():
+                event = json.loads(line[6:]) if line.startswith("data: {") else {}
+                if event.get("type") == "response.output_text.delta":
+                    deltas.append(event["delta"])
+                    if i % 2 == 0 and len(deltas) == 2:
+                        return None  # leaves: the connection closes mid-stream
+        return "".join(deltas)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*[one(http, i) for i in range(4)])
+
+    got = asyncio.run(main())
+    assert got[1] == got[3] == offline["chat"].outputs[0].text
+    with pytest.raises(httpx.TimeoutException):
+        long = {**body, "stream": False, "max_output_tokens": 220, "ignore_eos": True}
+        httpx.post(url, json=long, timeout=0.5)
+    # within 2 s: unaborted, the three 220-token requests would run for seconds more
+    wait_idle(server.server.config.app.state.serving.async_llm.engine, timeout=2.0)
+
+
 RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses form
 
 
