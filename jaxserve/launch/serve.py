@@ -20,7 +20,7 @@ import sys
 
 from absl import app, flags
 
-from jaxserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from jaxserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from jaxserve.launch import distributed
 from jaxserve.launch import flags as engine_flags
 
