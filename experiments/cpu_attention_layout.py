@@ -123,7 +123,7 @@ def prefill_ab(rows: int, width: int, start: int, reps: int) -> dict:
         forced=np.full((rows,), -1, np.int32),
         targets=np.full((rows, CHUNK), -1, np.int32),
     )
-    shape = PrefillShape(rows, width, False)
+    shape = PrefillShape(rows, CHUNK, width, False)
     compiled = {}
     for name in ("before", "after"):
         jax.clear_caches()

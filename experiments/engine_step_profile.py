@@ -36,6 +36,7 @@ from jaxserve.runner.runner import ModelRunner
 _POOLS = flags.DEFINE_list("pools", ["1024", "4096"], "KV pool sizes (pages) to time.")
 _WIDTHS = flags.DEFINE_list("widths", ["8", "64"], "Page-table width buckets to time.")
 _ROWS = flags.DEFINE_list("rows", ["1", "8"], "Prefill row buckets to time.")
+_CHUNKS = flags.DEFINE_list("chunks", ["64"], "Prefill chunk lengths (tokens per row) to time.")
 _SLOTS = flags.DEFINE_integer("num_slots", 32, "Slots.")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed calls per point (median).")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights / activations dtype.")
@@ -143,17 +144,20 @@ def main(argv):
             row["num_flat"] = shape.num_flat
             row["generate_ms"] = timed(gen, _REPS.value) * 1e3
             if _OP_PROFILE.value:
-                compiled = steps.generate.lower(
-                    runner.params,
-                    runner.cache,
-                    runner.state,
-                    np.bool_(False),
-                    config=c,
-                    impl=runner.resolved.model,
-                    shape=shape,
-                    num_steps=ec.decode_steps,
-                ).compile()
-                ops = op_profile(gen, compiled.as_text())
+                # the runner's decode step: one program, or (overlaps_grammar, one device and
+                # one decode step per round trip) the forward then the sampler, named from the
+                # forward's program (its ops are most of the step's time)
+                common = dict(config=c, impl=runner.resolved.model, shape=shape)
+                if runner.overlaps_grammar:
+                    lowered = steps.decode_forward.lower(
+                        runner.params, runner.cache, runner.state, **common
+                    )
+                else:
+                    lowered = steps.generate.lower(
+                        runner.params, runner.cache, runner.state, np.bool_(False),
+                        num_steps=ec.decode_steps, **common,
+                    )  # fmt: skip
+                ops = op_profile(gen, lowered.compile().as_text())
                 total = sum(ops.values())
                 row["generate_xla_cpu_ms"] = total
                 row["generate_ops_cpu_ms"] = {k: round(v, 2) for k, v in ops.items() if v >= 0.1}
@@ -161,22 +165,23 @@ def main(argv):
                     f"decode step, {impl}, matmul {matmul_impl}, width {w}: "
                     f"XLA CPU time {total:.1f} ms per step"
                 )
-                for k, v in list(ops.items())[:15]:
+                for k, v in list(ops.items())[:25]:
                     print(f"  {v:7.2f} ms  {100 * v / total:4.1f}%  {k}")
-            for r in map(int, _ROWS.value):
+            for r, t in [(int(r), int(t)) for r in _ROWS.value for t in _CHUNKS.value]:
                 batch = PrefillBatch(
-                    tokens=np.ones((r, 64), np.int32),
+                    tokens=np.ones((r, t), np.int32),
                     slots=np.arange(r, dtype=np.int32),
-                    start=np.full((r,), max(ctx - 64, 0), np.int32),
-                    length=np.full((r,), 64, np.int32),
+                    start=np.full((r,), max(ctx - t, 0) // ps * ps, np.int32),
+                    length=np.full((r,), t, np.int32),
                     is_last=np.zeros((r,), bool),
                     forced=np.full((r,), -1, np.int32),
-                    targets=np.full((r, 64), -1, np.int32),
+                    targets=np.full((r, t), -1, np.int32),
                 )
-                row[f"prefill_r{r}_ms"] = (
+                key = f"prefill_r{r}_ms" if t == 64 else f"prefill_r{r}_t{t}_ms"
+                row[key] = (
                     timed(
                         lambda b=batch, w=w, runner=runner: (
-                            runner.prefill(b, PrefillShape(b.tokens.shape[0], w, False)).tokens
+                            runner.prefill(b, PrefillShape(*b.tokens.shape, w, False)).tokens
                         ),
                         _REPS.value,
                     )

@@ -181,7 +181,7 @@ def measure_workspace(config: ModelConfig, slots=(256, 512), max_pages: int = 25
             np.bool_(False),
             config=config,
             impl=impl,
-            shape=PrefillShape(rows, max_pages, False),
+            shape=PrefillShape(rows, chunk, max_pages, False),
         )
         .lower()
         .compile()

@@ -28,6 +28,11 @@ get their shape buckets from here. The choices:
                    proportion to its rows), one bucket of all slots elsewhere
     widths         page-table width buckets (powers of two of pages, capped at max_pages_per_seq)
     prefill rows   prefill row buckets (powers of two of chunks up to the step's chunk budget)
+    chunk lengths  prefill chunk length buckets T: on CPU max(page_size, chunk / 4) and the
+                   chunk (prefill_chunk_size), so that a step whose chunks are all short (a prompt
+                   tail after a prefix-cache hit, a short prompt) pays for 16 tokens a row, not
+                   64 (a 1-row chunk: 22 vs 57 ms for SmolLM2 on a Zen 4 VM, RESULTS.md section
+                   50); the chunk alone elsewhere. Prompt log-prob programs take the chunk only
     flat buckets   'ragged' decode: live-page buckets per slot bucket (powers of two from 8)
                    ('cpu_kernel': one decode program per slot bucket and one prefill program per
                    row bucket, over the whole page table, since the kernel's cost follows each
@@ -74,6 +79,7 @@ class PrefillShape:
     """The static shape of one prefill program (`runner.steps.prefill`)."""
 
     rows: int  # chunk rows R of the [R, T] batch
+    chunk: int  # tokens per row T (a bucket of Resolved.chunks)
     width: int  # page-table width
     prompt_logprobs: bool  # the variant that also scores every prompt token
     num_top: int = MAX_LOGPROBS  # top log-probs per token (the engine's max_logprobs)
@@ -106,8 +112,13 @@ class Resolved:
     prefill_rows: tuple[int, ...]  # prefill row buckets, the last = the step's chunk budget
     max_flat: int  # most page references a decode step can list ('ragged'; 0 otherwise)
     max_pages: int  # max_pages_per_seq
-    chunk: int  # prefill chunk length T
+    chunks: tuple[int, ...]  # prefill chunk length buckets T, increasing, the last = the chunk
     num_top: int = MAX_LOGPROBS  # top log-probs per token: max_logprobs (-1: the vocabulary)
+
+    @property
+    def chunk(self) -> int:
+        """The prefill chunk length (prefill_chunk_size): the most tokens a chunk holds."""
+        return self.chunks[-1]
 
     @property
     def ragged(self) -> bool:
@@ -146,15 +157,21 @@ class Resolved:
         the full count, so the extra programs are one more per width, not one per row bucket."""
         return tuple(sorted({self.prefill_rows[0], self.prefill_rows[-1]}))
 
-    def prefill_shape(self, num_chunks: int, num_pages: int, prompt_logprobs: bool) -> PrefillShape:
-        """The prefill program for `num_chunks` chunks whose longest sequence holds `num_pages`
-        pages (with prompt log-probs, among `prompt_logprob_rows`)."""
+    def prefill_shape(
+        self, num_chunks: int, longest: int, num_pages: int, prompt_logprobs: bool
+    ) -> PrefillShape:
+        """The prefill program for `num_chunks` chunks, the longest of `longest` tokens, whose
+        longest sequence holds `num_pages` pages (with prompt log-probs: among
+        `prompt_logprob_rows`, and the full chunk length)."""
         buckets = self.prompt_logprob_rows if prompt_logprobs else self.prefill_rows
         rows = bucket_for(num_chunks, buckets)
+        if longest > self.chunk:
+            raise ValueError(f"a chunk of {longest} tokens exceeds the chunk length {self.chunk}")
+        chunk = self.chunk if prompt_logprobs else bucket_for(longest, self.chunks)
         width = self.width_for(num_pages)  # checks max_pages_per_seq
         if self.model.attention == "cpu_kernel":
             width = self.max_pages
-        return PrefillShape(rows, width, prompt_logprobs, self.num_top)
+        return PrefillShape(rows, chunk, width, prompt_logprobs, self.num_top)
 
     def decode_shapes(self) -> list[DecodeShape]:
         """Every shape `decode_shape` can return."""
@@ -173,8 +190,11 @@ class Resolved:
         out = []
         widths = [self.max_pages] if self.model.attention == "cpu_kernel" else self.widths
         for w in widths:
-            out += [PrefillShape(r, w, False, self.num_top) for r in self.prefill_rows]
-            out += [PrefillShape(r, w, True, self.num_top) for r in self.prompt_logprob_rows]
+            for t in self.chunks:
+                out += [PrefillShape(r, t, w, False, self.num_top) for r in self.prefill_rows]
+            out += [
+                PrefillShape(r, self.chunk, w, True, self.num_top) for r in self.prompt_logprob_rows
+            ]
         return out
 
 
@@ -232,6 +252,8 @@ def resolve(
         slot_buckets = tuple(c.slot_buckets)
     max_pages = c.max_pages_per_seq
     max_rows = max(1, c.max_num_batched_tokens // c.prefill_chunk_size)
+    short = max(c.page_size, c.prefill_chunk_size // 4)
+    chunks = (short, c.prefill_chunk_size) if cpu and short < c.prefill_chunk_size else None
     return Resolved(
         backend=backend,
         model=ModelImpl(
@@ -249,6 +271,6 @@ def resolve(
         # request reading it, so a step can list more pages than the pool holds.
         max_flat=c.num_slots * max_pages if attention == "ragged" else 0,
         max_pages=max_pages,
-        chunk=c.prefill_chunk_size,
+        chunks=chunks or (c.prefill_chunk_size,),
         num_top=m.vocab_size if c.max_logprobs == -1 else min(c.max_logprobs, m.vocab_size),
     )

@@ -148,7 +148,7 @@ def test_engine_steps_lower_for_cuda(model, quantization, kv_cache_dtype):
     # INT4 weights run the fused kernel for up to 16 rows (a decode batch of 8) and XLA's
     # unpack + dot beyond (32 slots, a prefill of 8 x 64 tokens): int4.PALLAS_MAX_ROWS.
     variants = [DecodeShape(8, MAX_PAGES, 0), DecodeShape(NUM_SLOTS, MAX_PAGES, 0)]
-    variants.append(PrefillShape(8, 8, False))
+    variants.append(PrefillShape(8, CHUNK, 8, False))
     for shape in variants:
         text = lower_step(shape, c, params, cache, state)
         # (an untied INT4 lm_head [D, V] is one more call, on the prefill's 8 last tokens too;
@@ -204,7 +204,7 @@ def test_moe_steps_lower_for_cuda(quantization):
     c, params = abstract_model("mixtral-8x7b", quantization)
     cache = abstract_cache(c, "auto")
     state = jax.eval_shape(lambda: steps.init_slot_state(NUM_SLOTS, MAX_PAGES, c.vocab_size))
-    for shape in [DecodeShape(8, MAX_PAGES, 0), PrefillShape(8, 8, False)]:
+    for shape in [DecodeShape(8, MAX_PAGES, 0), PrefillShape(8, CHUNK, 8, False)]:
         text = lower_step(shape, c, params, cache, state)
         assert kernels(text) - {"int4_matmul"} == EXPECTED[type(shape)], shape
         layer_calls = {s for s in int4_codes_shapes(text) if s[2] != c.vocab_size}

@@ -88,11 +88,31 @@ def test_width_and_prefill_row_buckets():
     assert r.width_for(1) == 1 and r.width_for(5) == 8 and r.width_for(32) == 32
     with pytest.raises(ValueError, match="max_pages_per_seq"):
         r.width_for(33)
-    assert r.prefill_shape(3, 5, False) == PrefillShape(4, 8, False)
+    assert r.chunks == (64,)  # one chunk length off the CPU
+    assert r.prefill_shape(3, 10, 5, False) == PrefillShape(4, 64, 8, False)
     # prompt log-probs: one row alone, else all rows
     assert r.prompt_logprob_rows == (1, 8)
-    assert r.prefill_shape(1, 5, True) == PrefillShape(1, 8, True)
-    assert r.prefill_shape(2, 5, True) == PrefillShape(8, 8, True)
+    assert r.prefill_shape(1, 10, 5, True) == PrefillShape(1, 64, 8, True)
+    assert r.prefill_shape(2, 64, 5, True) == PrefillShape(8, 64, 8, True)
+    with pytest.raises(ValueError, match="exceeds the chunk length"):
+        r.prefill_shape(1, 65, 5, False)
+
+
+def test_cpu_prefill_chunk_lengths():
+    """On CPU a step whose chunks all fit max(page_size, chunk / 4) tokens runs the short
+    program; prompt log-probs always run the full chunk."""
+    r = resolved("cpu", max_model_len=512, page_size=16, prefill_chunk_size=64)
+    assert r.chunks == (16, 64) and r.chunk == 64
+    assert r.prefill_shape(1, 1, 3, False).chunk == 16
+    assert r.prefill_shape(3, 16, 3, False).chunk == 16
+    assert r.prefill_shape(3, 17, 3, False).chunk == 64
+    assert r.prefill_shape(1, 5, 3, True).chunk == 64
+    shapes = r.prefill_shapes()
+    assert {(s.chunk, s.prompt_logprobs) for s in shapes} == {(16, False), (64, False), (64, True)}
+    assert len(shapes) == len(r.widths) * (2 * len(r.prefill_rows) + len(r.prompt_logprob_rows))
+    # a chunk no longer than a page keeps one length
+    assert resolved("cpu", max_model_len=512, page_size=16, prefill_chunk_size=16).chunks == (16,)
+    assert resolved("cpu", max_model_len=512, page_size=4, prefill_chunk_size=32).chunks == (8, 32)
 
 
 def test_flat_buckets_cover_every_decode_step():

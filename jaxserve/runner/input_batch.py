@@ -1,7 +1,7 @@
 """Host-side packing of a scheduler plan into the fixed-shape numpy arrays a step takes.
 
-    pack_prefill(plan, shape, num_slots, chunk) -> PrefillBatch   the plan's chunks, [R, T]
-    pack_prefill_shards(plan, shape, num_slots, chunk, D)          D data shards' blocks, [D*R, T]
+    pack_prefill(plan, shape, num_slots)        -> PrefillBatch   the plan's chunks, [R, T]
+    pack_prefill_shards(plan, shape, num_slots, D)                 D data shards' blocks, [D*R, T]
     padding_batch(rows, num_slots, chunk)       -> PrefillBatch   all padding (warm-up)
     move_arrays(moves, num_slots)               -> (src, dst)     i32[S] each, S = padding
 
@@ -50,11 +50,9 @@ def padding_batch(rows: int, num_slots: int, chunk: int) -> PrefillBatch:
     )
 
 
-def pack_prefill(
-    plan: SchedulerOutput, shape: PrefillShape, num_slots: int, chunk: int
-) -> PrefillBatch:
-    """The plan's chunks as rows of a [shape.rows, chunk] batch (the rest padding)."""
-    return pack_prefill_shards(plan, shape, num_slots, chunk, 1)[0]
+def pack_prefill(plan: SchedulerOutput, shape: PrefillShape, num_slots: int) -> PrefillBatch:
+    """The plan's chunks as rows of a [shape.rows, shape.chunk] batch (the rest padding)."""
+    return pack_prefill_shards(plan, shape, num_slots, 1)[0]
 
 
 def shard_rows(plan: SchedulerOutput, num_slots: int, shards: int) -> list[int]:
@@ -70,13 +68,14 @@ def shard_rows(plan: SchedulerOutput, num_slots: int, shards: int) -> list[int]:
 
 
 def pack_prefill_shards(
-    plan: SchedulerOutput, shape: PrefillShape, num_slots: int, chunk: int, shards: int
+    plan: SchedulerOutput, shape: PrefillShape, num_slots: int, shards: int
 ) -> tuple[PrefillBatch, list[int]]:
-    """The plan's chunks as D = `shards` blocks of shape.rows rows ([D * rows, chunk]): block d
+    """The plan's chunks as D = `shards` blocks of shape.rows rows ([D * rows, shape.chunk]),
+    each chunk at most shape.chunk tokens long (`Resolved.prefill_shape` chose it so): block d
     holds the chunks of data shard d's slots, numbered locally (slot - d * S/D; S/D = padding).
     Returns (batch, packed row of each plan.prefill[i])."""
     per_shard = num_slots // shards
-    batch = padding_batch(shape.rows * shards, per_shard, chunk)
+    batch = padding_batch(shape.rows * shards, per_shard, shape.chunk)
     local = shard_rows(plan, num_slots, shards)
     packed = []
     for c, row in zip(plan.prefill, local):

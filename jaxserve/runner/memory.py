@@ -134,7 +134,7 @@ def workspace_bytes(runner, decode, prefill) -> int | None:
     """XLA's temporary bytes per device of the largest decode and prefill programs (their
     executables are cached by the warm-up: lowering them again compiles nothing)."""
     rows, local = prefill.rows * runner.data_shards, runner.slots_per_shard
-    batch = input_batch.padding_batch(rows, local, runner.resolved.chunk)
+    batch = input_batch.padding_batch(rows, local, prefill.chunk)
     common = dict(config=runner.model_config, impl=runner.resolved.model)
     no = np.bool_(False)
     if runner.overlaps_grammar:  # the forward is the large one of the decode's two programs

@@ -347,11 +347,12 @@ class ModelRunner:
             d = self.data_shards
             shape = r.prefill_shape(
                 max(input_batch.shard_rows(plan, self.num_slots, d)) + 1,  # chunks per shard
+                max(c.length for c in plan.prefill),
                 max(len(c.request.pages) for c in plan.prefill),
                 input_batch.wants_prompt_logprobs(plan),
             )
             batch, handle.prefill_rows = input_batch.pack_prefill_shards(
-                plan, shape, self.num_slots, r.chunk, d
+                plan, shape, self.num_slots, d
             )
             handle.prefill = self.prefill(batch, shape, handle.prefill_top)
             self.num_h2d_transfers += 1  # the packed batch
@@ -395,7 +396,7 @@ class ModelRunner:
             self.generate(shape)
         for shape in prefill:
             rows, local = shape.rows * self.data_shards, self.slots_per_shard
-            self.prefill(input_batch.padding_batch(rows, local, r.chunk), shape)
+            self.prefill(input_batch.padding_batch(rows, local, shape.chunk), shape)
         self._active[:] = saved
         self._dirty = True
         self._flush()

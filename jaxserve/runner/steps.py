@@ -392,8 +392,9 @@ def prefill_forward(params, cache, state: SlotState, batch: PrefillBatch, *, con
 def prefill_sample(state: SlotState, batch: PrefillBatch, logits, want_top, *, num_top: int):
     """The second half: samples (or installs) each completing row's token from
     `prefill_forward`'s logits and advances the slots -> (state, PrefillOutput without prompt
-    log-probs), exactly as `prefill`. Its program depends on R (and T, fixed) and num_top, not
-    on the page-table width: one per prefill row bucket."""
+    log-probs), exactly as `prefill`. Its program depends on R and num_top, not on the
+    page-table width or the chunk length T (it reads only the batch's per-row fields; pass the
+    batch without `tokens` and `targets`): one per prefill row bucket."""
     state, out = _prefill_advance(state, batch, logits, want_top, num_top)
     return pin_slots(state), _prefill_output(out, None)
 
@@ -404,5 +405,6 @@ def prefill_in_two(params, cache, state, batch, want_top, *, config, impl, shape
     cache, logits, prompt = prefill_forward(
         params, cache, state, batch, config=config, impl=impl, shape=shape
     )
-    state, out = prefill_sample(state, batch, logits, want_top, num_top=shape.num_top)
+    rows = batch.replace(tokens=None, targets=None)  # [R] fields only: one program for every T
+    state, out = prefill_sample(state, rows, logits, want_top, num_top=shape.num_top)
     return cache, state, out.replace(prompt=prompt)

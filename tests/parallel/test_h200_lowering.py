@@ -152,7 +152,7 @@ def lower_steps(model, quantization, d, t) -> tuple[ModelConfig, dict[str, str]]
             state,
             abstract_batch(d * ROWS, mesh, d),
             flag,
-            shape=PrefillShape(ROWS, MAX_PAGES, False),
+            shape=PrefillShape(ROWS, CHUNK, MAX_PAGES, False),
             **static,
         )
         texts = {

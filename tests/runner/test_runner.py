@@ -118,7 +118,7 @@ def test_sampling_compiles_once_per_row_bucket():
     assert runner.splits_prefill and len(shapes) > len(rows)
     before = steps.prefill_sample._cache_size(), steps.prefill_forward._cache_size()
     for shape in shapes:  # what warm-up runs for prefill (every row padding)
-        runner.prefill(input_batch.padding_batch(shape.rows, 8, runner.resolved.chunk), shape)
+        runner.prefill(input_batch.padding_batch(shape.rows, 8, shape.chunk), shape)
     after = steps.prefill_sample._cache_size(), steps.prefill_forward._cache_size()
     assert (after[0] - before[0], after[1] - before[1]) == (len(rows), len(shapes))
 
@@ -323,6 +323,53 @@ def test_the_cpu_matmul_gives_a_prompt_its_bits_alone_and_in_a_512_row_prefill()
     assert llm.engine.runner.resolved.prefill_rows[-1] * 64 == 512
     for i in (0, 5):
         assert run([prompts[i]])[0] == together[i]
+
+
+def test_a_short_chunk_gets_its_bits_in_the_short_and_the_full_chunk_program(monkeypatch):
+    """On CPU a step whose chunks all fit 16 tokens runs a [R, 16] prefill program, not [R, 64]
+    (`Resolved.chunks`): a 10-token prompt prefilled alone (the short program) and beside a
+    40-token one (the full program) gets the same log-probs to the bit, as does a prefix-cache
+    hit whose 3-token tail runs the short program. SmolLM2's layer widths, bf16, the CPU matmul."""
+    import dataclasses
+
+    config = dataclasses.replace(
+        ModelConfig.preset("tiny"), hidden_size=576, intermediate_size=1536, num_layers=2,
+        head_dim=64, name="tiny-wide",
+    )  # fmt: skip
+    kw = dict(
+        load_format="dummy", dtype="bfloat16", matmul_impl="cpu_kernel", num_slots=4,
+        max_model_len=128, page_size=16, prefill_chunk_size=64, max_num_batched_tokens=256,
+    )  # fmt: skip
+    llm = LLM(config, **kw)
+    assert llm.engine.runner.resolved.chunks == (16, 64)
+    chunks = []
+    prefill = llm.engine.runner.prefill
+    monkeypatch.setattr(
+        llm.engine.runner, "prefill", lambda b, s, *a: chunks.append(s.chunk) or prefill(b, s, *a)
+    )
+    rng = np.random.default_rng(0)
+    short, long = (rng.integers(3, config.vocab_size, n).tolist() for n in (10, 40))
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+
+    def run(llm, batch):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+        logprobs = [
+            [sorted((t, lp.logprob) for t, lp in step.items()) for step in o.outputs[0].logprobs]
+            for o in outs
+        ]
+        return logprobs, [o.num_cached_tokens for o in outs]
+
+    alone, _ = run(llm, [short])
+    assert chunks == [16]
+    together, _ = run(llm, [short, long])
+    assert chunks[1:] == [64] and together[0] == alone[0]
+
+    cached = LLM(config, enable_prefix_caching=True, **kw)
+    prompt = long[:35]  # 2 full pages, then a 3-token tail
+    first, num_cached = run(cached, [prompt])  # 35 tokens: the full program
+    assert num_cached == [0]
+    hit, num_cached = run(cached, [prompt])  # the tail alone: the short program
+    assert num_cached == [32] and hit == first
 
 
 def test_cpu_engine_falls_back_to_ragged_without_a_compiler(tmp_path):
