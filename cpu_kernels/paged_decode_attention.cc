@@ -259,16 +259,25 @@ inline float ExpNonPositive(float x) {
   return p * __builtin_bit_cast(float, bits);  // 2^n (not memcpy: this loop must vectorize)
 }
 
+// Defined with the prefill handler below; decode items use them when d is a multiple of 16.
+void Scores(const float* qf, int64_t m, const float* kf, int64_t n, int64_t dp, float* s,
+            int64_t lds);
+template <int R>
+void PvRows(float* const* acc, const float* const* p, const float* alpha, const float* vf,
+            int64_t dp, int64_t j0, int64_t j1);
+constexpr int64_t kMaxPvHeads = 64;  // query heads per KV head that take that path
+
 // One (row, KV head): the online softmax over the row's visible pages, a page at a time.
 void Item(const Problem& p, int64_t item, std::vector<float>& buf) {
   const int64_t row = item / p.kvh, head = item % p.kvh;
   const int64_t g = p.g, d = p.d, ps = p.ps;
-  buf.resize(g * d * 2 + 2 * ps * d + 2 * g * ps + 2 * g);
+  const int64_t rows = ps + 16;  // kf, vf: a page, and room for Scores' last 16-key block
+  buf.resize(g * d * 2 + 2 * rows * d + 2 * g * ps + 2 * g);
   float* qf = buf.data();      // [G, D]
   float* acc = qf + g * d;     // [G, D]
   float* kf = acc + g * d;     // [ps, D]
-  float* vf = kf + ps * d;     // [ps, D]
-  float* s = vf + ps * d;      // [G, ps] logits
+  float* vf = kf + rows * d;   // [ps, D]
+  float* s = vf + rows * d;    // [G, ps] logits
   float* pr = s + g * ps;      // [G, ps] probabilities (unnormalized)
   float* m = pr + g * ps;      // [G] running max
   float* l = m + g;            // [G] running sum
@@ -279,6 +288,10 @@ void Item(const Problem& p, int64_t item, std::vector<float>& buf) {
   std::fill(m, m + g, -INFINITY);
   std::fill(l, l + g, 0.0f);
 
+  // With d a multiple of 16 (and G small enough for the stack arrays), the scores and value rows
+  // run through the prefill handler's Scores and PvRows, which give these loops' bits faster.
+  const bool lanes = d % 16 == 0 && g <= kMaxPvHeads;
+  float alphas[kMaxPvHeads];
   const int64_t kv_len = std::clamp<int64_t>(p.kv_lens[row], 0, p.w * ps);
   const int64_t first = p.window > 0 ? std::max<int64_t>(0, kv_len - p.window) : 0;
   const int64_t pool_base = (static_cast<int64_t>(p.layer) * p.kvh + head) * p.num_pages;
@@ -308,13 +321,25 @@ void Item(const Problem& p, int64_t item, std::vector<float>& buf) {
         }
       }
     }
-    for (int64_t t = t0; t < t1; ++t) {
+    if (lanes) {  // Scores computes each dot as Dot does (d a multiple of its 16 lanes)
+      Scores(qf, g, kf + t0 * d, t1 - t0, d, s + t0, ps);
       for (int64_t gi = 0; gi < g; ++gi) {
-        float x = Dot(qf + gi * d, kf + t * d, d) * p.scale;
-        if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
-        s[gi * ps + t] = x;
+        for (int64_t t = t0; t < t1; ++t) {
+          float x = s[gi * ps + t] * p.scale;
+          if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
+          s[gi * ps + t] = x;
+        }
+      }
+    } else {
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t gi = 0; gi < g; ++gi) {
+          float x = Dot(qf + gi * d, kf + t * d, d) * p.scale;
+          if (p.softcap > 0.0f) x = p.softcap * std::tanh(x / p.softcap);
+          s[gi * ps + t] = x;
+        }
       }
     }
+    int64_t live[kMaxPvHeads], nlive = 0;  // heads with a finite logit so far (d % 16 == 0)
     for (int64_t gi = 0; gi < g; ++gi) {
       const float* sg = s + gi * ps;
       float* pg = pr + gi * ps;
@@ -331,6 +356,10 @@ void Item(const Problem& p, int64_t item, std::vector<float>& buf) {
       }
       l[gi] = l[gi] * alpha + sum;
       m[gi] = new_m;
+      if (lanes) {  // the value rows below, for all such heads at once
+        alphas[nlive] = alpha, live[nlive++] = gi;
+        continue;
+      }
       float* ag = acc + gi * d;
       int64_t e = 0;
       // Two 8-lane halves, not one 16-lane vector: on AVX2 GCC keeps a 16-lane accumulator in
@@ -350,6 +379,18 @@ void Item(const Problem& p, int64_t item, std::vector<float>& buf) {
         float a = ag[e] * alpha;
         for (int64_t t = t0; t < t1; ++t) a += pg[t] * vf[t * d + e];
         ag[e] = a;
+      }
+    }
+    for (int64_t h0 = 0; h0 < nlive; h0 += 4) {  // PvRows: the same operations as the loop above
+      float* ar[4];
+      const float* pp[4];
+      const int64_t n = std::min<int64_t>(4, nlive - h0);
+      for (int64_t x = 0; x < n; ++x) ar[x] = acc + live[h0 + x] * d, pp[x] = pr + live[h0 + x] * ps;
+      switch (n) {
+        case 1: PvRows<1>(ar, pp, alphas + h0, vf, d, t0, t1); break;
+        case 2: PvRows<2>(ar, pp, alphas + h0, vf, d, t0, t1); break;
+        case 3: PvRows<3>(ar, pp, alphas + h0, vf, d, t0, t1); break;
+        default: PvRows<4>(ar, pp, alphas + h0, vf, d, t0, t1); break;
       }
     }
   }
@@ -408,7 +449,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::A
 //
 // Work item = (row, KV head, block of kQueryBlock query tokens). The block's keys are read a tile
 // at a time (tiles at absolute key positions, kKeyTile keys), converted to f32 once for all of
-// its G * tokens query vectors, the scores computed in 4 x 2 register blocks (each dot in Dot's and
+// its G * tokens query vectors, the scores computed by Scores (each dot in Dot's and
 // HorizontalSum's order, so a score has the same bits in a block or alone), then every query runs
 // the online softmax over its own visible keys of the tile: keys s with max(0, p + 1 - window)
 // <= s <= p for a query at position p (every s <= p for a global layer). Everything a query's
@@ -455,11 +496,64 @@ inline void ExpShifted(float* x, int64_t n, float m) {
   }
 }
 
+#if defined(__AVX512F__)
+// The lane sums of 16 accumulators as one vector (lane j: acc[j]'s), each summed in
+// HorizontalSum's order: a transposing tree adds lanes i + i+8, then i + i+4, then c0 + c2 and
+// c1 + c3, then those two, for all 16 at once (15 adds and 30 shuffles for 16 sums).
+inline F16v SumLanes16(const F16v (&a)[16]) {
+  F16v s[8], u[4], r[2];
+  for (int t = 0; t < 8; ++t) {  // lanes 0-7: a[2t]'s i + i+8; lanes 8-15: a[2t+1]'s
+    s[t] = __builtin_shufflevector(a[2 * t], a[2 * t + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                   20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * t], a[2 * t + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                   27, 28, 29, 30, 31);
+  }
+  for (int t = 0; t < 4; ++t) {  // quarter q: a[4t + q]'s i + i+4
+    u[t] = __builtin_shufflevector(s[2 * t], s[2 * t + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
+                                   24, 25, 26, 27) +
+           __builtin_shufflevector(s[2 * t], s[2 * t + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  }
+  for (int t = 0; t < 2; ++t) {  // lane pair q: a[8t + q]'s c0 + c2, c1 + c3
+    r[t] = __builtin_shufflevector(u[2 * t], u[2 * t + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21,
+                                   24, 25, 28, 29) +
+           __builtin_shufflevector(u[2 * t], u[2 * t + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(r[0], r[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                 30) +
+         __builtin_shufflevector(r[0], r[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                 31);
+}
+#endif
+
 // s[r * lds + j] = q_r . k_j for rows r < m of qf and keys j < n of kf (both [*, dp]), each in
-// Dot's order. Blocks of 4 rows x 2 keys; the low 8 lanes of all 16 lanes are summed in one pass
+// Dot's order. With AVX-512: a row against 16 keys at a time, 16 accumulators summed by
+// SumLanes16 (kf must have rows up to n rounded up to 16: the extra rows' sums are dropped).
+// Otherwise blocks of 4 rows x 2 keys; the low 8 lanes of all 16 lanes are summed in one pass
 // and the high 8 in a second, so each pass's 8 accumulators stay in AVX2's 16 registers.
 void Scores(const float* qf, int64_t m, const float* kf, int64_t n, int64_t dp, float* s,
             int64_t lds) {
+#if defined(__AVX512F__)
+  for (int64_t r = 0; r < m; ++r) {
+    const float* q = qf + r * dp;
+    for (int64_t j = 0; j < n; j += 16) {
+      F16v acc[16];
+      for (int x = 0; x < 16; ++x) acc[x] = F16v{};
+      for (int64_t e = 0; e < dp; e += 16) {
+        const F16v qv = LoadV(q + e);
+        for (int x = 0; x < 16; ++x) acc[x] += qv * LoadV(kf + (j + x) * dp + e);
+      }
+      const F16v sums = SumLanes16(acc);
+      const int64_t valid = std::min<int64_t>(16, n - j);
+      if (valid == 16) {
+        StoreV(s + r * lds + j, sums);
+      } else {
+        for (int64_t x = 0; x < valid; ++x) s[r * lds + j + x] = sums[x];
+      }
+    }
+  }
+#else
   int64_t r = 0;
   for (; r + 4 <= m; r += 4) {
     int64_t j = 0;
@@ -490,11 +584,46 @@ void Scores(const float* qf, int64_t m, const float* kf, int64_t n, int64_t dp, 
   for (; r < m; ++r) {
     for (int64_t j = 0; j < n; ++j) s[r * lds + j] = Dot(qf + r * dp, kf + j * dp, dp);
   }
+#endif
 }
 
-// acc[i][e0 .. e0 + 16) = acc[i][..] * alpha[i] + sum over keys j in [j0, j1) of p[i][j] *
-// vf[j][e0 ..], for R rows, keys in increasing order; 16 lanes as two 8-lane halves, so the 2R
-// accumulators stay in AVX2's registers.
+// acc[i][e0 .. e0 + 16 NE) = acc[i][..] * alpha[i] + sum over keys j in [j0, j1) of p[i][j] *
+// vf[j][e0 ..], for R rows, keys in increasing order. With AVX-512 NE vectors of 16 lanes per
+// row stay in registers (R * NE <= 16), so each key's probability is broadcast once per row;
+// otherwise NE = 1 and 16 lanes are two 8-lane halves, so the 2R accumulators stay in AVX2's
+// registers. Each element gets the same operations in the same order either way.
+#if defined(__AVX512F__)
+template <int R, int NE>
+void PvBlock(float* const* acc, const float* const* p, const float* alpha, const float* vf,
+             int64_t dp, int64_t e0, int64_t j0, int64_t j1) {
+  F16v a[R][NE];
+  for (int i = 0; i < R; ++i)
+    for (int x = 0; x < NE; ++x) a[i][x] = LoadV(acc[i] + e0 + 16 * x) * alpha[i];
+  for (int64_t j = j0; j < j1; ++j) {
+    F16v v[NE];
+    for (int x = 0; x < NE; ++x) v[x] = LoadV(vf + j * dp + e0 + 16 * x);
+    for (int i = 0; i < R; ++i) {
+      const float pj = p[i][j];
+      for (int x = 0; x < NE; ++x) a[i][x] += pj * v[x];
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int x = 0; x < NE; ++x) StoreV(acc[i] + e0 + 16 * x, a[i][x]);
+}
+
+template <int R>
+void PvRows(float* const* acc, const float* const* p, const float* alpha, const float* vf,
+            int64_t dp, int64_t j0, int64_t j1) {
+  for (int64_t e0 = 0; e0 < dp;) {
+    switch (std::min<int64_t>(4, (dp - e0) / 16)) {
+      case 1: PvBlock<R, 1>(acc, p, alpha, vf, dp, e0, j0, j1), e0 += 16; break;
+      case 2: PvBlock<R, 2>(acc, p, alpha, vf, dp, e0, j0, j1), e0 += 32; break;
+      case 3: PvBlock<R, 3>(acc, p, alpha, vf, dp, e0, j0, j1), e0 += 48; break;
+      default: PvBlock<R, 4>(acc, p, alpha, vf, dp, e0, j0, j1), e0 += 64; break;
+    }
+  }
+}
+#else
 template <int R>
 void PvBlock(float* const* acc, const float* const* p, const float* alpha, const float* vf,
              int64_t dp, int64_t e0, int64_t j0, int64_t j1) {
@@ -522,6 +651,7 @@ void PvRows(float* const* acc, const float* const* p, const float* alpha, const 
             int64_t dp, int64_t j0, int64_t j1) {
   for (int64_t e0 = 0; e0 < dp; e0 += 16) PvBlock<R>(acc, p, alpha, vf, dp, e0, j0, j1);
 }
+#endif
 
 void PrefillItem(const PrefillProblem& p, int64_t item, std::vector<float>& buf) {
   const int64_t qb = item % p.qblocks, head = item / p.qblocks % p.kvh;
@@ -565,17 +695,23 @@ void PrefillItem(const PrefillProblem& p, int64_t item, std::vector<float>& buf)
       const int64_t j = key / ps, off = key - j * ps, run = std::min(e - key, ps - off);
       const int64_t page = std::clamp<int64_t>(table[j], 0, p.num_pages - 1);
       const int64_t tok = (pool_base + page) * ps + off;
+      if (d == dp) {  // the run's rows are contiguous in the pool and in kf / vf: one call each
+        ToF32(p.kv_dt, p.k + tok * d * p.kv_bytes, run * d, kf + (key - a) * dp);
+        ToF32(p.kv_dt, p.v + tok * d * p.kv_bytes, run * d, vf + (key - a) * dp);
+      }
       for (int64_t x = 0; x < run; ++x) {
         float* kr = kf + (key - a + x) * dp;
         float* vr = vf + (key - a + x) * dp;
-        ToF32(p.kv_dt, p.k + (tok + x) * d * p.kv_bytes, d, kr);
-        ToF32(p.kv_dt, p.v + (tok + x) * d * p.kv_bytes, d, vr);
+        if (d != dp) {
+          ToF32(p.kv_dt, p.k + (tok + x) * d * p.kv_bytes, d, kr);
+          ToF32(p.kv_dt, p.v + (tok + x) * d * p.kv_bytes, d, vr);
+          std::fill(kr + d, kr + dp, 0.0f);
+          std::fill(vr + d, vr + dp, 0.0f);
+        }
         if (p.k_scale != nullptr) {
           const float ks = p.k_scale[tok + x], vs = p.v_scale[tok + x];
           for (int64_t c = 0; c < d; ++c) kr[c] *= ks, vr[c] *= vs;
         }
-        std::fill(kr + d, kr + dp, 0.0f);
-        std::fill(vr + d, vr + dp, 0.0f);
       }
       key += run;
     }

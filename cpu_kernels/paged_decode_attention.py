@@ -11,8 +11,9 @@ beside this file) runs an online softmax per (row, KV head) in f32, page by page
 visible keys only (kv_len - window .. kv_len - 1 under a window), on XLA's intra-op thread pool.
 Prefill chunks (T query tokens per row, causal) take a second handler of the same file: work items
 of (row, KV head, 16 query tokens) convert each tile of 128 keys to f32 once for all their query
-vectors, compute the scores in 4 x 4 register blocks and run the online softmax over each query's
-own visible keys, so a token's result does not depend on its chunk, the other rows or the
+vectors, compute the scores (a query against 16 keys at a time with AVX-512, else 4 x 2
+register blocks; decode items run the same routines on their pages) and run the online softmax
+over each query's own visible keys, so a token's result does not depend on its chunk, the other rows or the
 page-table width (no padded [W * ps] block, no mask over invisible keys).
 Why C++ on CPU: XLA's CPU backend has no fast form of this computation. Its best plain-XLA forms
 (`jaxserve/layers/ragged_attention.py`) gather and convert every live page to f32 and run tiny
