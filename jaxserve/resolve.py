@@ -31,8 +31,8 @@ get their shape buckets from here. The choices:
     chunk lengths  prefill chunk length buckets T: on CPU max(page_size, chunk / 4) and the
                    chunk (prefill_chunk_size), so that a step whose chunks are all short (a prompt
                    tail after a prefix-cache hit, a short prompt) pays for 16 tokens a row, not
-                   64 (a 1-row chunk: 22 vs 57 ms for SmolLM2 on a Zen 4 VM, RESULTS.md section
-                   50); the chunk alone elsewhere. Prompt log-prob programs take the chunk only
+                   64 (a 1-row chunk: 22 vs 57 ms for SmolLM2 on a Zen 4 VM, RESULTS.md 50a);
+                   the chunk alone elsewhere. Prompt log-prob programs take the chunk only.
     flat buckets   'ragged' decode: live-page buckets per slot bucket (powers of two from 8)
                    ('cpu_kernel': one decode program per slot bucket and one prefill program per
                    row bucket, over the whole page table, since the kernel's cost follows each
