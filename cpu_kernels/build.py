@@ -3,6 +3,8 @@
     lib = Library("matmul.cc")
     lib.load()      -> the ctypes library (compiled first if needed); raises BuildError
     lib.error()     -> None when it loads here, else why not
+    source_at_revision("HEAD~1", "matmul.cc") -> a temporary copy of that source at a git
+                       revision (kernel A/B experiments build it as its own FFI target)
 
 The source is compiled by the system C++ compiler (`$CXX`, default g++) with `-O3 -march=native`
 (`$JAXSERVE_CPU_KERNELS_MARCH` overrides native) against jaxlib's FFI headers, into `$JAXSERVE_CACHE_DIR/cpu_kernels/` (default ~/.cache/jaxserve),
@@ -136,3 +138,17 @@ class FfiTarget:
                 self._error = str(e)
             self._done = True
         return self._error
+
+
+def source_at_revision(rev: str, name: str) -> Path:
+    """The kernel source `name` (a file beside this module) as of git revision `rev`, written to
+    a temporary directory, so that an experiment can build it beside this tree's as its own
+    FFI target (`experiments/cpu_matmul.py --baseline`, `experiments/cpu_attention_ab.py`)."""
+    here = Path(__file__).resolve().parent
+    src = subprocess.run(
+        ["git", "show", f"{rev}:{here.name}/{name}"], cwd=here.parent, check=True,
+        capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    path = Path(tempfile.mkdtemp()) / f"{Path(name).stem}_{rev}{Path(name).suffix}"
+    path.write_text(src)
+    return path

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import paged_decode_attention as pda
-from cpu_kernels.build import FfiTarget
+from cpu_kernels.build import FfiTarget, source_at_revision
 from jaxserve.bench.core import alternating_medians_ms, cpu_name, write_rows_json
 
 L, KVH, G, D, PS, POOL = 30, 3, 3, 64, 16, 4096
@@ -35,13 +32,7 @@ def targets(rev: str | None) -> tuple[str, str]:
     if rev is None:
         assert pda.available(), pda.build_error()
         return pda.TARGET, pda.PREFILL_TARGET
-    repo = Path(__file__).resolve().parents[1]
-    src = subprocess.run(
-        ["git", "show", f"{rev}:cpu_kernels/paged_decode_attention.cc"], cwd=repo, check=True,
-        capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    path = Path(tempfile.mkdtemp()) / f"paged_attention_{rev}.cc"
-    path.write_text(src)
+    path = source_at_revision(rev, "paged_decode_attention.cc")
     names = (f"jaxserve_paged_decode_{rev}", f"jaxserve_paged_prefill_{rev}")
     for name, symbol in zip(
         names, ("JaxservePagedDecodeAttention", "JaxservePagedPrefillAttention")

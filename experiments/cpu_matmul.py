@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels import matmul as cpu_matmul
-from cpu_kernels.build import FfiTarget
+from cpu_kernels.build import FfiTarget, source_at_revision
 from jaxserve.bench.core import alternating_medians_ms, cpu_name, write_rows_json
 
 LAYERS = 30
@@ -48,13 +45,7 @@ def kernel_scan(x, w):  # matmul_impl='cpu_kernel': the stack whole, the layer i
 
 def baseline_scan(rev: str):
     """kernel_scan with the kernel of git revision `rev`, registered as its own FFI target."""
-    repo = Path(__file__).resolve().parents[1]
-    src = subprocess.run(
-        ["git", "show", f"{rev}:cpu_kernels/matmul.cc"], cwd=repo, check=True,
-        capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    path = Path(tempfile.mkdtemp()) / f"matmul_{rev}.cc"
-    path.write_text(src)
+    path = source_at_revision(rev, "matmul.cc")
     target = FfiTarget(path, f"jaxserve_matmul_{rev}", "JaxserveMatmul")
     assert target.error() is None, target.error()
 
