@@ -262,9 +262,8 @@ inline float ExpNonPositive(float x) {
 // Defined with the prefill handler below; decode items use them when d is a multiple of 16.
 void Scores(const float* qf, int64_t m, const float* kf, int64_t n, int64_t dp, float* s,
             int64_t lds);
-template <int R>
-void PvRows(float* const* acc, const float* const* p, const float* alpha, const float* vf,
-            int64_t dp, int64_t j0, int64_t j1);
+void PvGroup(float* const* acc, const float* const* p, const float* alpha, int64_t rows,
+             const float* vf, int64_t dp, int64_t j0, int64_t j1);
 constexpr int64_t kMaxPvHeads = 64;  // query heads per KV head that take that path
 
 // One (row, KV head): the online softmax over the row's visible pages, a page at a time.
@@ -381,17 +380,12 @@ void Item(const Problem& p, int64_t item, std::vector<float>& buf) {
         ag[e] = a;
       }
     }
-    for (int64_t h0 = 0; h0 < nlive; h0 += 4) {  // PvRows: the same operations as the loop above
+    for (int64_t h0 = 0; h0 < nlive; h0 += 4) {  // PvGroup: the same operations as the loop above
       float* ar[4];
       const float* pp[4];
       const int64_t n = std::min<int64_t>(4, nlive - h0);
       for (int64_t x = 0; x < n; ++x) ar[x] = acc + live[h0 + x] * d, pp[x] = pr + live[h0 + x] * ps;
-      switch (n) {
-        case 1: PvRows<1>(ar, pp, alphas + h0, vf, d, t0, t1); break;
-        case 2: PvRows<2>(ar, pp, alphas + h0, vf, d, t0, t1); break;
-        case 3: PvRows<3>(ar, pp, alphas + h0, vf, d, t0, t1); break;
-        default: PvRows<4>(ar, pp, alphas + h0, vf, d, t0, t1); break;
-      }
+      PvGroup(ar, pp, alphas + h0, n, vf, d, t0, t1);
     }
   }
   for (int64_t gi = 0; gi < g; ++gi) {
@@ -653,6 +647,17 @@ void PvRows(float* const* acc, const float* const* p, const float* alpha, const 
 }
 #endif
 
+// PvRows for `rows` (1 to 4) rows.
+void PvGroup(float* const* acc, const float* const* p, const float* alpha, int64_t rows,
+             const float* vf, int64_t dp, int64_t j0, int64_t j1) {
+  switch (rows) {
+    case 1: PvRows<1>(acc, p, alpha, vf, dp, j0, j1); break;
+    case 2: PvRows<2>(acc, p, alpha, vf, dp, j0, j1); break;
+    case 3: PvRows<3>(acc, p, alpha, vf, dp, j0, j1); break;
+    default: PvRows<4>(acc, p, alpha, vf, dp, j0, j1); break;
+  }
+}
+
 void PrefillItem(const PrefillProblem& p, int64_t item, std::vector<float>& buf) {
   const int64_t qb = item % p.qblocks, head = item / p.qblocks % p.kvh;
   const int64_t row = item / (p.qblocks * p.kvh);
@@ -761,13 +766,7 @@ void PrefillItem(const PrefillProblem& p, int64_t item, std::vector<float>& buf)
           ar[x] = acc + (i * g + g0 + x) * dp;
           pr[x] = s + (i * g + g0 + x) * kKeyTile;
         }
-        const float* al = alpha + i * g + g0;
-        switch (rows) {
-          case 1: PvRows<1>(ar, pr, al, vf, dp, j0, j1); break;
-          case 2: PvRows<2>(ar, pr, al, vf, dp, j0, j1); break;
-          case 3: PvRows<3>(ar, pr, al, vf, dp, j0, j1); break;
-          default: PvRows<4>(ar, pr, al, vf, dp, j0, j1); break;
-        }
+        PvGroup(ar, pr, alpha + i * g + g0, rows, vf, dp, j0, j1);
       }
     }
   }
