@@ -198,8 +198,9 @@ class EngineConfig:
         "auto",
         "Decode row buckets: a decode step computes only the first B slots, B the smallest bucket "
         "holding every occupied slot (the scheduler packs requests into the lowest slots). auto = "
-        "powers of two from 8 up to num_slots on CPU, where a step's matmuls cost in proportion "
-        "to its rows, and one bucket of all slots elsewhere (a GPU decode step streams the "
+        "1, 4, then 8, 12, 16, 24, 32, 48, ... (powers of two from 8 and the halfway points) up "
+        "to num_slots on CPU, where a step's matmuls cost in proportion to its rows, and one "
+        "bucket of all slots elsewhere (a GPU decode step streams the "
         "weights whatever its rows); else increasing sizes ending at num_slots (the flag reads "
         "8,16,32). Default: auto.",
     )

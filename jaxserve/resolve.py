@@ -24,8 +24,11 @@ get their shape buckets from here. The choices:
                    `ragged_dot` does E times the work; RESULTS.md section 33), 'ragged_dot' else
     min rows       4 on CPU: smaller matmuls are padded (a one-row bf16 dot converts the whole
                    weight to f32 there; RESULTS.md section 17), else 1
-    slot buckets   decode row buckets: 8, 16, ..., num_slots on CPU (a step's matmuls cost in
-                   proportion to its rows), one bucket of all slots elsewhere
+    slot buckets   decode row buckets: on CPU 1, 4, then 8, 12, 16, 24, 32, 48, ... (the powers
+                   of two from 8 and the halfway points between them) up to num_slots
+                   (`cpu_slot_buckets`): a step's matmuls cost in proportion to its rows from
+                   about 8 rows up, and a served run's last requests decode a few at a time
+                   (RESULTS.md 51a); one bucket of all slots elsewhere
     widths         page-table width buckets (powers of two of pages, capped at max_pages_per_seq)
     prefill rows   prefill row buckets (powers of two of chunks up to the step's chunk budget)
     chunk lengths  prefill chunk length buckets T: on CPU max(page_size, chunk / 4) and the
@@ -92,6 +95,16 @@ def pow2_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return (*out, limit)
+
+
+def cpu_slot_buckets(num_slots: int) -> tuple[int, ...]:
+    """The CPU's decode row buckets: 1, 4, then 8, 12, 16, 24, 32, 48, 64, ... (each power of two
+    from 8 and 1.5 times it) below num_slots, then num_slots itself."""
+    out, b = [1, 4], 8
+    while b < num_slots:
+        out += [b, b * 3 // 2]
+        b *= 2
+    return (*(x for x in out if x < num_slots), num_slots)
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
@@ -247,7 +260,7 @@ def resolve(
             f"dtype {c.dtype})"
         )
     if c.slot_buckets == "auto":
-        slot_buckets = pow2_buckets(c.num_slots, start=8) if cpu else (c.num_slots,)
+        slot_buckets = cpu_slot_buckets(c.num_slots) if cpu else (c.num_slots,)
     else:
         slot_buckets = tuple(c.slot_buckets)
     max_pages = c.max_pages_per_seq

@@ -43,9 +43,10 @@ def test_cpu_kernel_attention():
     assert r.model.attention == "cpu_kernel" and r.max_flat == 0 and not r.ragged
     assert resolved("gpu", cpu_kernel=True).model.attention == "pallas"
     assert resolved("cpu", cpu_kernel=True, attention_impl="ragged").model.attention == "ragged"
-    assert r.decode_shapes() == [DecodeShape(b, 32, 0) for b in (8, 16, 32)]
-    assert r.decode_shape(2, [3, 5, 1]) == DecodeShape(8, 32, 0)
-    assert r.decode_shape(20, [32] * 21) == DecodeShape(32, 32, 0)
+    assert r.decode_shapes() == [DecodeShape(b, 32, 0) for b in (1, 4, 8, 12, 16, 24, 32)]
+    assert r.decode_shape(2, [3, 5, 1]) == DecodeShape(4, 32, 0)
+    assert r.decode_shape(20, [32] * 21) == DecodeShape(24, 32, 0)
+    assert r.decode_shape(24, [32] * 25) == DecodeShape(32, 32, 0)
     with pytest.raises(ValueError, match="max_pages_per_seq"):
         r.decode_shape(0, [33])
     for backend, built in (("cpu", False), ("gpu", True)):
@@ -73,9 +74,11 @@ def test_cpu_matmul():
 
 
 def test_slot_buckets():
-    assert resolved("cpu", num_slots=32).slot_buckets == (8, 16, 32)
-    assert resolved("cpu", num_slots=20).slot_buckets == (8, 16, 20)
-    assert resolved("cpu", num_slots=4).slot_buckets == (4,)
+    assert resolved("cpu", num_slots=32).slot_buckets == (1, 4, 8, 12, 16, 24, 32)
+    assert resolved("cpu", num_slots=20).slot_buckets == (1, 4, 8, 12, 16, 20)
+    assert resolved("cpu", num_slots=64).slot_buckets[-3:] == (32, 48, 64)
+    assert resolved("cpu", num_slots=4).slot_buckets == (1, 4)
+    assert resolved("cpu", num_slots=1).slot_buckets == (1,)
     assert resolved("gpu", num_slots=32).slot_buckets == (32,)
     assert resolved("gpu", num_slots=6, slot_buckets=[2, 6]).slot_buckets == (2, 6)
 
@@ -141,8 +144,9 @@ def test_flat_buckets_cover_every_decode_step():
 
 def test_decode_shape_follows_the_rows_and_pages():
     cpu = resolved("cpu", num_slots=32, max_model_len=512, page_size=16)
-    assert cpu.decode_shape(2, [3, 5, 1]) == DecodeShape(8, 32, 16)  # 9 live pages -> 16
-    assert cpu.decode_shape(20, [1] * 21) == DecodeShape(32, 32, 32)
+    assert cpu.decode_shape(2, [3, 5, 1]) == DecodeShape(4, 32, 16)  # 9 live pages -> 16
+    assert cpu.decode_shape(20, [1] * 21) == DecodeShape(24, 32, 32)
+    assert cpu.decode_shape(0, [7]) == DecodeShape(1, 32, 8)
     gpu = resolved("gpu", num_slots=32, max_model_len=512, page_size=16)
     assert gpu.decode_shape(2, [3, 5, 1]) == DecodeShape(32, 8, 0)  # width of the longest
     # Data parallel: each shard's program lists its own rows' pages, so the bucket follows the

@@ -54,7 +54,8 @@ def test_no_recompilation_after_warmup(monkeypatch):
         outs = llm.generate(prompts, params, use_tqdm=False)
         outs += llm.generate(prompts[::-1], params, use_tqdm=False)
         list(llm.stream(prompts[1], params[1]))
-        # 24 requests of staggered lengths: decode row buckets 8 -> 32 -> 16 -> 8, slot moves
+        # 24 requests of staggered lengths: decode row buckets 1 -> 32 -> 16 -> ... -> 1, slot
+        # moves
         many = [{"prompt_token_ids": rng.integers(3, 128, 4 + i).tolist()} for i in range(24)]
         sps = [
             SamplingParams(temperature=0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(24)
@@ -82,10 +83,10 @@ def test_no_recompilation_after_warmup(monkeypatch):
     for a, b, sp in zip(split, outs, params):
         if sp.greedy or sp.seed is not None:  # (an unseeded request draws a new seed)
             assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
-    assert llm.engine.runner.slot_buckets == (8, 16, 32)
+    assert llm.engine.runner.slot_buckets == (1, 4, 8, 12, 16, 24, 32)
     assert not engine.runner.splits_prefill  # one page-table width (the C++ CPU kernel)
     st = llm.stats()
-    assert st["num_slot_moves"] > 0 and 8 < st["mean_decode_rows"] < 32
+    assert st["num_slot_moves"] > 0 and 2 < st["mean_decode_rows"] < 32
 
 
 def test_sampling_compiles_once_per_row_bucket():
@@ -257,7 +258,7 @@ def test_cpu_engine_decodes_through_the_cpu_kernel():
         if impl == "auto":
             r = llm.engine.runner.resolved
             assert r.model.attention == "cpu_kernel"
-            assert [s.rows for s in r.decode_shapes()] == [8]
+            assert [s.rows for s in r.decode_shapes()] == [1, 4, 8]
     assert tokens["auto"] == tokens["ragged"] == tokens["reference"]
 
 
