@@ -360,18 +360,58 @@ struct Counter {
   std::atomic<int64_t> done{0};
 };
 
-void Drain(const Problem& p, int64_t tiles, Counter& c) {
+// One call's problems (weights sharing x) as one space of work tiles, problem after problem.
+struct Work {
+  std::vector<Problem> ps;
+  std::vector<int64_t> first;  // first[i]: problem i's first tile; first.back(): all tiles
+};
+
+void Drain(const Work& w, Counter& c) {
+  const int64_t tiles = w.first.back();
   for (int64_t t; (t = c.next.fetch_add(1, std::memory_order_relaxed)) < tiles;) {
-    const int64_t mt = t / p.nchunks, nc = t % p.nchunks;
+    size_t i = 0;
+    while (t >= w.first[i + 1]) ++i;
+    const Problem& p = w.ps[i];
+    const int64_t u = t - w.first[i], mt = u / p.nchunks, nc = u % p.nchunks;
     const int64_t m0 = mt * kMTile, n0 = nc * p.chunk;
     Tile(p, m0, std::min(p.m, m0 + kMTile), n0, std::min(p.n, n0 + p.chunk));
     c.done.fetch_add(1, std::memory_order_release);
   }
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+// Splits the problems' columns into chunks of one width (about four per thread over all of
+// them, for balance; one chunk each when the call is too small to share: little arithmetic,
+// and weights small enough that one core streams them as fast as two), then runs the tiles on
+// the calling thread and on XLA's intra-op thread pool.
+void Run(ffi::ThreadPool& pool, Work& w) {
+  int64_t flops = 0, weights = 0, cols = 0;
+  for (const Problem& p : w.ps) flops += p.m * p.n * p.k, weights += p.n * p.k, cols += p.n;
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const bool small = flops < (int64_t{1} << 21) && weights < (int64_t{1} << 18);
+  const int64_t want = small ? 1 : 4 * workers;
+  w.first.assign(1, 0);
+  for (Problem& p : w.ps) {
+    p.chunk = small ? p.n : std::max<int64_t>(kNr, (cols + want - 1) / want);
+    p.chunk = (p.chunk + kNr - 1) / kNr * kNr;
+    p.nchunks = (p.n + p.chunk - 1) / p.chunk;
+    w.first.push_back(w.first.back() + p.nchunks * ((p.m + kMTile - 1) / kMTile));
+  }
+  const int64_t tiles = w.first.back();
+  if (tiles == 0) return;
+  auto work = std::make_shared<const Work>(w);
+  auto counter = std::make_shared<Counter>();
+  const int64_t helpers = std::min<int64_t>(workers, tiles) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([work, counter] { Drain(*work, *counter); });
+  }
+  Drain(*work, *counter);
+  while (counter->done.load(std::memory_order_acquire) < tiles) std::this_thread::yield();
+}
+
+// The problem y = x @ w[layer].T, or an error naming what does not fit.
+ffi::ErrorOr<Problem> MakeProblem(const ffi::Buffer<ffi::BF16>& x, const ffi::Buffer<ffi::BF16>& w,
+                                  int64_t layer, ffi::AnyBuffer& y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) {
     return ffi::Error::InvalidArgument("expected x [M, K], w [L, N, K], y [M, N]");
   }
@@ -380,35 +420,46 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi:
   if (wd[2] != p.k || yd[0] != p.m || yd[1] != p.n) {
     return ffi::Error::InvalidArgument("x, w and y shapes disagree");
   }
-  const auto ydt = y->element_type();
+  const auto ydt = y.element_type();
   if (ydt != ffi::DataType::F32 && ydt != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument("y must be f32 or bf16");
   }
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  if (layer < 0 || layer >= wd[0]) return ffi::Error::InvalidArgument("layer out of range");
   p.x = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  p.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) + l * p.n * p.k;
-  p.y = y->untyped_data();
+  p.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) + layer * p.n * p.k;
+  p.y = y.untyped_data();
   p.y_f32 = ydt == ffi::DataType::F32;
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  return p;
+}
 
-  // Column chunks: about four per thread, for balance; one when the call is too small to share:
-  // little arithmetic, and a weight small enough that one core streams it as fast as two.
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  const bool small = p.m * p.n * p.k < (int64_t{1} << 21) && p.n * p.k < (int64_t{1} << 18);
-  const int64_t want = small ? 1 : 4 * workers;
-  p.chunk = std::max<int64_t>(kNr, (p.n + want - 1) / want);
-  p.chunk = (p.chunk + kNr - 1) / kNr * kNr;
-  p.nchunks = (p.n + p.chunk - 1) / p.chunk;
-  const int64_t tiles = p.nchunks * ((p.m + kMTile - 1) / kMTile);
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y) {
+  auto p = MakeProblem(x, w, layer.typed_data()[0], *y);
+  if (p.has_error()) return p.error();
+  Work work;
+  if (p->m > 0 && p->n > 0) work.ps.push_back(*p);
+  Run(pool, work);
+  return ffi::Error::Success();
+}
 
-  auto counter = std::make_shared<Counter>();
-  const int64_t helpers = std::min<int64_t>(workers, tiles) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([p, tiles, counter] { Drain(p, tiles, *counter); });
+// x @ w_i[layer].T for several weight stacks w_i sharing x (q, k and v; gate and up): one call,
+// one space of work tiles, so the threads are woken once and the small weights are shared out too.
+ffi::Error ImplMany(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> layer,
+                    ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  if (ws.size() != ys.size() || ws.size() == 0) {
+    return ffi::Error::InvalidArgument("expected one result per weight, and a weight at least");
   }
-  Drain(p, tiles, *counter);
-  while (counter->done.load(std::memory_order_acquire) < tiles) std::this_thread::yield();
+  Work work;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::BF16>>(i);
+    if (w.has_error()) return w.error();
+    auto y = ys.get<ffi::AnyBuffer>(i);
+    if (y.has_error()) return y.error();
+    auto p = MakeProblem(x, *w, layer.typed_data()[0], **y);
+    if (p.has_error()) return p.error();
+    if (p->m > 0 && p->n > 0) work.ps.push_back(*p);
+  }
+  Run(pool, work);
   return ffi::Error::Success();
 }
 
@@ -423,3 +474,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, Impl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Ret<ffi::AnyBuffer>());        // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulMany, ImplMany,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .RemainingArgs()                // w_i
+                                  .RemainingRets());              // y_i

@@ -127,3 +127,15 @@ def linear(x: jax.Array, w, layer=None, min_rows: int = 1) -> jax.Array:
     if isinstance(w, TransposedWeight):
         return w.matmul(x, min_rows=min_rows, layer=layer)
     return w.matmul(x) if layer is None else w.matmul(x, layer=layer)
+
+
+def linears(x: jax.Array, ws, layer=None, min_rows: int = 1) -> tuple[jax.Array, ...]:
+    """`linear(x, w, layer, min_rows)` for each w of `ws` (x's projections: q, k and v; gate and
+    up). Weights that are all multiplied by the C++ CPU matmul run as one kernel call
+    (`cpu_matmul.matmul_many`: the same bits, one wake-up of the threads instead of one per
+    weight); any others one by one."""
+    if x.dtype == jnp.bfloat16 and all(
+        isinstance(w, TransposedWeight) and w.kernel and w.dtype == jnp.bfloat16 for w in ws
+    ):
+        return cpu_matmul.matmul_many(x, [w.t for w in ws], 0 if layer is None else layer)
+    return tuple(linear(x, w, layer=layer, min_rows=min_rows) for w in ws)

@@ -61,7 +61,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.embedding import embed, is_quantized
-from jaxserve.layers.linear import TransposedWeight, linear
+from jaxserve.layers.linear import TransposedWeight, linear, linears
 from jaxserve.layers.moe import moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
@@ -111,6 +111,12 @@ def forward(
                 return linear(a, lp[name], min_rows=impl.min_matmul_rows)
             return linear(a, whole[name], layer=stack_row(name), min_rows=impl.min_matmul_rows)
 
+        def projs(a, names):  # (a @ layer li's weight `name` for each name), stacks together
+            if all(n in whole and n not in row for n in names):
+                ws = [whole[n] for n in names]
+                return linears(a, ws, layer=li, min_rows=impl.min_matmul_rows)
+            return tuple(proj(a, n) for n in names)
+
         def expert(name):  # layer li's expert stack `name` [E, K, N] as stored (moe_mlp reads it)
             w = lp.get(name)
             if name in whole:
@@ -129,6 +135,7 @@ def forward(
             proj,
             expert,
             sparse=is_sparse,
+            projs=projs,
             inv_freq=lc["inv_freq"],
             moe_matmul=impl.moe_matmul,
         )
@@ -211,6 +218,7 @@ def decoder_layer(
     sparse=None,
     inv_freq=None,
     moe_matmul: str = "ragged_dot",
+    projs: Callable | None = None,
 ) -> tuple[jax.Array, Any, dict]:
     """One decoder layer: the engine's, calibration's (AWQ/GPTQ statistics) and the experiments'.
 
@@ -220,6 +228,9 @@ def decoder_layer(
       (out [B, T, H, Dh], aux): the attention over whatever holds the keys (the paged cache, whose
       updated self is `aux`; or a dense causal softmax over the window);
     proj(a, name) -> a @ the layer's weight `name` (default: `linear(a, lp[name])`);
+    projs(a, names) -> (a @ the layer's weight `name` for each of names), for the weights that
+      share an input (wq, wk, wv; w_gate, w_up) (default: `proj` for each; the engine's runs
+      them as one call, `layers.linear.linears`);
     expert(name) -> the layer's expert stack `name` [E, K, N], plain or quantized as stored
       (default: lp[name]; `moe.moe_mlp` dequantizes what its path needs);
     sparse: whether the MLP is the mixture of experts (`moe_block`) or the dense SwiGLU: None
@@ -245,6 +256,8 @@ def decoder_layer(
         inv_freq = table[0]
     if proj is None:
         proj = lambda a, name: linear(a, lp[name])  # noqa: E731
+    if projs is None:
+        projs = lambda a, names: tuple(proj(a, n) for n in names)  # noqa: E731
 
     def norm(a, name):
         return rms_norm(a, lp[name], c.rms_norm_eps, c.norm_offset)
@@ -254,7 +267,7 @@ def decoder_layer(
         rope["long_inv_freq"] = c.inv_freq(long=True)
 
     a_in = norm(x, "attn_norm")  # (B, T, D)
-    q, k, v = proj(a_in, "wq"), proj(a_in, "wk"), proj(a_in, "wv")
+    q, k, v = projs(a_in, ("wq", "wk", "wv"))
     if c.attention_bias:
         q = q + lp["bq"].astype(dtype)
         k = k + lp["bk"].astype(dtype)
@@ -283,7 +296,8 @@ def decoder_layer(
 
     def dense(m):
         act = gate_activation(c)
-        d_in = act(proj(m, "w_gate").astype(jnp.float32)).astype(dtype) * proj(m, "w_up")
+        gate, up = projs(m, ("w_gate", "w_up"))
+        d_in = act(gate.astype(jnp.float32)).astype(dtype) * up
         return proj(d_in, "w_down"), d_in
 
     if sparse is True:

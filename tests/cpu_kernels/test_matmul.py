@@ -80,6 +80,31 @@ def test_inside_a_layer_scan_with_a_traced_layer():
         close(ys[layer], reference(x, w, layer))
 
 
+@pytest.mark.parametrize("m", [0, 1, 5, 32, 70])
+def test_many_weights_in_one_call_give_each_its_own_bits(m):
+    """`matmul_many`: q, k, v (or gate, up) in one call, one space of work tiles over all of
+    them; each result bitwise what `matmul` gives it alone, in both output dtypes, with the layer
+    traced inside a scan."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(m, 96)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.normal(size=(3, n, 96)) / 10, jnp.bfloat16) for n in (96, 32, 7)]
+    for out in (jnp.bfloat16, jnp.float32):
+        ys = jax.jit(mm.matmul_many, static_argnums=3)(x, ws, 2, out)
+        assert [y.shape for y in ys] == [(m, 96), (m, 32), (m, 7)]
+        for y, w in zip(ys, ws):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(kernel(x, w, 2, out)))
+
+    def body(h, layer):
+        return h, mm.matmul_many(h, ws[:2], layer)
+
+    _, (a, b) = jax.jit(lambda x: jax.lax.scan(body, x, jnp.arange(3)))(x)
+    for layer in range(3):
+        np.testing.assert_array_equal(np.asarray(a[layer]), np.asarray(kernel(x, ws[0], layer)))
+        np.testing.assert_array_equal(np.asarray(b[layer]), np.asarray(kernel(x, ws[1], layer)))
+    with pytest.raises(ValueError, match="does not fit"):
+        mm.matmul_many(x, [ws[0], ws[1][:2]], 0)  # layer counts differ
+
+
 def test_bad_inputs_are_errors():
     x, w = case(4, 8, 16)
     with pytest.raises(ValueError, match="bfloat16"):

@@ -3,8 +3,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpu_kernels import matmul as cpu_matmul
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.layers.linear import TransposedWeight, cpu_layout, linear, matmul
+from jaxserve.layers.linear import TransposedWeight, cpu_layout, linear, linears, matmul
+from jaxserve.layers.linear import transposed as transposed_weight
 from jaxserve.resolve import resolve
 
 _TINY = ModelConfig.preset("tiny")
@@ -96,3 +98,25 @@ def test_cpu_layout_transposes_only_plain_stacked_linear_weights():
     np.testing.assert_array_equal(
         np.asarray(out["wq"].t), np.swapaxes(np.asarray(layers["wq"]), 1, 2)
     )
+
+
+def test_linears_run_kernel_weights_as_one_call_and_others_one_by_one():
+    """`linears`: bf16 weights for the C++ CPU matmul go into one `matmul_many` call (one
+    custom call in the program), with the bits each gets alone; any other weight falls back to
+    `linear` each."""
+    if not cpu_matmul.available():
+        pytest.fail(f"the CPU matmul kernel must build here: {cpu_matmul.build_error()}")
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (3, 5, 64), jnp.float32).astype(jnp.bfloat16)
+    stacks = [jax.random.normal(k, (2, 64, n)).astype(jnp.bfloat16) for k, n in
+              zip(jax.random.split(kw, 3), (64, 16, 16))]  # fmt: skip
+    ws = [transposed_weight(w, kernel=True) for w in stacks]
+    f = jax.jit(lambda x, ws, i: linears(x, ws, layer=i))
+    got = f(x, ws, jnp.int32(1))
+    for y, w in zip(got, ws):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(linear(x, w, layer=1)))
+    hlo = f.lower(x, ws, jnp.int32(1)).as_text()
+    assert hlo.count("jaxserve_matmul_many") == 1 and 'jaxserve_matmul"' not in hlo
+    plain = [transposed_weight(w) for w in stacks]  # XLA's dot: one by one
+    for y, w in zip(linears(x, plain, layer=0), plain):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(linear(x, w, layer=0)))
