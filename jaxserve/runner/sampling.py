@@ -283,11 +283,30 @@ def sample(
         out = jax.lax.cond(neutral, lambda: out, lambda: apply_penalties(out, state, num_generated))
         return masked, out
 
-    # One cond around the passes: the common step (no slot constrained, processed or penalized)
-    # takes one identity branch, not three (each copies its [S, V] operand, ~1 ms a CPU step at
-    # [32, 49152]); the draw after it is traced once (in both branches it doubled the compile).
-    masked, penalized = jax.lax.cond(plain, lambda: (logits, logits), processed)
-    return _sample_from(masked, penalized, state, num_generated, num_top_logprobs, want_top)
+    def full():
+        # One cond around the passes: a step with no slot constrained, processed or penalized
+        # takes one identity branch, not three (each copies its [S, V] operand, ~1 ms a CPU step
+        # at [32, 49152]); the draw after it is traced once (in both branches it doubled the
+        # compile).
+        masked, penalized = jax.lax.cond(plain, lambda: (logits, logits), processed)
+        return _sample_from(masked, penalized, state, num_generated, num_top_logprobs, want_top)
+
+    # The commonest step of all (every slot greedy, plain, no log-probs) is the argmax alone: the
+    # identity branch above would still copy the logits twice, and the copies into fresh pages of
+    # the step's temporaries cost a CPU step 1-15 ms at [32, 49152] (RESULTS.md 51c).
+    s = logits.shape[0]
+    quick = plain & jnp.all(state.temperature <= 0) & ~jnp.asarray(want_top)
+    return jax.lax.cond(
+        quick,
+        lambda: SampleOutput(
+            tokens=blocked_argmax(logits),
+            logprobs=jnp.zeros((s,), jnp.float32),
+            top_ids=jnp.zeros((s, num_top_logprobs), jnp.int32),
+            top_logprobs=jnp.zeros((s, num_top_logprobs), jnp.float32),
+            ranks=jnp.zeros((s,), jnp.int32),
+        ),
+        full,
+    )
 
 
 def _sample_from(masked, penalized, state, num_generated, k: int, want_top) -> SampleOutput:

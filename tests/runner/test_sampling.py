@@ -62,6 +62,25 @@ def test_greedy_is_argmax_and_logprobs_are_raw():
         sampling.sample(logits, state, jnp.zeros((S,), jnp.int32), V + 1)
 
 
+def test_the_quick_greedy_step_equals_the_full_one():
+    """Every slot greedy and plain, no log-probs: `sample` takes the argmax alone (no copies of
+    the logits); its tokens are the full path's (log-probs asked for, or one slot penalized) and
+    its log-prob outputs zeros, as the full path's without log-probs."""
+    logits = jax.random.normal(jax.random.key(5), (S, V)) * 3
+    logits = logits.at[2, 9].set(10.0).at[2, 1].set(10.0)  # a tie: the lowest id wins
+    state, ng = sampling.init_state(S, V), jnp.zeros((S,), jnp.int32)
+    quick = jax.jit(sampling.sample, static_argnums=3)(logits, state, ng, K, False)
+    full = SAMPLE(logits, state, ng, K)
+    np.testing.assert_array_equal(quick.tokens, full.tokens)
+    assert int(quick.tokens[2]) == 1
+    for a in (quick.logprobs, quick.top_ids, quick.top_logprobs, quick.ranks):
+        assert not np.asarray(a).any()
+    # one slot with a neutral-valued penalty field set: not plain, the full path, same tokens
+    neutral = state.replace(min_tokens=state.min_tokens.at[0].set(1))  # num_generated 0 < 1
+    slow = jax.jit(sampling.sample, static_argnums=3)(logits, neutral, ng, K, False)
+    np.testing.assert_array_equal(slow.tokens[1:], quick.tokens[1:])
+
+
 @pytest.mark.parametrize("v", [50, 49152, 64 * 7])
 def test_blocked_argmax_is_jnp_argmax_with_ties_inf_and_nan(v):
     """Blocks of 50 or 512 (or 448) columns; V = 50 has no block in [64, 512]: plain argmax."""
