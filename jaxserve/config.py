@@ -175,6 +175,32 @@ class EngineConfig:
         "Decode steps per host round trip (a lax.scan on the device); requests are admitted and "
         "stop conditions read between round trips. Default: 1.",
     )
+    num_speculative_tokens: int = _setting(
+        0,
+        "Prompt-lookup speculative decoding (vLLM's speculative_config method 'ngram'): each "
+        "decode row proposes this many draft tokens, those that followed the latest earlier "
+        "occurrence of the n-gram ending its sequence, and one forward verifies them, making 1 "
+        "to k + 1 tokens a step, the tokens greedy decoding makes one at a time. Only steps "
+        "whose decoding requests are all greedy with no penalties, logits processors, grammar "
+        "or log-probs speculate; the others decode as usual. Needs decode_steps=1 and "
+        "data_parallel_size=1. Default: 0 (off).",
+    )
+    prompt_lookup_max: int | None = _setting(
+        None,
+        "Longest n-gram the proposer matches (vLLM's prompt_lookup_max). Default: None = "
+        "prompt_lookup_min, or 5 when both are None (vLLM's defaults).",
+    )
+    prompt_lookup_min: int | None = _setting(
+        None,
+        "Shortest n-gram the proposer matches (vLLM's prompt_lookup_min). Default: None = "
+        "prompt_lookup_max, or 5 when both are None.",
+    )
+    speculative_disable_by_batch_size: int | None = _setting(
+        None,
+        "Speculate only in steps decoding at most this many requests (vLLM v0's setting of the "
+        "name): a large batch verifying k + 1 tokens a row costs about k + 1 steps on a CPU, "
+        "more than the accepted drafts save. Default: None (every step).",
+    )
     batching: str = _setting(
         "continuous",
         "continuous: a finished request's slot is refilled at the next step; static: slots are "
@@ -288,6 +314,23 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.num_slots ({self.num_slots}) must be a multiple of "
                 f"data_parallel_size ({self.data_parallel_size}): each replica owns an equal share"
+            )
+        check_int("num_speculative_tokens", minimum=0)
+        for f in ("prompt_lookup_max", "prompt_lookup_min", "speculative_disable_by_batch_size"):
+            check_int(f, optional=True)
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+        if lo > hi:
+            raise ValueError(
+                f"EngineConfig.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        if self.num_speculative_tokens and (self.decode_steps > 1 or self.data_parallel_size > 1):
+            raise ValueError(
+                "EngineConfig.num_speculative_tokens needs decode_steps=1 and "
+                f"data_parallel_size=1, got decode_steps={self.decode_steps}, "
+                f"data_parallel_size={self.data_parallel_size}"
             )
         check_int("max_model_len", minimum=2, optional=True)
         for f in ("num_pages", "kv_cache_memory", "max_num_batched_tokens", "prefill_chunk_size"):

@@ -82,6 +82,9 @@ class LLMEngine:
         self.num_prefill_tokens = 0
         self.num_generation_tokens = 0
         self.num_finished = 0
+        self.num_spec_drafts = 0  # speculative rows verified (vLLM: spec_decode_num_drafts)
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
         self._occupancy_sum = 0.0
         self._kv_util_sum = 0.0
         self._kv_util_steps = 0
@@ -273,10 +276,13 @@ class LLMEngine:
         self._inflight = None
         # A grammar's next mask needs the token in flight: while a constrained request runs, the
         # next step is planned after this one's tokens are read (the scheduler would skip it).
+        # Likewise after a speculative step: how many tokens its rows made (their positions, the
+        # next plan's pages and limits) is known only once they are read.
         if (
             self.config.async_scheduling
             and self.scheduler.has_unfinished()
             and not self._constrained_running()
+            and not plan.speculative
         ):
             self._inflight = self._schedule_and_dispatch()
         result = self.runner.fetch(handle)
@@ -299,7 +305,13 @@ class LLMEngine:
             req.num_pending_tokens -= steps
             if req.status.finished:
                 continue  # stopped in the previous step (or aborted): these tokens are wasted
-            for j in range(steps):
+            made = steps
+            if plan.speculative:  # 1 to `steps` tokens: the accepted drafts and one more
+                made = int(np.sum(result.decode_valid[slot, :steps]))
+                if made == 0:
+                    raise RuntimeError(f"slot {slot} produced no token in a speculative step")
+                self._count_speculation(req, steps, made)
+            for j in range(made):
                 if not result.decode_valid[slot, j]:
                     raise RuntimeError(f"slot {slot} produced no token at decode step {j}")
                 top = None
@@ -338,6 +350,17 @@ class LLMEngine:
                 self._append(req, int(result.prefill_tokens[i]), lp, top, now)
                 touched[req.group_id] = self._groups[req.group_id]
         return list(touched.values())
+
+    def _count_speculation(self, req: Request, planned: int, made: int) -> None:
+        """A speculative row made `made` of the `planned` tokens the scheduler counted when it
+        planned the step: its K/V count comes back down (a running request; a finished or
+        preempted one has no count left to correct), and the drafts are counted (vLLM's
+        spec_decode metrics: drafts, draft tokens, accepted tokens)."""
+        if req.status == RequestStatus.RUNNING:
+            req.num_computed_tokens -= planned - made
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += self.config.num_speculative_tokens
+        self.num_spec_accepted_tokens += made - 1
 
     # -- outputs and stats ----------------------------------------------------------------------
     def _append(self, req: Request, token: int, logprob: float, top, now: float) -> None:
@@ -383,6 +406,9 @@ class LLMEngine:
             "num_generation_tokens": self.num_generation_tokens,
             "num_finished_requests": self.num_finished,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_spec_drafts": self.num_spec_drafts,
+            "num_spec_draft_tokens": self.num_spec_draft_tokens,
+            "num_spec_accepted_tokens": self.num_spec_accepted_tokens,
             "num_cached_prefill_tokens": self.scheduler.num_cached_tokens,
             "num_slot_moves": self.scheduler.num_slot_moves,
             "mean_decode_rows": (

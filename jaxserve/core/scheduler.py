@@ -81,6 +81,9 @@ class SchedulerOutput:
     page_updates: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # slot -> pages
     moves: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (from, to) slot
     num_decode_steps: int = 1
+    # the decode rows speculate (`runner/spec_decode.py`): each makes 1 to num_decode_steps
+    # tokens, and decode_steps[i] is only the most decode[i] may make
+    speculative: bool = False
     # Fixed when the plan is made (requests move on before its results come back):
     decode_slots: list[int] = dataclasses.field(default_factory=list)  # slot of each decode[i]
     decode_steps: list[int] = dataclasses.field(default_factory=list)  # tokens each decode[i] makes
@@ -107,6 +110,25 @@ class SchedulerOutput:
         given): it must reach the runner even with no step to run, or a released slot would stay
         active on the device and decode into pages since given to another request."""
         return bool(self.released or self.moves or self.inserted or self.page_updates)
+
+
+def can_speculate(req: Request) -> bool:
+    """The request's next tokens are the target's argmax alone (greedy; no penalties, logits
+    processors, min_tokens, grammar or log-probs), which a speculative step verifies. min_tokens
+    counts the tokens already received (those in flight may be fewer than planned)."""
+    sp = req.sampling_params
+    return (
+        sp.greedy
+        and sp.logprobs is None
+        and sp.presence_penalty == 0
+        and sp.frequency_penalty == 0
+        and sp.repetition_penalty == 1
+        and len(req.output_token_ids) >= sp.min_tokens
+        and not sp.logit_bias
+        and not sp.allowed_token_ids
+        and not sp.bad_words
+        and req.grammar is None
+    )
 
 
 class Scheduler:
@@ -217,18 +239,32 @@ class Scheduler:
     def _schedule_decodes(self, plan: SchedulerOutput) -> None:
         """Every running request past its prefill decodes, oldest first; a request that finds no
         page preempts the newest ones, itself last."""
+        plan.speculative = self._speculates()
+        if plan.speculative:
+            plan.num_decode_steps = self.config.num_speculative_tokens + 1
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or not req.prefill_done:
                 continue  # preempted by an older request earlier in this loop, or prefilling
-            steps = min(
-                self.config.decode_steps, req.max_total_len - req.num_scheduled_tokens_total
-            )
+            steps = min(plan.num_decode_steps, req.max_total_len - req.num_scheduled_tokens_total)
             if steps < 1:
                 continue  # reaches its length limit with a step in flight; retired on its return
             if req.grammar is not None and req.num_pending_tokens:
                 continue  # its grammar's next mask needs the token still in flight
             if self._grow(req, req.num_computed_tokens + steps, plan, self_preempt=True):
                 plan.decode.append(req)
+
+    def _speculates(self) -> bool:
+        """This step's decode rows speculate: the engine speculates, every decoding request is
+        a plain greedy one (`can_speculate`), and there are at most
+        speculative_disable_by_batch_size of them."""
+        if not self.config.num_speculative_tokens:
+            return False
+        decoding = [r for r in self.running if r.prefill_done]
+        limit = self.config.speculative_disable_by_batch_size
+        held = sum(r.slot is not None for r in self.running)  # (sets the step's row bucket)
+        if not decoding or (limit is not None and held > limit):
+            return False
+        return all(can_speculate(r) for r in decoding)
 
     def _schedule_prefills(self, plan: SchedulerOutput) -> int:
         """The next chunk of each running request with prefill left, oldest first, while chunk

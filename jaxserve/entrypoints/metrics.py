@@ -74,6 +74,12 @@ class _EngineCollector:
             s["num_cached_prefill_tokens"],
         )
         yield counter("jaxserve:engine_steps", "Engine steps with device work.", s["num_steps"])
+        for name, doc in (
+            ("num_drafts", "Speculative decode rows verified (one draft each)."),
+            ("num_draft_tokens", "Draft tokens proposed."),
+            ("num_accepted_tokens", "Draft tokens accepted."),
+        ):
+            yield counter(f"vllm:spec_decode_{name}", doc, s["num_spec_" + name[4:]])
 
 
 class ServerMetrics:

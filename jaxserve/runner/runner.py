@@ -8,6 +8,8 @@ state, and runs scheduler plans through the jitted steps of `steps.py`.
                      for a plan whose structured-output masks come late (plan.grammar_deferred):
                      dispatch ran only the decode forward; this installs the masks the host
                      computed meanwhile, samples, then queues the prefill
+                     (a plan whose decode rows speculate runs `spec_decode.speculate` instead
+                     of `generate`: up to k + 1 tokens a row)
     fetch(handle)    ONE device->host transfer of the step's new tokens (and log-probs when a
                      request asked) -> StepResult
 
@@ -44,8 +46,8 @@ from jaxserve.layers import linear
 from jaxserve.parallel import partition
 from jaxserve.parallel.mesh import make_mesh, mesh_sizes
 from jaxserve.quant import with_matmul_impl
-from jaxserve.resolve import DecodeShape, PrefillShape, Resolved, resolve
-from jaxserve.runner import cpu_backend, data_parallel, input_batch, memory, steps
+from jaxserve.resolve import DecodeShape, PrefillShape, Resolved, bucket_for, resolve
+from jaxserve.runner import cpu_backend, data_parallel, input_batch, memory, spec_decode, steps
 from jaxserve.runner.memory import check_memory, device_memory_bytes, state_bytes  # noqa: F401
 from jaxserve.runner.step_handle import StepHandle, fetch_outputs
 
@@ -152,7 +154,12 @@ class ModelRunner:
             )
 
         def init_state():
-            return steps.init_slot_state(self.num_slots, r.max_pages, model_config.vocab_size)
+            return steps.init_slot_state(
+                self.num_slots, r.max_pages, model_config.vocab_size, history_len
+            )
+
+        # the n-gram proposer's token history (`spec_decode.py`): only when speculating
+        history_len = engine_config.max_model_len if engine_config.num_speculative_tokens else 0
 
         if mesh is None:
             self.cache, self.state = init_cache(), init_state()
@@ -205,6 +212,36 @@ class ModelRunner:
                 num_steps=self.config.decode_steps,
             )
         return out
+
+    def speculate(self, shape: DecodeShape, limit: np.ndarray) -> steps.DecodeOutput:
+        """A speculative decode step of the first shape.rows slots (`spec_decode.speculate`);
+        limit i32[S]: the most tokens each slot may make (0 = it does not move)."""
+        c = self.config
+        self.num_h2d_transfers += 1  # the limits
+        with self._on_mesh():
+            self.cache, self.state, out = spec_decode.speculate(
+                self.params,
+                self.cache,
+                self.state,
+                limit,
+                config=self.model_config,
+                impl=self.resolved.model,
+                shape=shape,
+                num_spec=c.num_speculative_tokens,
+                min_n=c.prompt_lookup_min,
+                max_n=c.prompt_lookup_max,
+            )
+        return out
+
+    def speculative_shapes(self) -> list[DecodeShape]:
+        """The decode shapes a speculative step may run in: those of the row buckets up to
+        speculative_disable_by_batch_size (all of them without it; none without speculation)."""
+        c = self.config
+        if not c.num_speculative_tokens:
+            return []
+        most = c.speculative_disable_by_batch_size or self.num_slots
+        top = bucket_for(min(most, self.num_slots), self.slot_buckets)
+        return [s for s in self.resolved.decode_shapes() if s.rows <= top]
 
     def _decode_forward(self, shape: DecodeShape):
         self.cache, logits = steps.decode_forward(
@@ -313,6 +350,12 @@ class ModelRunner:
             for slot, q in zip(plan.decode_slots, plan.decode):
                 live[slot // self.slots_per_shard] += len(q.pages)
             shape = r.decode_shape(last, [len(q.pages) for q in plan.decode], max(live))
+            if plan.speculative:
+                limit = np.zeros((self.num_slots,), np.int32)
+                limit[plan.decode_slots] = plan.decode_steps
+                handle.decode = self.speculate(shape, limit)
+                self._dispatch_prefill(plan, handle)
+                return handle
             if deferred:
                 handle.pending = (self._decode_forward(shape), shape)
                 return handle  # `complete` samples once the masks are in
@@ -394,6 +437,9 @@ class ModelRunner:
         decode, prefill = r.decode_shapes(), r.prefill_shapes()
         for shape in decode:
             self.generate(shape)
+        speculative = self.speculative_shapes()
+        for shape in speculative:
+            self.speculate(shape, np.zeros((s,), np.int32))
         for shape in prefill:
             rows, local = shape.rows * self.data_shards, self.slots_per_shard
             self.prefill(input_batch.padding_batch(rows, local, shape.chunk), shape)
@@ -404,7 +450,11 @@ class ModelRunner:
         self.workspace_bytes = memory.workspace_bytes(self, decode[-1], prefill[-1])
         dt = time.perf_counter() - t0
         logger.info(
-            "warm-up: %d decode and %d prefill programs in %.1f s", len(decode), len(prefill), dt
+            "warm-up: %d decode, %d speculative and %d prefill programs in %.1f s",
+            len(decode),
+            len(speculative),
+            len(prefill),
+            dt,
         )
         logger.info(memory.describe(self.memory_plan()))
         return dt

@@ -52,6 +52,10 @@ class SlotState:
     active: jax.Array  # bool[S]  the slot decodes
     page_table: jax.Array  # i32[S, max_pages_per_seq]
     sampling: sampling.SamplingState  # [S, ...] per-slot sampling parameters, keys, counts
+    # i32[S, L]: every token of the slot's sequence at its position, prompt and output (what the
+    # n-gram proposer of `spec_decode.py` searches); L = max_model_len with speculative decoding,
+    # else 0 (nothing kept)
+    history: jax.Array
 
 
 @struct.dataclass
@@ -88,7 +92,10 @@ class PrefillOutput:
     prompt: PromptLogprobs | None  # only in the shape.prompt_logprobs variant
 
 
-def init_slot_state(num_slots: int, max_pages: int, vocab_size: int) -> SlotState:
+def init_slot_state(
+    num_slots: int, max_pages: int, vocab_size: int, history_len: int = 0
+) -> SlotState:
+    """history_len: max_model_len when the engine speculates (`SlotState.history`), else 0."""
     zeros = lambda: jnp.zeros((num_slots,), jnp.int32)  # distinct buffers: the state is donated
     return SlotState(
         last_token=zeros(),
@@ -98,6 +105,7 @@ def init_slot_state(num_slots: int, max_pages: int, vocab_size: int) -> SlotStat
         active=jnp.zeros((num_slots,), bool),
         page_table=jnp.zeros((num_slots, max_pages), jnp.int32),
         sampling=sampling.init_state(num_slots, vocab_size),
+        history=jnp.zeros((num_slots, history_len), jnp.int32),
     )
 
 
@@ -118,8 +126,31 @@ def insert(state: SlotState, slot, row, num_generated, max_total_len) -> SlotSta
             max_total_len=state.max_total_len.at[slot].set(max_total_len),
             seq_len=state.seq_len.at[slot].set(0),
             active=state.active.at[slot].set(False),
+            history=_history_row(state.history, slot, row),
         )
     )
+
+
+def _history_row(history, slot, row):
+    """`history` with slot `slot` holding the row's prompt then its output tokens (-1 padded);
+    unchanged when no history is kept (L = 0)."""
+    n = history.shape[1]
+    if n == 0:
+        return history
+    prompt = jnp.asarray(row.prompt_tokens, jnp.int32)[:n]
+    output = jnp.asarray(row.output_tokens, jnp.int32)[:n]
+    p = jnp.sum(prompt >= 0)
+    i = jnp.arange(n)
+    tokens = jnp.where(i < p, prompt, output[jnp.clip(i - p, 0, n - 1)])
+    return history.at[slot].set(tokens)
+
+
+def append_history(history, rows, positions, tokens, keep):
+    """history[rows[i], positions[i]] = tokens[i] where keep[i] (no-op without a history)."""
+    if history.shape[1] == 0:
+        return history
+    rows = jnp.where(keep, rows, history.shape[0])  # out of range: dropped
+    return history.at[rows, positions].set(tokens, mode="drop")
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -239,11 +270,13 @@ def _decode_advance(st: SlotState, logits, num_top: int, want_top):
     out = sampling.sample(logits, st.sampling, st.num_generated, num_top, want_top)
     tok = jnp.where(alive, out.tokens, st.last_token)
     inc = alive.astype(jnp.int32)
+    rows = jnp.arange(tok.shape[0])
     st = st.replace(
         last_token=tok,
         seq_len=st.seq_len + inc,
         num_generated=st.num_generated + inc,
         sampling=sampling.update_counts(st.sampling, tok, alive),
+        history=append_history(st.history, rows, st.seq_len + 1, tok, alive),
     )
     return st, DecodeOutput(tok, alive, out.logprobs, out.top_ids, out.top_logprobs, out.ranks)
 
@@ -313,6 +346,9 @@ def _prefill_advance(state: SlotState, batch: PrefillBatch, logits, want_top, nu
         active=state.active.at[fin_idx].set(True, mode="drop"),
         num_generated=state.num_generated + sampled_s.astype(jnp.int32),
         sampling=sampling.update_counts(state.sampling, tokens_s, sampled_s),
+        history=append_history(
+            state.history, batch.slots, batch.start + batch.length, tok, finishing
+        ),
     )
     return state, out.replace(tokens=tok)
 

@@ -59,7 +59,8 @@ def test_set_flags_reach_the_engine(parsed):
         "--prefill_chunk_size=32", "--max_num_batched_tokens=64", "--decode_steps=2",
         "--batching=static", "--noasync_scheduling", "--enable_prefix_caching", "--warmup",
         "--num_pages=40", "--tensor_parallel_size=2", "--data_parallel_size=3",
-        "--max_logprobs=5", "--on_bad_request=raise",
+        "--max_logprobs=5", "--on_bad_request=raise", "--num_speculative_tokens=0",
+        "--prompt_lookup_max=4", "--prompt_lookup_min=2", "--speculative_disable_by_batch_size=8",
     )  # fmt: skip
     kw = engine_flags.llm_kwargs(fv)
     assert kw == {
@@ -88,6 +89,10 @@ def test_set_flags_reach_the_engine(parsed):
         "data_parallel_size": 3,
         "max_logprobs": 5,
         "on_bad_request": "raise",
+        "num_speculative_tokens": 0,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+        "speculative_disable_by_batch_size": 8,
     }
     assert set(kw) == set(engine_flags.FLAG_NAMES)  # every field is reachable
     assert engine_flags.engine_config(fv) == EngineConfig(**kw)
