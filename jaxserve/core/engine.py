@@ -276,13 +276,15 @@ class LLMEngine:
         self._inflight = None
         # A grammar's next mask needs the token in flight: while a constrained request runs, the
         # next step is planned after this one's tokens are read (the scheduler would skip it).
-        # Likewise after a speculative step: how many tokens its rows made (their positions, the
-        # next plan's pages and limits) is known only once they are read.
+        # After a speculative step the next one is planned ahead only if it speculates too: the
+        # scheduler counted each row's k + 1 tokens, so its next plan gives the rows pages enough
+        # and each a limit the device keeps to (a row it plans no tokens for does not move),
+        # while a plain decode step would advance every active row, planned or not.
         if (
             self.config.async_scheduling
             and self.scheduler.has_unfinished()
             and not self._constrained_running()
-            and not plan.speculative
+            and (not plan.speculative or self.scheduler.speculates())
         ):
             self._inflight = self._schedule_and_dispatch()
         result = self.runner.fetch(handle)

@@ -239,7 +239,7 @@ class Scheduler:
     def _schedule_decodes(self, plan: SchedulerOutput) -> None:
         """Every running request past its prefill decodes, oldest first; a request that finds no
         page preempts the newest ones, itself last."""
-        plan.speculative = self._speculates()
+        plan.speculative = self.speculates()
         if plan.speculative:
             plan.num_decode_steps = self.config.num_speculative_tokens + 1
         for req in list(self.running):
@@ -253,8 +253,8 @@ class Scheduler:
             if self._grow(req, req.num_computed_tokens + steps, plan, self_preempt=True):
                 plan.decode.append(req)
 
-    def _speculates(self) -> bool:
-        """This step's decode rows speculate: the engine speculates, every decoding request is
+    def speculates(self) -> bool:
+        """The next plan's decode rows speculate: the engine speculates, every decoding request is
         a plain greedy one (`can_speculate`), and there are at most
         speculative_disable_by_batch_size of them."""
         if not self.config.num_speculative_tokens:
