@@ -9,12 +9,15 @@ Each decode row looks up the longest n-gram (n from max_n down to min_n) that en
 and occurred earlier, at its latest earlier place (vLLM's `NgramProposer`), and proposes the k
 tokens that followed it; where fewer than k follow before the sequence's end, the match's period
 repeats (a sequence looping with period p continues as it looped). The step then feeds every row
-its last token and its k drafts as one [B, k + 1] chunk at their positions (a prefill chunk's
-forward: K/V into the row's pages, each query seeing the keys a decode step would give it), takes
-the greedy token at every position, accepts the drafts up to the first that differs from the
-target's token there, and emits the accepted drafts plus the target's next token: 1 to k + 1
-tokens a row, exactly the tokens greedy decoding makes one at a time. The K/V written past the
-accepted tokens lie beyond the row's new length and are overwritten before anything reads them.
+its last token and its k drafts at their positions in one forward (K/V into the row's pages,
+each token seeing the keys up to its own position), takes the greedy token at every position,
+accepts the drafts up to the first that differs from the target's token there, and emits the accepted drafts plus the target's next token: 1 to k + 1
+tokens a row, the tokens greedy decoding makes one at a time. The K/V written past the accepted
+tokens lie beyond the row's new length and are overwritten before anything reads them. Where the
+attention's decode path takes rows with their own page tables (`DECODE_ROW_IMPLS`: the C++ CPU
+kernel, Pallas), the B x (k + 1) tokens run as decode rows instead of a chunk, each with its row's
+pages and its own length: every token then gets the bits a plain decode step would give it, so
+the outputs equal plain greedy decoding's in bf16 as well (a chunk's forward rounds differently).
 
 Only greedy rows without penalties, processors, grammars or log-probs speculate (the scheduler
 plans a speculative step only when every decoding request is such a row: `Scheduler`), so the
@@ -80,18 +83,35 @@ def ngram_propose_reference(tokens: list[int], k: int, min_n: int, max_n: int) -
     return [tokens[-1]] * k
 
 
-def _verify_inputs(st: SlotState, pt, draft, limit, ps: int):
-    """The [B, k + 1] chunk (last token, drafts) at each row's next positions, and its metadata.
-    A row writes K/V only at the positions of the tokens it may make (`limit`)."""
-    rows, width = pt.shape
+# Attention implementations whose decode path takes any rows with their own page tables and
+# lengths: there the verify forward runs its B x (k + 1) tokens as that many decode rows (each
+# row's page table repeated), so every token gets the bits a decode step gives it, in bf16 too.
+# 'ragged' decodes over a live-page bucket sized for B rows: there the tokens run as a chunk.
+DECODE_ROW_IMPLS = ("cpu_kernel", "pallas", "pallas_interpret")
+
+
+def _verify_inputs(st: SlotState, pt, draft, limit, ps: int, as_rows: bool):
+    """The tokens (last token, drafts) at each row's next positions and their metadata: as
+    [B * (k + 1), 1] decode rows (`as_rows`) or as a [B, k + 1] chunk. A row writes K/V only
+    at the positions of the tokens it may make (`limit`)."""
+    b, width = pt.shape
     t = draft.shape[1] + 1
     tokens = jnp.concatenate([st.last_token[:, None], draft], axis=1)  # (B, T)
     pos = st.seq_len[:, None] + jnp.arange(t)[None, :]  # (B, T)
     writes = jnp.arange(t)[None, :] < limit[:, None]  # (B, T)
     page = jnp.take_along_axis(pt, jnp.minimum(pos // ps, width - 1), axis=1)
+    slots = jnp.where(writes, page * ps + pos % ps, -1)
+    if as_rows:  # row b * T + j: token j of row b, seeing keys up to its position
+        meta = AttentionMetadata(
+            positions=pos.reshape(b * t, 1),
+            slot_mapping=slots.reshape(b * t, 1),
+            page_table=jnp.repeat(pt, t, axis=0),
+            seq_lens=jnp.where(writes, pos + 1, 0).reshape(b * t),
+        )
+        return tokens.reshape(b * t, 1), meta
     meta = AttentionMetadata(
         positions=pos,
-        slot_mapping=jnp.where(writes, page * ps + pos % ps, -1),
+        slot_mapping=slots,
         page_table=pt,
         seq_lens=jnp.where(limit > 0, st.seq_len + limit, 0),
     )
@@ -128,9 +148,10 @@ def speculate(
     room = jnp.maximum(st.max_total_len - st.seq_len - 1, 0)
     lim = jnp.where(st.active, jnp.minimum(jnp.minimum(limit[: shape.rows], room), t), 0)
     draft = ngram_propose(st.history, st.seq_len + 1, num_spec, min_n, max_n)  # (B, k)
-    tokens, meta = _verify_inputs(st, pt, draft, lim, cache.page_size)
+    as_rows = impl.attention in DECODE_ROW_IMPLS
+    tokens, meta = _verify_inputs(st, pt, draft, lim, cache.page_size, as_rows)
     hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)  # (B, T, D)
-    b, _, d = hidden.shape
+    b, d = shape.rows, hidden.shape[-1]
     logits = llama.compute_logits(params, hidden.reshape(b * t, d), config, impl)
     target = blocked_argmax(pin_replicated(logits).astype(jnp.float32)).reshape(b, t)
     # accepted drafts: the leading ones equal to the target's token at the position before
