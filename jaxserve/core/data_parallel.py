@@ -107,6 +107,7 @@ class DataParallelScheduler:
                     "grammar_bitmask",
                     "grammar_rows",
                     "grammar_deferred",
+                    "speculative",  # (never with data shards: EngineConfig refuses it)
                 ):
                     continue  # (the grammar fields are set by the engine on the merged plan)
                 mine, theirs = getattr(out, f.name), getattr(p, f.name)

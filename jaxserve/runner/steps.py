@@ -53,9 +53,9 @@ class SlotState:
     page_table: jax.Array  # i32[S, max_pages_per_seq]
     sampling: sampling.SamplingState  # [S, ...] per-slot sampling parameters, keys, counts
     # i32[S, L]: every token of the slot's sequence at its position, prompt and output (what the
-    # n-gram proposer of `spec_decode.py` searches); L = max_model_len with speculative decoding,
-    # else 0 (nothing kept)
-    history: jax.Array
+    # n-gram proposer of `spec_decode.py` searches), L = max_model_len; None (no leaf) unless the
+    # engine speculates
+    history: jax.Array | None
 
 
 @struct.dataclass
@@ -105,7 +105,7 @@ def init_slot_state(
         active=jnp.zeros((num_slots,), bool),
         page_table=jnp.zeros((num_slots, max_pages), jnp.int32),
         sampling=sampling.init_state(num_slots, vocab_size),
-        history=jnp.zeros((num_slots, history_len), jnp.int32),
+        history=jnp.zeros((num_slots, history_len), jnp.int32) if history_len else None,
     )
 
 
@@ -133,10 +133,10 @@ def insert(state: SlotState, slot, row, num_generated, max_total_len) -> SlotSta
 
 def _history_row(history, slot, row):
     """`history` with slot `slot` holding the row's prompt then its output tokens (-1 padded);
-    unchanged when no history is kept (L = 0)."""
+    None when no history is kept."""
+    if history is None:
+        return None
     n = history.shape[1]
-    if n == 0:
-        return history
     prompt = jnp.asarray(row.prompt_tokens, jnp.int32)[:n]
     output = jnp.asarray(row.output_tokens, jnp.int32)[:n]
     p = jnp.sum(prompt >= 0)
@@ -146,9 +146,9 @@ def _history_row(history, slot, row):
 
 
 def append_history(history, rows, positions, tokens, keep):
-    """history[rows[i], positions[i]] = tokens[i] where keep[i] (no-op without a history)."""
-    if history.shape[1] == 0:
-        return history
+    """history[rows[i], positions[i]] = tokens[i] where keep[i] (None without a history)."""
+    if history is None:
+        return None
     rows = jnp.where(keep, rows, history.shape[0])  # out of range: dropped
     return history.at[rows, positions].set(tokens, mode="drop")
 

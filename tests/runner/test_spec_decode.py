@@ -168,8 +168,7 @@ def test_speculation_settings_are_checked():
 def test_speculative_greedy_equals_greedy_on_smollm2_in_bf16(smollm2_gguf_path):
     """SmolLM2 bf16, one request at a time, on requests of serve_bench's workload whose outputs a
     chunk-shaped verify forward changes (its bf16 rounding flips near-ties; 4 of the first 24):
-    run as decode rows, the verified tokens are plain greedy decoding's, bit for bit. (One at a
-    time: a request's greedy bf16 tokens can depend on the batch around it, RESULTS.md 52.)"""
+    run as decode rows, the verified tokens are plain greedy decoding's, bit for bit."""
     from jaxserve.bench.workloads import make_workload
 
     reqs = make_workload("longtail-small", 49152, 24, 0).requests
