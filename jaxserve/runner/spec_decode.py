@@ -40,8 +40,8 @@ from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import llama
 from jaxserve.parallel.partition import pin_cache, pin_replicated, pin_slots
 from jaxserve.resolve import DecodeShape
-from jaxserve.runner import sampling
-from jaxserve.runner.steps import DecodeOutput, SlotState, _rows, _set_rows, append_history
+from jaxserve.runner import sampling, token_history
+from jaxserve.runner.steps import DecodeOutput, SlotState, _rows, _set_rows
 from jaxserve.runner.vocab_ops import blocked_argmax
 
 
@@ -164,7 +164,7 @@ def speculate(
     hist = st.history
     for j in range(t):
         smp = sampling.update_counts(smp, target[:, j], valid[j])
-        hist = append_history(hist, jnp.arange(b), st.seq_len + 1 + j, target[:, j], valid[j])
+        hist = token_history.append(hist, jnp.arange(b), st.seq_len + 1 + j, target[:, j], valid[j])
     moved = made > 0
     newest = jnp.take_along_axis(target, jnp.maximum(made - 1, 0)[:, None], axis=1)[:, 0]
     st = st.replace(

@@ -39,7 +39,7 @@ from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import llama
 from jaxserve.parallel.partition import pin_cache, pin_replicated, pin_slots
 from jaxserve.resolve import DecodeShape, ModelImpl, PrefillShape
-from jaxserve.runner import sampling
+from jaxserve.runner import sampling, token_history
 from jaxserve.runner.input_batch import PrefillBatch
 
 
@@ -126,31 +126,9 @@ def insert(state: SlotState, slot, row, num_generated, max_total_len) -> SlotSta
             max_total_len=state.max_total_len.at[slot].set(max_total_len),
             seq_len=state.seq_len.at[slot].set(0),
             active=state.active.at[slot].set(False),
-            history=_history_row(state.history, slot, row),
+            history=token_history.set_row(state.history, slot, row),
         )
     )
-
-
-def _history_row(history, slot, row):
-    """`history` with slot `slot` holding the row's prompt then its output tokens (-1 padded);
-    None when no history is kept."""
-    if history is None:
-        return None
-    n = history.shape[1]
-    prompt = jnp.asarray(row.prompt_tokens, jnp.int32)[:n]
-    output = jnp.asarray(row.output_tokens, jnp.int32)[:n]
-    p = jnp.sum(prompt >= 0)
-    i = jnp.arange(n)
-    tokens = jnp.where(i < p, prompt, output[jnp.clip(i - p, 0, n - 1)])
-    return history.at[slot].set(tokens)
-
-
-def append_history(history, rows, positions, tokens, keep):
-    """history[rows[i], positions[i]] = tokens[i] where keep[i] (None without a history)."""
-    if history is None:
-        return None
-    rows = jnp.where(keep, rows, history.shape[0])  # out of range: dropped
-    return history.at[rows, positions].set(tokens, mode="drop")
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -276,7 +254,7 @@ def _decode_advance(st: SlotState, logits, num_top: int, want_top):
         seq_len=st.seq_len + inc,
         num_generated=st.num_generated + inc,
         sampling=sampling.update_counts(st.sampling, tok, alive),
-        history=append_history(st.history, rows, st.seq_len + 1, tok, alive),
+        history=token_history.append(st.history, rows, st.seq_len + 1, tok, alive),
     )
     return st, DecodeOutput(tok, alive, out.logprobs, out.top_ids, out.top_logprobs, out.ranks)
 
@@ -346,7 +324,7 @@ def _prefill_advance(state: SlotState, batch: PrefillBatch, logits, want_top, nu
         active=state.active.at[fin_idx].set(True, mode="drop"),
         num_generated=state.num_generated + sampled_s.astype(jnp.int32),
         sampling=sampling.update_counts(state.sampling, tokens_s, sampled_s),
-        history=append_history(
+        history=token_history.append(
             state.history, batch.slots, batch.start + batch.length, tok, finishing
         ),
     )
