@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from jaxserve import LLM, SamplingParams
-from jaxserve.bench.core import cpu_name
+from jaxserve import LLM
+from jaxserve.bench.core import cpu_name, prompts_for, sampling_params_for
 from jaxserve.bench.workloads import make_workload
 
 
@@ -66,11 +66,7 @@ def main() -> None:
     a = ap.parse_args()
     workload = make_workload(a.workload, a.vocab_size, a.num_requests, a.seed)
     llm = LLM(dtype="bfloat16", num_slots=32)
-    prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in workload.requests]
-    params = [
-        SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
-        for r in workload.requests
-    ]
+    prompts, params = prompts_for(workload), sampling_params_for(workload)
     outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     tokens = sum(len(o) - 1 for o in outs)
     distinct = sorted(len(set(o)) / len(o) for o in outs)

@@ -4,7 +4,7 @@ offline time, steps and accepted drafts of each.
 
     .venv/bin/python experiments/spec_decode_ab.py [--workload longtail-small] \
         [--num_requests 48] [--k 3] [--max_n 4] [--min_n 1] [--disable_by_batch_size N] \
-        [--reps 3] [--num_slots 32]
+        [--max_batched_tokens N] [--reps 3] [--num_slots 32]
 
 The engines alternate (off, on, off, on, ...) --reps times; the medians are printed. With
 --num_slots 1 the requests run one at a time (the latency of a lone request).
@@ -17,8 +17,8 @@ import json
 import statistics
 import time
 
-from jaxserve import LLM, SamplingParams
-from jaxserve.bench.core import cpu_name
+from jaxserve import LLM
+from jaxserve.bench.core import cpu_name, prompts_for, sampling_params_for
 from jaxserve.bench.workloads import make_workload
 
 
@@ -32,16 +32,14 @@ def main() -> None:
     ap.add_argument("--max_n", type=int, default=4)
     ap.add_argument("--min_n", type=int, default=1)
     ap.add_argument("--disable_by_batch_size", type=int, default=None)
+    ap.add_argument("--max_batched_tokens", type=int, default=None,
+                    help="speculative_max_batched_tokens")  # fmt: skip
     ap.add_argument("--num_slots", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args()
     workload = make_workload(a.workload, a.vocab_size, a.num_requests, a.seed)
-    prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in workload.requests]
-    params = [
-        SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
-        for r in workload.requests
-    ]
+    prompts, params = prompts_for(workload), sampling_params_for(workload)
     common = dict(dtype=a.dtype, num_slots=a.num_slots, warmup=True)
     engines = {
         "off": LLM(**common),
@@ -51,6 +49,7 @@ def main() -> None:
             prompt_lookup_max=a.max_n,
             prompt_lookup_min=a.min_n,
             speculative_disable_by_batch_size=a.disable_by_batch_size,
+            speculative_max_batched_tokens=a.max_batched_tokens,
         ),
     }
     times = {name: [] for name in engines}

@@ -201,6 +201,14 @@ class EngineConfig:
         "name): a large batch verifying k + 1 tokens a row costs about k + 1 steps on a CPU, "
         "more than the accepted drafts save. Default: None (every step).",
     )
+    speculative_max_batched_tokens: int | None = _setting(
+        None,
+        "The most tokens a speculative step verifies: its decode row bucket's rows (padding "
+        "rows too) times 1 + the drafts a row. A step over B rows proposes min(k, N // B - 1) "
+        "drafts a row and decodes plainly where that is 0, so a few rows verify long drafts and "
+        "many rows short ones or none (a CPU step's cost grows with its rows from about 8 up). "
+        "Default: None (k drafts in every step).",
+    )
     batching: str = _setting(
         "continuous",
         "continuous: a finished request's slot is refilled at the next step; static: slots are "
@@ -316,7 +324,12 @@ class EngineConfig:
                 f"data_parallel_size ({self.data_parallel_size}): each replica owns an equal share"
             )
         check_int("num_speculative_tokens", minimum=0)
-        for f in ("prompt_lookup_max", "prompt_lookup_min", "speculative_disable_by_batch_size"):
+        for f in (
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "speculative_disable_by_batch_size",
+            "speculative_max_batched_tokens",
+        ):
             check_int(f, optional=True)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
@@ -425,3 +438,10 @@ class EngineConfig:
                 "for_model(model_config) first"
             )
         return -(-self.max_model_len // self.page_size)
+
+    def draft_tokens(self, rows: int) -> int:
+        """Drafts a row proposes in a speculative step over a decode row bucket of `rows` rows:
+        num_speculative_tokens, fewer where speculative_max_batched_tokens allows fewer, 0 where
+        the step decodes plainly."""
+        k, budget = self.num_speculative_tokens, self.speculative_max_batched_tokens
+        return k if budget is None else max(min(k, budget // rows - 1), 0)

@@ -127,6 +127,11 @@ def cpu_name() -> str:
     )
 
 
+def prompts_for(workload: Workload) -> list[dict]:
+    """The workload's prompts as `LLM.generate` takes token ids."""
+    return [{"prompt_token_ids": list(r.prompt_token_ids)} for r in workload.requests]
+
+
 def sampling_params_for(workload: Workload) -> list[SamplingParams]:
     """Greedy, EOS ignored, exact length: the output length is the workload's, not the model's."""
     return [
@@ -185,7 +190,7 @@ def run_benchmark(llm, workload: Workload, *, do_warmup: bool = True) -> BenchRe
     sched = llm.engine.scheduler
     rows_before, plans_before = sched.decode_rows_sum, sched.num_decode_plans
     n_timeline = len(llm.engine.timeline)
-    prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in workload.requests]
+    prompts = prompts_for(workload)
     params = sampling_params_for(workload)
     with CompileCounter() as cc:
         t0, cpu0, host0 = time.monotonic(), time.process_time(), time.thread_time()

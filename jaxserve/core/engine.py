@@ -312,7 +312,7 @@ class LLMEngine:
                 made = int(np.sum(result.decode_valid[slot, :steps]))
                 if made == 0:
                     raise RuntimeError(f"slot {slot} produced no token in a speculative step")
-                self._count_speculation(req, steps, made)
+                self._count_speculation(req, steps, made, plan.num_decode_steps - 1)
             for j in range(made):
                 if not result.decode_valid[slot, j]:
                     raise RuntimeError(f"slot {slot} produced no token at decode step {j}")
@@ -353,15 +353,15 @@ class LLMEngine:
                 touched[req.group_id] = self._groups[req.group_id]
         return list(touched.values())
 
-    def _count_speculation(self, req: Request, planned: int, made: int) -> None:
+    def _count_speculation(self, req: Request, planned: int, made: int, drafts: int) -> None:
         """A speculative row made `made` of the `planned` tokens the scheduler counted when it
         planned the step: its K/V count comes back down (a running request; a finished or
-        preempted one has no count left to correct), and the drafts are counted (vLLM's
+        preempted one has no count left to correct), and its `drafts` are counted (vLLM's
         spec_decode metrics: drafts, draft tokens, accepted tokens)."""
         if req.status == RequestStatus.RUNNING:
             req.num_computed_tokens -= planned - made
         self.num_spec_drafts += 1
-        self.num_spec_draft_tokens += self.config.num_speculative_tokens
+        self.num_spec_draft_tokens += drafts
         self.num_spec_accepted_tokens += made - 1
 
     # -- outputs and stats ----------------------------------------------------------------------

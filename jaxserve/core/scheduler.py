@@ -239,9 +239,10 @@ class Scheduler:
     def _schedule_decodes(self, plan: SchedulerOutput) -> None:
         """Every running request past its prefill decodes, oldest first; a request that finds no
         page preempts the newest ones, itself last."""
-        plan.speculative = self.speculates()
+        drafts = self.speculates()
+        plan.speculative = drafts > 0
         if plan.speculative:
-            plan.num_decode_steps = self.config.num_speculative_tokens + 1
+            plan.num_decode_steps = drafts + 1
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING or not req.prefill_done:
                 continue  # preempted by an older request earlier in this loop, or prefilling
@@ -253,18 +254,21 @@ class Scheduler:
             if self._grow(req, req.num_computed_tokens + steps, plan, self_preempt=True):
                 plan.decode.append(req)
 
-    def speculates(self) -> bool:
-        """The next plan's decode rows speculate: the engine speculates, every decoding request is
-        a plain greedy one (`can_speculate`), and there are at most
-        speculative_disable_by_batch_size of them."""
+    def speculates(self) -> int:
+        """The drafts a row proposes if the next plan's decode rows speculate, else 0: they do
+        when the engine speculates, every decoding request is a plain greedy one
+        (`can_speculate`), at most speculative_disable_by_batch_size requests hold a slot, and
+        the row bucket they set leaves drafts (`EngineConfig.draft_tokens`)."""
         if not self.config.num_speculative_tokens:
-            return False
+            return 0
         decoding = [r for r in self.running if r.prefill_done]
         limit = self.config.speculative_disable_by_batch_size
         held = sum(r.slot is not None for r in self.running)  # (sets the step's row bucket)
         if not decoding or (limit is not None and held > limit):
-            return False
-        return all(can_speculate(r) for r in decoding)
+            return 0
+        if not all(can_speculate(r) for r in decoding):
+            return 0
+        return self.config.draft_tokens(bucket_for(held, self.slot_buckets))
 
     def _schedule_prefills(self, plan: SchedulerOutput) -> int:
         """The next chunk of each running request with prefill left, oldest first, while chunk

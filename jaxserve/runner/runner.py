@@ -213,9 +213,9 @@ class ModelRunner:
             )
         return out
 
-    def speculate(self, shape: DecodeShape, limit: np.ndarray) -> steps.DecodeOutput:
-        """A speculative decode step of the first shape.rows slots (`spec_decode.speculate`);
-        limit i32[S]: the most tokens each slot may make (0 = it does not move)."""
+    def speculate(self, shape: DecodeShape, limit: np.ndarray, drafts: int) -> steps.DecodeOutput:
+        """A speculative decode step of the first shape.rows slots (`spec_decode.speculate`),
+        `drafts` a row; limit i32[S]: the most tokens each slot may make (0 = it does not move)."""
         c = self.config
         self.num_h2d_transfers += 1  # the limits
         with self._on_mesh():
@@ -227,21 +227,28 @@ class ModelRunner:
                 config=self.model_config,
                 impl=self.resolved.model,
                 shape=shape,
-                num_spec=c.num_speculative_tokens,
+                num_spec=drafts,
                 min_n=c.prompt_lookup_min,
                 max_n=c.prompt_lookup_max,
             )
         return out
 
-    def speculative_shapes(self) -> list[DecodeShape]:
-        """The decode shapes a speculative step may run in: those of the row buckets up to
-        speculative_disable_by_batch_size (all of them without it; none without speculation)."""
+    def speculative_shapes(self) -> list[tuple[DecodeShape, int]]:
+        """The (decode shape, drafts a row) pairs a speculative step may run: the scheduler picks
+        the drafts by the row bucket of the slots held (`EngineConfig.draft_tokens`), up to
+        speculative_disable_by_batch_size, and the step runs over the bucket of its decoding
+        rows, that one or a smaller one. None without speculation."""
         c = self.config
         if not c.num_speculative_tokens:
             return []
         most = c.speculative_disable_by_batch_size or self.num_slots
         top = bucket_for(min(most, self.num_slots), self.slot_buckets)
-        return [s for s in self.resolved.decode_shapes() if s.rows <= top]
+        held = [b for b in self.slot_buckets if b <= top and c.draft_tokens(b)]
+        return [
+            (s, k)
+            for s in self.resolved.decode_shapes()
+            for k in sorted({c.draft_tokens(b) for b in held if b >= s.rows}, reverse=True)
+        ]
 
     def _decode_forward(self, shape: DecodeShape):
         self.cache, logits = steps.decode_forward(
@@ -353,7 +360,7 @@ class ModelRunner:
             if plan.speculative:
                 limit = np.zeros((self.num_slots,), np.int32)
                 limit[plan.decode_slots] = plan.decode_steps
-                handle.decode = self.speculate(shape, limit)
+                handle.decode = self.speculate(shape, limit, plan.num_decode_steps - 1)
                 self._dispatch_prefill(plan, handle)
                 return handle
             if deferred:
@@ -438,8 +445,8 @@ class ModelRunner:
         for shape in decode:
             self.generate(shape)
         speculative = self.speculative_shapes()
-        for shape in speculative:
-            self.speculate(shape, np.zeros((s,), np.int32))
+        for shape, drafts in speculative:
+            self.speculate(shape, np.zeros((s,), np.int32), drafts)
         for shape in prefill:
             rows, local = shape.rows * self.data_shards, self.slots_per_shard
             self.prefill(input_batch.padding_batch(rows, local, shape.chunk), shape)

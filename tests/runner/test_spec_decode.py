@@ -153,6 +153,31 @@ def test_no_recompilation_after_warmup_with_speculation():
     assert llm.stats()["num_spec_drafts"] > 0
 
 
+def test_draft_tokens_follow_the_row_bucket_within_the_token_budget():
+    """speculative_max_batched_tokens=8 with k=3 over row buckets 1, 4, 8: a lone row verifies 3
+    drafts, a 4-row bucket 1 draft a row, an 8-row bucket none; warmed up, nothing recompiles,
+    and the tokens are plain greedy decoding's."""
+    c = EngineConfig(num_speculative_tokens=3, speculative_max_batched_tokens=8)
+    assert [c.draft_tokens(b) for b in (1, 2, 4, 8)] == [3, 3, 1, 0]
+    assert EngineConfig(num_speculative_tokens=3).draft_tokens(32) == 3
+    rng = np.random.default_rng(4)
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"].tolist()} for p in _prompts(rng, 8)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12 + 8 * i, ignore_eos=True) for i in range(8)
+    ]
+    want = LLM("tiny", **KW).generate(prompts, params, use_tqdm=False)
+    llm = LLM("tiny", warmup=True, speculative_max_batched_tokens=8, **SPEC, **KW)
+    pairs = llm.engine.runner.speculative_shapes()
+    assert sorted({(s.rows, k) for s, k in pairs}) == [(1, 1), (1, 3), (4, 1)]
+    with CompileCounter() as counter:
+        assert _ids(llm.generate(prompts, params, use_tqdm=False)) == _ids(want)
+        assert _ids(llm.generate(prompts[:1], params[:1], use_tqdm=False)) == _ids(want[:1])
+    assert counter.count == 0
+    st = llm.stats()
+    drafts, tokens = st["num_spec_drafts"], st["num_spec_draft_tokens"]
+    assert drafts < tokens < 3 * drafts  # rows of 1 and of 3 drafts
+
+
 def test_speculation_settings_are_checked():
     assert EngineConfig(num_speculative_tokens=2).prompt_lookup_max == 5  # vLLM's defaults
     assert EngineConfig(prompt_lookup_max=3).prompt_lookup_min == 3
@@ -162,6 +187,8 @@ def test_speculation_settings_are_checked():
         EngineConfig(num_speculative_tokens=2, decode_steps=4)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="speculative_max_batched_tokens"):
+        EngineConfig(num_speculative_tokens=2, speculative_max_batched_tokens=0)
 
 
 @pytest.mark.smollm2
