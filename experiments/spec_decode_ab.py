@@ -4,7 +4,7 @@ offline time, steps and accepted drafts of each.
 
     .venv/bin/python experiments/spec_decode_ab.py [--workload longtail-small] \
         [--num_requests 48] [--k 3] [--max_n 4] [--min_n 1] [--disable_by_batch_size N] \
-        [--max_batched_tokens N] [--reps 3] [--num_slots 32]
+        [--per_batch_size "[[1, 8, 3], [9, 32, 1]]"] [--reps 3] [--num_slots 32]
 
 The engines alternate (off, on, off, on, ...) --reps times; the medians are printed. With
 --num_slots 1 the requests run one at a time (the latency of a lone request).
@@ -32,8 +32,8 @@ def main() -> None:
     ap.add_argument("--max_n", type=int, default=4)
     ap.add_argument("--min_n", type=int, default=1)
     ap.add_argument("--disable_by_batch_size", type=int, default=None)
-    ap.add_argument("--max_batched_tokens", type=int, default=None,
-                    help="speculative_max_batched_tokens")  # fmt: skip
+    ap.add_argument("--per_batch_size", default=None,
+                    help="num_speculative_tokens_per_batch_size, JSON: [[1, 8, 3], [9, 32, 1]]")  # fmt: skip
     ap.add_argument("--num_slots", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
@@ -49,7 +49,7 @@ def main() -> None:
             prompt_lookup_max=a.max_n,
             prompt_lookup_min=a.min_n,
             speculative_disable_by_batch_size=a.disable_by_batch_size,
-            speculative_max_batched_tokens=a.max_batched_tokens,
+            num_speculative_tokens_per_batch_size=a.per_batch_size,
         ),
     }
     times = {name: [] for name in engines}

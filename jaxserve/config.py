@@ -20,6 +20,7 @@ from typing import Any
 
 from jaxserve.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from jaxserve.model_presets import PRESETS
+from jaxserve.speculative_config import normalize_schedule, schedule_drafts
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -201,13 +202,15 @@ class EngineConfig:
         "name): a large batch verifying k + 1 tokens a row costs about k + 1 steps on a CPU, "
         "more than the accepted drafts save. Default: None (every step).",
     )
-    speculative_max_batched_tokens: int | None = _setting(
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = _setting(
         None,
-        "The most tokens a speculative step verifies: its decode row bucket's rows (padding "
-        "rows too) times 1 + the drafts a row. A step over B rows proposes min(k, N // B - 1) "
-        "drafts a row and decodes plainly where that is 0, so a few rows verify long drafts and "
-        "many rows short ones or none (a CPU step's cost grows with its rows from about 8 up). "
-        "Default: None (k drafts in every step).",
+        "vLLM's batch-size schedule of the drafts a row proposes: (first, last, k) entries over "
+        "the number of requests holding a slot, inclusive, the first from 1; a gap keeps the k "
+        "before it, batch sizes past the last range its k, k = 0 decodes plainly, and no k "
+        "exceeds num_speculative_tokens. E.g. ((1, 8, 3), (9, 16, 1), (17, 32, 0)): long "
+        "drafts for a few rows, short or none for many (a CPU step's cost grows with its rows "
+        "from about 8 up). As a flag, JSON: '[[1, 8, 3], [9, 16, 1], [17, 32, 0]]'. Default: "
+        "None (num_speculative_tokens at every batch size).",
     )
     batching: str = _setting(
         "continuous",
@@ -328,9 +331,14 @@ class EngineConfig:
             "prompt_lookup_max",
             "prompt_lookup_min",
             "speculative_disable_by_batch_size",
-            "speculative_max_batched_tokens",
         ):
             check_int(f, optional=True)
+        if self.num_speculative_tokens_per_batch_size is not None:
+            object.__setattr__(
+                self,
+                "num_speculative_tokens_per_batch_size",
+                normalize_schedule(self.num_speculative_tokens_per_batch_size),
+            )
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
         if lo > hi:
@@ -439,9 +447,12 @@ class EngineConfig:
             )
         return -(-self.max_model_len // self.page_size)
 
-    def draft_tokens(self, rows: int) -> int:
-        """Drafts a row proposes in a speculative step over a decode row bucket of `rows` rows:
-        num_speculative_tokens, fewer where speculative_max_batched_tokens allows fewer, 0 where
-        the step decodes plainly."""
-        k, budget = self.num_speculative_tokens, self.speculative_max_batched_tokens
-        return k if budget is None else max(min(k, budget // rows - 1), 0)
+    def draft_tokens(self, batch_size: int) -> int:
+        """Drafts a row proposes in a speculative step while `batch_size` requests hold a slot:
+        num_speculative_tokens, or the schedule's k (num_speculative_tokens_per_batch_size); 0
+        (decode plainly) past speculative_disable_by_batch_size."""
+        cap = self.speculative_disable_by_batch_size
+        if cap is not None and batch_size > cap:
+            return 0
+        k = self.num_speculative_tokens
+        return schedule_drafts(self.num_speculative_tokens_per_batch_size, k, batch_size)

@@ -1,8 +1,8 @@
 """How `LLM(...)`'s keyword arguments become an engine: vLLM's spellings, the KV budget, the mesh.
 
-vllm_settings(settings) -> (settings, VllmOptions)   max_num_seqs, block_size, dtype aliases;
-                                                     gpu_memory_utilization, tokenizer,
-                                                     generation_config
+vllm_settings(settings) -> (settings, VllmOptions)   max_num_seqs, block_size, dtype aliases,
+                                                     speculative_config; gpu_memory_utilization,
+                                                     tokenizer, generation_config
 generation_defaults(model, generation_config)        default sampling params of the model
 kv_budget_bytes / apply_memory_utilization           vLLM's KV budget on an accelerator
 resolve_num_pages(engine_config, model_config)       the KV pool's pages
@@ -17,6 +17,7 @@ import os
 
 from jaxserve.config import EngineConfig
 from jaxserve.layers import kv_cache
+from jaxserve.speculative_config import speculative_settings
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +60,14 @@ _GENERATION_FIELDS = (
 
 def vllm_settings(settings: dict) -> tuple[dict, VllmOptions]:
     """LLM()'s keyword arguments with vLLM's spellings mapped to EngineConfig's fields
-    (max_num_seqs -> num_slots, block_size -> page_size, dtype="auto"/"half"/"float16"/"float"),
-    and the vLLM options that are not EngineConfig fields. ValueError naming a bad one."""
+    (max_num_seqs -> num_slots, block_size -> page_size, dtype="auto"/"half"/"float16"/"float",
+    speculative_config -> its fields), and the vLLM options that are not EngineConfig fields.
+    ValueError naming a bad one."""
     settings = dict(settings)
+    for name, value in speculative_settings(settings.pop("speculative_config", None)).items():
+        if name in settings:
+            raise ValueError(f"{name} is set twice: as a setting and in speculative_config")
+        settings[name] = value
     for alias, name in SETTING_ALIASES.items():
         if alias in settings:
             if name in settings:

@@ -14,9 +14,10 @@ vLLM's spellings are accepted too (`vllm_settings`): max_num_seqs (= num_slots),
 (= page_size), dtype "auto" / "float16" / "half" / "float" (jaxserve computes in bfloat16 or
 float32: "auto" and the float16 names give bfloat16, as vLLM's auto rule on a platform without
 float16), gpu_memory_utilization (the KV cache gets that fraction of device memory less the
-params and slot state; ignored on the CPU, as vLLM-CPU does), tokenizer (a path) and
-generation_config ("auto": the model directory's generation_config.json sampling defaults apply
-when sampling_params is None, and its eos ids stop generation; "vllm": ignored).
+params and slot state; ignored on the CPU, as vLLM-CPU does), speculative_config (vLLM's dict,
+method "ngram" only: `jaxserve.speculative_config`), tokenizer (a path) and generation_config
+("auto": the model directory's generation_config.json sampling defaults apply when
+sampling_params is None, and its eos ids stop generation; "vllm": ignored).
 Prefix caching (on by default, as in vLLM v1; `enable_prefix_caching=False` turns it off) reuses
 the K/V pages of token prefixes a prefill already computed (a shared system prompt, the n samples
 of one prompt, a chat's earlier prompts) instead of recomputing them; a hit never changes an

@@ -257,6 +257,14 @@ def test_static_batching_same_tokens_more_steps(llm):
         (dict(batching="dynamic"), "batching"),
         (dict(dtype="float64"), "dtype"),
         (dict(max_num_seqs=4, num_slots=4), "max_num_seqs"),
+        (dict(speculative_config={"method": "eagle", "num_speculative_tokens": 2}), "ngram"),
+        (
+            dict(
+                speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+                num_speculative_tokens=3,
+            ),
+            "set twice",
+        ),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
         (dict(gpu_memory_utilization=0.5, kv_cache_memory=2**20), "gpu_memory_utilization"),
         (dict(generation_config="model"), "generation_config"),
@@ -632,6 +640,9 @@ def test_vllm_constructor_aliases():
     assert (c.num_slots, c.page_size, c.dtype) == (4, 16, "float32")
     for name in ("auto", "half", "float16"):
         assert LLM("tiny", dtype=name, **kw).engine_config.dtype == "bfloat16"
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    c = LLM("tiny", speculative_config=spec, **KW).engine_config
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (2, 3, 3)
 
 
 def test_gpu_memory_utilization():

@@ -257,18 +257,14 @@ class Scheduler:
     def speculates(self) -> int:
         """The drafts a row proposes if the next plan's decode rows speculate, else 0: they do
         when the engine speculates, every decoding request is a plain greedy one
-        (`can_speculate`), at most speculative_disable_by_batch_size requests hold a slot, and
-        the row bucket they set leaves drafts (`EngineConfig.draft_tokens`)."""
+        (`can_speculate`), and the number of requests holding a slot leaves drafts
+        (`EngineConfig.draft_tokens`: the batch-size schedule and cap)."""
         if not self.config.num_speculative_tokens:
             return 0
         decoding = [r for r in self.running if r.prefill_done]
-        limit = self.config.speculative_disable_by_batch_size
-        held = sum(r.slot is not None for r in self.running)  # (sets the step's row bucket)
-        if not decoding or (limit is not None and held > limit):
+        if not decoding or not all(can_speculate(r) for r in decoding):
             return 0
-        if not all(can_speculate(r) for r in decoding):
-            return 0
-        return self.config.draft_tokens(bucket_for(held, self.slot_buckets))
+        return self.config.draft_tokens(sum(r.slot is not None for r in self.running))
 
     def _schedule_prefills(self, plan: SchedulerOutput) -> int:
         """The next chunk of each running request with prefill left, oldest first, while chunk

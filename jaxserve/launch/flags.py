@@ -2,9 +2,12 @@
 
 Importing this module defines, on absl's global FLAGS, a flag for each field of `EngineConfig`,
 named like the field, with the field's help text (which says its default) and a type from its
-annotation: bool, int, str, an enum for a field with fixed choices, and two parsed strings,
-`--kv_cache_memory=8GiB` (bytes) and `--slot_buckets=auto|8,16,32`. Every flag defaults to None:
-a flag left unset is not passed on, so the engine's own default applies. A launcher then builds its
+annotation: bool, int, str, an enum for a field with fixed choices, and three parsed strings,
+`--kv_cache_memory=8GiB` (bytes), `--slot_buckets=auto|8,16,32` and
+`--num_speculative_tokens_per_batch_size='[[1, 8, 3], [9, 32, 1]]'` (JSON). Every flag defaults
+to None: a flag left unset is not passed on, so the engine's own default applies.
+`--speculative_config` takes vLLM's JSON dict (`{"method": "ngram", "num_speculative_tokens": 3,
+...}`) for the speculative fields it names. A launcher then builds its
 engine with `LLM(**llm_kwargs())`, or takes `engine_config()`; both raise ValueError naming a bad
 field. Every launcher accepts `--flagfile=FILE`.
 """
@@ -12,6 +15,7 @@ field. Every launcher accepts `--flagfile=FILE`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import types
 import typing
@@ -21,6 +25,7 @@ from absl import flags
 
 from jaxserve.config import EngineConfig
 from jaxserve.launch import distributed  # noqa: F401  (every launcher takes the multi-host flags)
+from jaxserve.speculative_config import normalize_schedule, speculative_settings
 
 FLAGS = flags.FLAGS
 
@@ -72,10 +77,19 @@ class _Serializer(flags.ArgumentSerializer):
         return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
-# The two fields whose flag is text parsed into another type.
+class _JsonSerializer(flags.ArgumentSerializer):
+    def serialize(self, value) -> str:
+        return json.dumps(value)
+
+
+# The fields whose flag is text parsed into another type, and how each is written back.
 _PARSERS = {
-    "kv_cache_memory": _Parser(parse_bytes, "bytes"),
-    "slot_buckets": _Parser(parse_slot_buckets, "auto | comma-separated ints"),
+    "kv_cache_memory": (_Parser(parse_bytes, "bytes"), _Serializer()),
+    "slot_buckets": (_Parser(parse_slot_buckets, "auto | comma-separated ints"), _Serializer()),
+    "num_speculative_tokens_per_batch_size": (
+        _Parser(normalize_schedule, "JSON list of [first, last, k]"),
+        _JsonSerializer(),
+    ),
 }
 
 
@@ -91,7 +105,8 @@ def _define(field: dataclasses.Field, annotation) -> None:
     name, text = field.name, field.metadata["help"]
     base = _base_type(annotation)
     if name in _PARSERS:
-        flags.DEFINE(_PARSERS[name], name, None, text, serializer=_Serializer())
+        parser, serializer = _PARSERS[name]
+        flags.DEFINE(parser, name, None, text, serializer=serializer)
     elif "choices" in field.metadata:
         flags.DEFINE_enum(name, None, list(field.metadata["choices"]), text)
     elif base is bool:
@@ -108,12 +123,23 @@ _HINTS = typing.get_type_hints(EngineConfig)
 FLAG_NAMES = tuple(f.name for f in dataclasses.fields(EngineConfig))  # one flag per field
 for _field in dataclasses.fields(EngineConfig):
     _define(_field, _HINTS[_field.name])
+flags.DEFINE_string(
+    "speculative_config",
+    None,
+    'vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\': sets the speculative fields it '
+    "names (method 'ngram' only; a field set both here and by its own flag is an error).",
+)
 
 
 def llm_kwargs(fv: flags.FlagValues = FLAGS) -> dict[str, Any]:
     """`LLM(**llm_kwargs())`: the engine flags that were set, checked by `EngineConfig`
     (ValueError naming a bad field); an unset flag is left out, so its default applies."""
     kwargs = {name: fv[name].value for name in FLAG_NAMES if fv[name].value is not None}
+    for name, value in speculative_settings(fv["speculative_config"].value).items():
+        if name in kwargs:
+            raise ValueError(f"--{name} is set twice: by its flag and in --speculative_config")
+        kwargs[name] = value
     EngineConfig(**kwargs)
     return kwargs
 

@@ -235,19 +235,21 @@ class ModelRunner:
 
     def speculative_shapes(self) -> list[tuple[DecodeShape, int]]:
         """The (decode shape, drafts a row) pairs a speculative step may run: the scheduler picks
-        the drafts by the row bucket of the slots held (`EngineConfig.draft_tokens`), up to
-        speculative_disable_by_batch_size, and the step runs over the bucket of its decoding
-        rows, that one or a smaller one. None without speculation."""
+        the drafts by the number of requests holding a slot (`EngineConfig.draft_tokens`), and
+        the step runs over the row bucket of its decoding rows, at most that number's bucket.
+        None without speculation."""
         c = self.config
         if not c.num_speculative_tokens:
             return []
-        most = c.speculative_disable_by_batch_size or self.num_slots
-        top = bucket_for(min(most, self.num_slots), self.slot_buckets)
-        held = [b for b in self.slot_buckets if b <= top and c.draft_tokens(b)]
+        held = range(1, self.num_slots + 1)
         return [
             (s, k)
             for s in self.resolved.decode_shapes()
-            for k in sorted({c.draft_tokens(b) for b in held if b >= s.rows}, reverse=True)
+            for k in sorted(
+                {c.draft_tokens(n) for n in held if bucket_for(n, self.slot_buckets) >= s.rows}
+                - {0},
+                reverse=True,
+            )
         ]
 
     def _decode_forward(self, shape: DecodeShape):

@@ -16,7 +16,7 @@ def parsed():
     """Parses args into a FlagValues holding the engine flags (the same Flag objects as FLAGS,
     so they are reset afterwards)."""
     fv = flags.FlagValues()
-    for name in engine_flags.FLAG_NAMES:
+    for name in (*engine_flags.FLAG_NAMES, "speculative_config"):
         fv[name] = engine_flags.FLAGS[name]
 
     def parse(*args) -> flags.FlagValues:
@@ -61,7 +61,7 @@ def test_set_flags_reach_the_engine(parsed):
         "--num_pages=40", "--tensor_parallel_size=2", "--data_parallel_size=3",
         "--max_logprobs=5", "--on_bad_request=raise", "--num_speculative_tokens=0",
         "--prompt_lookup_max=4", "--prompt_lookup_min=2", "--speculative_disable_by_batch_size=8",
-        "--speculative_max_batched_tokens=16",
+        "--num_speculative_tokens_per_batch_size=[[1, 4, 3], [5, 32, 1]]",
     )  # fmt: skip
     kw = engine_flags.llm_kwargs(fv)
     assert kw == {
@@ -94,17 +94,26 @@ def test_set_flags_reach_the_engine(parsed):
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
         "speculative_disable_by_batch_size": 8,
-        "speculative_max_batched_tokens": 16,
+        "num_speculative_tokens_per_batch_size": ((1, 4, 3), (5, 32, 1)),
     }
     assert set(kw) == set(engine_flags.FLAG_NAMES)  # every field is reachable
     assert engine_flags.engine_config(fv) == EngineConfig(**kw)
     assert fv["slot_buckets"].serialize() == "--slot_buckets=1,3"
+    assert fv["num_speculative_tokens_per_batch_size"].serialize() == (
+        "--num_speculative_tokens_per_batch_size=[[1, 4, 3], [5, 32, 1]]"
+    )
     assert engine_flags.llm_kwargs(parsed("--slot_buckets=auto")) == {"slot_buckets": "auto"}
 
 
 def test_bad_flags_fail_naming_the_field(parsed):
     # Text that is not of the flag's type fails while parsing ...
-    for bad in ("--dtype=float64", "--slot_buckets=2,x", "--kv_cache_memory=lots", "--seed=x"):
+    for bad in (
+        "--dtype=float64",
+        "--slot_buckets=2,x",
+        "--kv_cache_memory=lots",
+        "--seed=x",
+        "--num_speculative_tokens_per_batch_size=[[2, 4, 1]]",
+    ):
         with pytest.raises(flags.IllegalFlagValueError, match=bad.split("=")[0][2:]):
             parsed(bad)
     # ... a value EngineConfig refuses when the kwargs are built.
@@ -119,6 +128,34 @@ def test_bad_flags_fail_naming_the_field(parsed):
             engine_flags.llm_kwargs(fv)
         with pytest.raises(ValueError, match=field):
             engine_flags.engine_config(fv)
+
+
+def test_speculative_config_flag_takes_vllms_json(parsed):
+    fv = parsed(
+        '--speculative_config={"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4, "num_speculative_tokens_per_batch_size": [[1, 16, 3], [17, 32, 0]]}'
+    )
+    assert engine_flags.llm_kwargs(fv) == {
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+        "num_speculative_tokens_per_batch_size": [[1, 16, 3], [17, 32, 0]],
+    }
+    assert engine_flags.engine_config(fv).num_speculative_tokens_per_batch_size == (
+        (1, 16, 3),
+        (17, 32, 0),
+    )
+    for args, match in [
+        (('--speculative_config={"method": "eagle", "num_speculative_tokens": 3}',), "ngram"),
+        (('--speculative_config={"method": "ngram", "num_speculative_tokens": 3, "x": 1}',), "x"),
+        (("--speculative_config=ngram",), "not JSON"),
+        (
+            ('--speculative_config={"method": "ngram", "num_speculative_tokens": 3}',
+             "--num_speculative_tokens=2"),
+            "set twice",
+        ),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            engine_flags.llm_kwargs(parsed(*args))
 
 
 def test_parse_bytes_and_slot_buckets():

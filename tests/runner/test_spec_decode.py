@@ -153,12 +153,13 @@ def test_no_recompilation_after_warmup_with_speculation():
     assert llm.stats()["num_spec_drafts"] > 0
 
 
-def test_draft_tokens_follow_the_row_bucket_within_the_token_budget():
-    """speculative_max_batched_tokens=8 with k=3 over row buckets 1, 4, 8: a lone row verifies 3
-    drafts, a 4-row bucket 1 draft a row, an 8-row bucket none; warmed up, nothing recompiles,
-    and the tokens are plain greedy decoding's."""
-    c = EngineConfig(num_speculative_tokens=3, speculative_max_batched_tokens=8)
-    assert [c.draft_tokens(b) for b in (1, 2, 4, 8)] == [3, 3, 1, 0]
+def test_draft_tokens_follow_the_batch_size_schedule():
+    """vLLM's num_speculative_tokens_per_batch_size, k=3 drafts for 1 request, 1 for 2-4, none
+    from 5, over row buckets 1, 4, 8: warm-up compiles a program per (bucket, drafts) pair the
+    schedule can reach, nothing recompiles, and the tokens are plain greedy decoding's."""
+    schedule = [[1, 1, 3], [2, 4, 1], [5, 8, 0]]
+    c = EngineConfig(num_speculative_tokens=3, num_speculative_tokens_per_batch_size=schedule)
+    assert [c.draft_tokens(n) for n in (1, 2, 4, 5, 8)] == [3, 1, 1, 0, 0]
     assert EngineConfig(num_speculative_tokens=3).draft_tokens(32) == 3
     rng = np.random.default_rng(4)
     prompts = [{"prompt_token_ids": p["prompt_token_ids"].tolist()} for p in _prompts(rng, 8)]
@@ -166,7 +167,7 @@ def test_draft_tokens_follow_the_row_bucket_within_the_token_budget():
         SamplingParams(temperature=0, max_tokens=12 + 8 * i, ignore_eos=True) for i in range(8)
     ]
     want = LLM("tiny", **KW).generate(prompts, params, use_tqdm=False)
-    llm = LLM("tiny", warmup=True, speculative_max_batched_tokens=8, **SPEC, **KW)
+    llm = LLM("tiny", warmup=True, num_speculative_tokens_per_batch_size=schedule, **SPEC, **KW)
     pairs = llm.engine.runner.speculative_shapes()
     assert sorted({(s.rows, k) for s, k in pairs}) == [(1, 1), (1, 3), (4, 1)]
     with CompileCounter() as counter:
@@ -187,8 +188,10 @@ def test_speculation_settings_are_checked():
         EngineConfig(num_speculative_tokens=2, decode_steps=4)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(num_speculative_tokens=-1)
-    with pytest.raises(ValueError, match="speculative_max_batched_tokens"):
-        EngineConfig(num_speculative_tokens=2, speculative_max_batched_tokens=0)
+    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+        EngineConfig(num_speculative_tokens=2, num_speculative_tokens_per_batch_size=[[2, 8, 1]])
+    c = EngineConfig(num_speculative_tokens=3, speculative_disable_by_batch_size=4)
+    assert [c.draft_tokens(n) for n in (1, 4, 5)] == [3, 3, 0]
 
 
 @pytest.mark.smollm2
