@@ -334,6 +334,11 @@ class EngineConfig:
         ):
             check_int(f, optional=True)
         if self.num_speculative_tokens_per_batch_size is not None:
+            if not self.num_speculative_tokens:
+                raise ValueError(
+                    "EngineConfig.num_speculative_tokens_per_batch_size needs "
+                    "num_speculative_tokens > 0 (the most drafts a row proposes)"
+                )
             object.__setattr__(
                 self,
                 "num_speculative_tokens_per_batch_size",

@@ -61,7 +61,6 @@ def test_set_flags_reach_the_engine(parsed):
         "--num_pages=40", "--tensor_parallel_size=2", "--data_parallel_size=3",
         "--max_logprobs=5", "--on_bad_request=raise", "--num_speculative_tokens=0",
         "--prompt_lookup_max=4", "--prompt_lookup_min=2", "--speculative_disable_by_batch_size=8",
-        "--num_speculative_tokens_per_batch_size=[[1, 4, 3], [5, 32, 1]]",
     )  # fmt: skip
     kw = engine_flags.llm_kwargs(fv)
     assert kw == {
@@ -94,14 +93,12 @@ def test_set_flags_reach_the_engine(parsed):
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
         "speculative_disable_by_batch_size": 8,
-        "num_speculative_tokens_per_batch_size": ((1, 4, 3), (5, 32, 1)),
     }
-    assert set(kw) == set(engine_flags.FLAG_NAMES)  # every field is reachable
+    # every field is reachable (the schedule needs speculation, which decode_steps=2 refuses:
+    # test_speculative_schedule_flag)
+    assert set(kw) == set(engine_flags.FLAG_NAMES) - {"num_speculative_tokens_per_batch_size"}
     assert engine_flags.engine_config(fv) == EngineConfig(**kw)
     assert fv["slot_buckets"].serialize() == "--slot_buckets=1,3"
-    assert fv["num_speculative_tokens_per_batch_size"].serialize() == (
-        "--num_speculative_tokens_per_batch_size=[[1, 4, 3], [5, 32, 1]]"
-    )
     assert engine_flags.llm_kwargs(parsed("--slot_buckets=auto")) == {"slot_buckets": "auto"}
 
 
@@ -128,6 +125,21 @@ def test_bad_flags_fail_naming_the_field(parsed):
             engine_flags.llm_kwargs(fv)
         with pytest.raises(ValueError, match=field):
             engine_flags.engine_config(fv)
+
+
+def test_speculative_schedule_flag(parsed):
+    fv = parsed(
+        "--num_speculative_tokens=3", "--num_speculative_tokens_per_batch_size=[[5, 32, 1], [1, 4, 3]]"
+    )  # fmt: skip
+    assert engine_flags.llm_kwargs(fv) == {
+        "num_speculative_tokens": 3,
+        "num_speculative_tokens_per_batch_size": ((1, 4, 3), (5, 32, 1)),
+    }
+    assert fv["num_speculative_tokens_per_batch_size"].serialize() == (
+        "--num_speculative_tokens_per_batch_size=[[1, 4, 3], [5, 32, 1]]"
+    )
+    with pytest.raises(ValueError, match="needs num_speculative_tokens"):
+        engine_flags.llm_kwargs(parsed("--num_speculative_tokens_per_batch_size=[[1, 4, 3]]"))
 
 
 def test_speculative_config_flag_takes_vllms_json(parsed):

@@ -190,6 +190,8 @@ def test_speculation_settings_are_checked():
         EngineConfig(num_speculative_tokens=-1)
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
         EngineConfig(num_speculative_tokens=2, num_speculative_tokens_per_batch_size=[[2, 8, 1]])
+    with pytest.raises(ValueError, match="needs num_speculative_tokens > 0"):
+        EngineConfig(num_speculative_tokens_per_batch_size=[[1, 8, 1]])
     c = EngineConfig(num_speculative_tokens=3, speculative_disable_by_batch_size=4)
     assert [c.draft_tokens(n) for n in (1, 4, 5)] == [3, 3, 0]
 
