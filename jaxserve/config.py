@@ -18,9 +18,9 @@ import dataclasses
 import os
 from typing import Any
 
+from jaxserve import speculative_config
 from jaxserve.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from jaxserve.model_presets import PRESETS
-from jaxserve.speculative_config import normalize_schedule, schedule_drafts
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -327,31 +327,10 @@ class EngineConfig:
                 f"data_parallel_size ({self.data_parallel_size}): each replica owns an equal share"
             )
         check_int("num_speculative_tokens", minimum=0)
-        for f in (
-            "prompt_lookup_max",
-            "prompt_lookup_min",
-            "speculative_disable_by_batch_size",
-        ):
+        for f in ("prompt_lookup_max", "prompt_lookup_min", "speculative_disable_by_batch_size"):
             check_int(f, optional=True)
-        if self.num_speculative_tokens_per_batch_size is not None:
-            if not self.num_speculative_tokens:
-                raise ValueError(
-                    "EngineConfig.num_speculative_tokens_per_batch_size needs "
-                    "num_speculative_tokens > 0 (the most drafts a row proposes)"
-                )
-            object.__setattr__(
-                self,
-                "num_speculative_tokens_per_batch_size",
-                normalize_schedule(self.num_speculative_tokens_per_batch_size),
-            )
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
-        if lo > hi:
-            raise ValueError(
-                f"EngineConfig.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
-            )
-        object.__setattr__(self, "prompt_lookup_min", lo)
-        object.__setattr__(self, "prompt_lookup_max", hi)
+        for name, value in speculative_config.checked_fields(self).items():
+            object.__setattr__(self, name, value)
         if self.num_speculative_tokens and (self.decode_steps > 1 or self.data_parallel_size > 1):
             raise ValueError(
                 "EngineConfig.num_speculative_tokens needs decode_steps=1 and "
@@ -460,4 +439,6 @@ class EngineConfig:
         if cap is not None and batch_size > cap:
             return 0
         k = self.num_speculative_tokens
-        return schedule_drafts(self.num_speculative_tokens_per_batch_size, k, batch_size)
+        return speculative_config.schedule_drafts(
+            self.num_speculative_tokens_per_batch_size, k, batch_size
+        )

@@ -17,7 +17,7 @@ import os
 
 from jaxserve.config import EngineConfig
 from jaxserve.layers import kv_cache
-from jaxserve.speculative_config import speculative_settings
+from jaxserve.speculative_config import merge_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +64,8 @@ def vllm_settings(settings: dict) -> tuple[dict, VllmOptions]:
     speculative_config -> its fields), and the vLLM options that are not EngineConfig fields.
     ValueError naming a bad one."""
     settings = dict(settings)
-    for name, value in speculative_settings(settings.pop("speculative_config", None)).items():
-        if name in settings:
-            raise ValueError(f"{name} is set twice: as a setting and in speculative_config")
-        settings[name] = value
+    spec = settings.pop("speculative_config", None)
+    settings = merge_speculative_config(settings, spec, "as a setting and in speculative_config")
     for alias, name in SETTING_ALIASES.items():
         if alias in settings:
             if name in settings:

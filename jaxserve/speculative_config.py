@@ -3,6 +3,8 @@ schedule of the drafts a row proposes (`num_speculative_tokens_per_batch_size`).
 
     speculative_settings({"method": "ngram", "num_speculative_tokens": 3, ...})
         -> {"num_speculative_tokens": 3, ...}          EngineConfig's fields (LLM and the flags)
+    merge_speculative_config(settings, config, where)  those fields added to settings, each once
+    checked_fields(engine_config)                    the speculative fields checked together, filled
     normalize_schedule([[1, 8, 3], [9, 32, 1]]) -> ((1, 8, 3), (9, 32, 1))    checked, sorted
     schedule_drafts(schedule, k, batch_size)         the drafts a row proposes at that batch size
 
@@ -55,6 +57,43 @@ def speculative_settings(config: dict[str, Any] | str | None) -> dict[str, Any]:
     if "num_speculative_tokens" not in config:
         raise ValueError("speculative_config: num_speculative_tokens is required")
     return {_KEYS[k]: v for k, v in config.items()}
+
+
+def merge_speculative_config(settings: dict, config, where: str) -> dict:
+    """`settings` with the fields of vLLM's speculative_config added (`speculative_settings`);
+    ValueError if one is in both ("<field> is set twice: <where>")."""
+    out = dict(settings)
+    for name, value in speculative_settings(config).items():
+        if name in out:
+            raise ValueError(f"{name} is set twice: {where}")
+        out[name] = value
+    return out
+
+
+def checked_fields(c) -> dict[str, Any]:
+    """An EngineConfig's speculative fields checked against each other and filled (its
+    __post_init__ sets them): the schedule normalized (it needs num_speculative_tokens > 0), and
+    prompt_lookup_min / _max each defaulting to the other, both to 5 when neither is set (vLLM's
+    defaults), min <= max. ValueError naming the field."""
+    schedule = c.num_speculative_tokens_per_batch_size
+    if schedule is not None:
+        if not c.num_speculative_tokens:
+            raise ValueError(
+                "EngineConfig.num_speculative_tokens_per_batch_size needs "
+                "num_speculative_tokens > 0 (the most drafts a row proposes)"
+            )
+        schedule = normalize_schedule(schedule)
+    lo, hi = c.prompt_lookup_min, c.prompt_lookup_max
+    lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+    if lo > hi:
+        raise ValueError(
+            f"EngineConfig.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+        )
+    return {
+        "num_speculative_tokens_per_batch_size": schedule,
+        "prompt_lookup_min": lo,
+        "prompt_lookup_max": hi,
+    }
 
 
 def normalize_schedule(value: Any) -> tuple[tuple[int, int, int], ...]:

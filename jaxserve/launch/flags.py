@@ -25,7 +25,7 @@ from absl import flags
 
 from jaxserve.config import EngineConfig
 from jaxserve.launch import distributed  # noqa: F401  (every launcher takes the multi-host flags)
-from jaxserve.speculative_config import normalize_schedule, speculative_settings
+from jaxserve.speculative_config import merge_speculative_config, normalize_schedule
 
 FLAGS = flags.FLAGS
 
@@ -136,10 +136,8 @@ def llm_kwargs(fv: flags.FlagValues = FLAGS) -> dict[str, Any]:
     """`LLM(**llm_kwargs())`: the engine flags that were set, checked by `EngineConfig`
     (ValueError naming a bad field); an unset flag is left out, so its default applies."""
     kwargs = {name: fv[name].value for name in FLAG_NAMES if fv[name].value is not None}
-    for name, value in speculative_settings(fv["speculative_config"].value).items():
-        if name in kwargs:
-            raise ValueError(f"--{name} is set twice: by its flag and in --speculative_config")
-        kwargs[name] = value
+    spec = fv["speculative_config"].value
+    kwargs = merge_speculative_config(kwargs, spec, "by its flag and in --speculative_config")
     EngineConfig(**kwargs)
     return kwargs
 
