@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# BUILD.md's GPU list as one prepared run on the lent H200 (device tool, carry [".whl"], the gguf
-# wheel BUILD.md's GPU section downloads):
+# BUILD.md's GPU list as one prepared run on a lent H100 / H200 (device tool, carry [".whl"], the
+# gguf wheel BUILD.md's GPU section downloads):
 #
-#   bash experiments/gpu_checks.sh [STEP ...]    # default: every step, in this order
+#   bash experiments/gpu_checks.sh [STEP ...]    # default: env decode (about 6 minutes)
 #
-# Steps: env kernels int4 engine warmup tp cvs. Each runs under `timeout`, capped by its own limit
-# and by what is left of GPU_CHECKS_BUDGET_S (default 560 s, inside the tool's 600 s per call); a
-# step with under 20 s left is skipped. Everything printed goes to $OUT/log.txt, and every step's
-# files to $OUT/results.tar.gz, re-packed after each step, so a run cut short keeps what finished
-# (the tool brings back 8 files at most). No model files travel: the GGUF is over the tool's
-# 64 MiB carry limit, so every step uses SmolLM2-135M's shapes with random weights.
+# Steps: env decode kernels int4 engine warmup tp cvs. Each runs under `timeout`, capped by its own
+# limit and by what is left of GPU_CHECKS_BUDGET_S (default 420 s: a session has 15 minutes of
+# device time, the machine's start included, so one run must leave room to rerun a step); a step
+# with under 20 s left is skipped. By default only env and decode run: decode
+# (experiments/gpu_decode.py, issue 54) times the engine's Llama-3-8B decode step, bf16 and INT4 at
+# 1-64 slots, under the engine's XLA options against XLA's defaults, profiles one case and saves
+# the device's GpuTargetConfigProto (decode/target_config.txtpb, for deviceless compiles on the
+# CPU); it takes what the 7 minutes leave. The other steps (SmolLM2-135M shapes) still run when
+# named, e.g. `bash experiments/gpu_checks.sh env kernels int4`, at most a few per run.
+# Everything printed goes to $OUT/log.txt, and every step's files to $OUT/results.tar.gz, re-packed
+# after each step, so a run cut short keeps what finished (the tool brings back 8 files at most).
+# No model files travel: the GGUF is over the tool's 64 MiB carry limit, so every step uses random
+# weights.
 set -u
 OUT=${OUT:-experiments/out/gpu_checks}
-DEADLINE=$(($(date +%s) + ${GPU_CHECKS_BUDGET_S:-560}))
+DEADLINE=$(($(date +%s) + ${GPU_CHECKS_BUDGET_S:-420}))
 R=/tmp/gpu_checks  # outside $OUT: only log.txt and the tarball come back
 rm -rf "$R"
 mkdir -p "$R" "$OUT"
@@ -43,7 +50,11 @@ step() {
 
 run_step() {
   case $1 in
-  env) step env 90 bash -c 'nvidia-smi; python3 -c "import jax, jaxserve; print(jax.__version__, jax.devices())"' ;;
+  env) step env 60 bash -c 'nvidia-smi; python3 -c "import jax, jaxserve; print(jax.__version__, jax.devices())"' ;;
+  decode)
+    # its own budget stops it starting a case it cannot finish; the timeout is the backstop
+    step decode 390 python3 experiments/gpu_decode.py --out "$R/decode" --budget_s 340 --profile
+    ;;
   kernels) step kernels 260 python3 experiments/gpu_kernels.py --out "$R/kernels" --budget_s 150 ;;
   int4) step int4 130 python3 experiments/gpu_int4.py --out "$R/int4" --no-sweep --iters 50 ;;
   engine) step engine 170 python3 experiments/gpu_engine_check.py --out "$R/engine" --budget_s 90 ;;
@@ -62,6 +73,6 @@ run_step() {
 }
 
 steps=("$@")
-((${#steps[@]})) || steps=(env kernels int4 engine warmup tp cvs)
+((${#steps[@]})) || steps=(env decode)
 for s in "${steps[@]}"; do run_step "$s"; done
 echo "== done $(date -u +%T)"

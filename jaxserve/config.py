@@ -262,6 +262,16 @@ class EngineConfig:
         "anything runs, as vLLM does. Default: output.",
         ("output", "raise"),
     )
+    compilation_cache: str = _setting(
+        "auto",
+        "JAX's persistent compilation cache, where compiled step programs (and, on GPU, XLA's "
+        "autotuning results) are kept across processes, so a second start of the same engine "
+        "loads its programs instead of compiling them: auto = a jaxserve folder in the user's "
+        "cache directory ($XDG_CACHE_HOME or ~/.cache), unless jax already has one "
+        "(JAX_COMPILATION_CACHE_DIR, jax.config); a path = that folder; off = leave jax's "
+        "setting alone. The cache is trusted code: never point it at a folder others can write. "
+        "Default: auto.",
+    )
     warmup: bool = _setting(
         False,
         "Compile every step variant (each prefill and decode shape) while the engine is built, so "

@@ -23,7 +23,10 @@ get their shape buckets from here. The choices:
     moe matmul     'tiled' on CPU (a loop over row tiles of the chosen experts: XLA's CPU
                    `ragged_dot` does E times the work; RESULTS.md section 33), 'ragged_dot' else
     min rows       4 on CPU: smaller matmuls are padded (a one-row bf16 dot converts the whole
-                   weight to f32 there; RESULTS.md section 17), else 1
+                   weight to f32 there; RESULTS.md section 17); 2 on GPU, where XLA rewrites a
+                   one-row dot with an f32 result (the tied logits) as a multiply-reduce over
+                   the whole weight converted to f32 (a 113 MB copy a step for SmolLM2's
+                   table; RESULTS.md 54)
     slot buckets   decode row buckets: on CPU 1, 4, then 8, 12, 16, 24, 32, 48, ... (the powers
                    of two from 8 and the halfway points between them) up to num_slots
                    (`cpu_slot_buckets`): a step's matmuls cost in proportion to its rows from
@@ -36,6 +39,9 @@ get their shape buckets from here. The choices:
                    tail after a prefix-cache hit, a short prompt) pays for 16 tokens a row, not
                    64 (a 1-row chunk: 22 vs 57 ms for SmolLM2 on a Zen 4 VM, RESULTS.md 50a);
                    the chunk alone elsewhere. Prompt log-prob programs take the chunk only.
+    XLA options    on GPU (`gpu_compiler_options`): CUDA graphs that hold while loops and
+                   conditionals; for float weights cuBLAS GEMMs reading each layer in place and no
+                   dot merging (RESULTS.md 54); none on CPU
     flat buckets   'ragged' decode: live-page buckets per slot bucket (powers of two from 8)
                    ('cpu_kernel': one decode program per slot bucket and one prefill program per
                    row bucket, over the whole page table, since the kernel's cost follows each
@@ -127,6 +133,8 @@ class Resolved:
     max_pages: int  # max_pages_per_seq
     chunks: tuple[int, ...]  # prefill chunk length buckets T, increasing, the last = the chunk
     num_top: int = MAX_LOGPROBS  # top log-probs per token: max_logprobs (-1: the vocabulary)
+    # XLA options every step program is compiled with ((name, value) pairs; none on CPU)
+    compiler_options: tuple[tuple[str, str], ...] = ()
 
     @property
     def chunk(self) -> int:
@@ -218,6 +226,38 @@ class Resolved:
 # 'cpu_kernel' takes any loop.
 AUTO_CPU_MATMUL = ("avx512bf16", "avx2")
 
+# The command types XLA:GPU may record into CUDA graphs: its defaults, and while loops and
+# conditionals, which inside a graph are decided on the device (outside one, XLA's
+# ConditionalThunk, and a WhileThunk without a known trip count, copy the predicate to the host
+# and wait: a host round trip inside the step). The sampler's conditionals (`runner/sampling.py`)
+# and the layer loop then run within one graph launch.
+GPU_COMMAND_BUFFER = (
+    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION"
+)
+
+
+def gpu_compiler_options(
+    plain_weights: bool, autotune_cache_dir: str | None = None
+) -> tuple[tuple[str, str], ...]:
+    """The XLA options of a GPU engine's programs (`jaxserve.bench.gpu_programs` shows what each
+    does to the compiled program).
+
+    plain_weights (every layer weight a float array, none quantized): GEMMs through cuBLAS, which
+    reads each layer's weight in place from its [L, K, N] stack (XLA's dynamic-slice fusion), where
+    a Triton GEMM under the layer scan gets the layer copied out of the stack first (84-87% of a
+    decode step's weight bytes written and read again: experiments/RESULTS.md 54); and no dot
+    merging, which concatenates q/k/v (gate/up) weights into a new buffer to run one GEMM.
+    Quantized weights keep XLA's default (Triton GEMMs that dequantize in their prologue; the INT4
+    kernel reads its stack in place).
+    autotune_cache_dir: where XLA keeps its per-fusion autotuning results across processes
+    (`runner/compile_cache.py`)."""
+    options = {"xla_gpu_enable_command_buffer": GPU_COMMAND_BUFFER}
+    if autotune_cache_dir:
+        options["xla_gpu_per_fusion_autotune_cache_dir"] = autotune_cache_dir
+    if plain_weights:
+        options |= {"xla_gpu_enable_triton_gemm": "False", "xla_gpu_dot_merger_threshold_mb": "0"}
+    return tuple(sorted(options.items()))
+
 
 def resolve(
     engine_config: EngineConfig,
@@ -225,6 +265,8 @@ def resolve(
     backend: str,
     cpu_kernel: bool = False,
     cpu_matmul: str | None = None,
+    plain_weights: bool = True,
+    autotune_cache_dir: str | None = None,
 ) -> Resolved:
     """The engine's choices on `backend` ('cpu', 'gpu', ...), from its filled EngineConfig.
 
@@ -233,7 +275,10 @@ def resolve(
     no jax). It decides what attention_impl='auto' means on CPU.
     cpu_matmul: the loop the C++ CPU matmul runs here ('avx512bf16', 'avx2', 'portable';
     `cpu_kernels.matmul.path()`) when it can run for this engine (the runner asks: built here, on
-    one device), else None."""
+    one device), else None.
+    plain_weights: whether every layer weight is a float array (none quantized; the runner looks
+    at the params): it picks the GPU's GEMMs (`gpu_compiler_options`); autotune_cache_dir: the
+    GPU's autotuning cache (`runner/compile_cache.autotune_dir`)."""
     c, m = engine_config, model_config
     if not c.is_filled:
         raise ValueError("resolve needs a filled EngineConfig: call for_model(model_config) first")
@@ -271,7 +316,7 @@ def resolve(
         backend=backend,
         model=ModelImpl(
             attention=attention,
-            min_matmul_rows=4 if cpu else 1,
+            min_matmul_rows=4 if cpu else 2,
             moe_matmul="tiled" if cpu else "ragged_dot",
             cpu_matmul=matmul == "cpu_kernel",
         ),
@@ -286,4 +331,7 @@ def resolve(
         max_pages=max_pages,
         chunks=chunks or (c.prefill_chunk_size,),
         num_top=m.vocab_size if c.max_logprobs == -1 else min(c.max_logprobs, m.vocab_size),
+        compiler_options=(
+            gpu_compiler_options(plain_weights, autotune_cache_dir) if backend == "gpu" else ()
+        ),
     )

@@ -20,12 +20,12 @@ import sys
 import time
 import traceback
 
-from pallas_kernels import int4_matmul, paged_attention, paged_prefill
+from pallas_kernels import int4_matmul, paged_attention, paged_prefill, w8_matmul
 from pallas_kernels.lowering import KernelCheck, h200_mesh, lower_for_h200
 
 __all__ = ["KERNEL_MODULES", "KernelCheck", "collect", "h200_mesh", "lower_for_h200", "run"]
 
-KERNEL_MODULES = (paged_attention, paged_prefill, int4_matmul)
+KERNEL_MODULES = (paged_attention, paged_prefill, int4_matmul, w8_matmul)
 
 
 def collect(modules=KERNEL_MODULES) -> list[KernelCheck]:

@@ -49,9 +49,14 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     """Sets XLA_FLAGS and the compilation cache before any jax backend starts. xdist's workers
     start after this has run in the controller, and inherit its environment."""
+    # The CUDA plugin (the gpu-compile extra, for deviceless GPU compiles) checks for a driver
+    # when jax starts; without one it prints a traceback and jax runs on the CPU anyway.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     flags = os.environ.get("XLA_FLAGS", "")
     if config.getoption("xla_cpu_opt") == "0" and OPT_FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {OPT_FLAG}=0".strip()
+    if config.getoption("compile_cache") == "off":  # and engines do not turn on one of theirs
+        os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     if config.getoption("compile_cache") == "run" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         path = tempfile.mkdtemp(prefix="jaxserve-test-xla-cache-")
         os.environ.update(CACHE_ENV, JAX_COMPILATION_CACHE_DIR=path)

@@ -1,8 +1,9 @@
 """The prepared GPU scripts run end to end in their --smoke mode (tiny shapes, interpret mode).
 
-A lent H200 gives a session 15 minutes; a script that breaks there wastes them. These runs keep
-`experiments/gpu_int4.py` and `experiments/gpu_kernels.py` working on the CPU between loans: every
-step runs (checks, timings, tables, JSON), only the shapes and the backend differ.
+A lent H100 / H200 gives a session 15 minutes; a script that breaks there wastes them. These runs
+keep `experiments/gpu_int4.py`, `gpu_kernels.py`, `gpu_tp.py` and `gpu_decode.py` working on the CPU
+between loans: every step runs (checks, timings, tables, JSON), only the shapes and the backend
+differ.
 """
 
 from __future__ import annotations
@@ -72,3 +73,43 @@ def test_gpu_tp_smoke(tmp_path):
     }
     assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 for r in timed)
     assert all("narrow_step_ms" in r for r in timed if r["tp"] > 1)
+
+
+def test_gpu_decode_smoke(tmp_path):
+    """experiments/gpu_decode.py: the engine's decode step (decode_forward + decode_sample) of the
+    tiny preset, bf16 and INT4, under the engine's XLA options and XLA's defaults, with the same
+    greedy tokens from both; the profile path reduces the CPU trace to its table; no GPU target
+    config on the CPU, said so."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "experiments" / "gpu_decode.py"),
+            "--smoke",
+            "--profile",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "gpu_decode.json").read_text())
+    assert out["smoke"] is True and "meaningless" in out["note"]
+    assert "skipped" in out["target_config"]
+    rows = {r["weights"]: r for r in out["cases"]}
+    assert set(rows) == {"bf16", "int4", "int8"}, out["cases"]
+    for w, r in rows.items():
+        for v in ("engine", "xla_default"):
+            assert r[v]["step_ms"] > 0 and len(r[v]["step_ms_runs"]) == out["spec"]["repeats"], w
+        assert r["options"]["xla_default"] == {}
+        assert r["tokens_match"] and r["first_tokens_match"], (w, r["logits_max_rel_diff"])
+    # the engine's options: CUDA graphs for both, and cuBLAS GEMMs for the float weights only
+    assert "xla_gpu_enable_command_buffer" in rows["int4"]["options"]["engine"]
+    assert "xla_gpu_enable_triton_gemm" not in rows["int4"]["options"]["engine"]
+    assert rows["bf16"]["options"]["engine"]["xla_gpu_enable_triton_gemm"] == "False"
+    prof = out["profile"]
+    assert prof["kernels"] and prof["options"]["xla_enable_command_buffers_during_profiling"]
+    assert (tmp_path / "profile_kernels.md").is_file() and (tmp_path / "gpu_decode.md").is_file()

@@ -27,7 +27,7 @@ def test_backend_choices():
     assert (cpu.model.attention, gpu.model.attention) == ("ragged", "pallas")
     assert (cpu.int4_matmul, gpu.int4_matmul) == ("xla", "pallas")
     assert (cpu.weight_layout, gpu.weight_layout) == ("out_in", "in_out")
-    assert (cpu.model.min_matmul_rows, gpu.model.min_matmul_rows) == (4, 1)
+    assert (cpu.model.min_matmul_rows, gpu.model.min_matmul_rows) == (4, 2)
     assert (cpu.model.moe_matmul, gpu.model.moe_matmul) == ("tiled", "ragged_dot")
     # an explicit attention implementation wins on any backend
     assert resolved("gpu", attention_impl="reference").model.attention == "reference"

@@ -187,17 +187,18 @@ def quantize_embedding_table(params: dict, method: str, group_size: int) -> dict
 
 
 def with_matmul_impl(params: dict, impl: str) -> dict:
-    """params with every Int4Weight's `impl` replaced (one of `int4.IMPLS`; see `Int4Weight`).
+    """params with every quantized weight's `impl` replaced (one of `int4.IMPLS`, the same names
+    as the W8A16 kernel's; see `Int4Weight`, `Int8Weight`).
 
-    Other leaves (float arrays, INT8/FP8 weights) are returned untouched. Works on abstract params
-    (`jax.eval_shape` output) too: only the static field changes.
+    Float leaves are returned untouched. Works on abstract params (`jax.eval_shape` output) too:
+    only the static field changes.
     """
     if impl not in int4.IMPLS:
         raise ValueError(f"impl must be one of {int4.IMPLS}, got {impl!r}")
     return jax.tree.map(
-        lambda w: w.replace(impl=impl) if isinstance(w, Int4Weight) else w,
+        lambda w: w.replace(impl=impl) if isinstance(w, QUANTIZED_TYPES) else w,
         params,
-        is_leaf=lambda w: isinstance(w, Int4Weight),
+        is_leaf=lambda w: isinstance(w, QUANTIZED_TYPES),
     )
 
 

@@ -15,6 +15,10 @@ Leaves may carry a leading layer axis [L, ...] (scanned like any array); `matmul
 W[:, ids].T: the lookup of an embedding table kept in the lm_head view [D, V] (GGUF's Q8_0
 token_embd imports that way, exactly). `take_columns(idx)` copies exactly the columns idx.
 
+On GPU the engine sets `impl='pallas'`: a per-channel stack is then handed to `matmul` whole with
+the layer index, and decode batches run the W8A16 kernel (`pallas_kernels/w8_matmul.py`), which
+reads the layer in place (XLA would copy it out of the stack first under the layer scan).
+
 Tensor parallelism (`quant/sharded.py`): `partition_specs(role)` splits q and scales along N
 (column) or K (row; scales' group axis, or replicated scales for per-channel weights, whose one
 group then spans each device's K/T rows). With `parallel` set and a mesh splitting 'model',
@@ -31,6 +35,11 @@ import numpy as np
 from flax import struct
 
 from jaxserve.quant import sharded
+from pallas_kernels.w8_matmul import IMPLS, w8_matmul
+
+# Rows up to which impl 'pallas' runs the W8A16 kernel on a layer of a stack (decode batches);
+# more rows (a prefill chunk: compute-bound) take XLA's convert + dot on the sliced layer.
+PALLAS_MAX_ROWS = 64
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
@@ -102,6 +111,21 @@ class _ScaledWeight:
     def check(self) -> None:
         _check(type(self).__name__, self.q, self.scales, self.group_size, self.QDTYPE)
         sharded.check_parallel(self.parallel)
+        if self.impl not in IMPLS:
+            raise ValueError(
+                f"{type(self).__name__}.impl must be one of {IMPLS}, got {self.impl!r}"
+            )
+
+    @property
+    def per_channel(self) -> bool:
+        return self.scales.shape[-2] == 1
+
+    @property
+    def reads_layer_in_place(self) -> bool:
+        """Whether the model hands this stack to `matmul` whole, with the layer index: the
+        W8A16 kernel (impl 'pallas', per-channel scales) reads the layer where it lies; XLA's
+        convert + dot would get it copied out of the stack under the layer scan anyway."""
+        return self.impl in ("pallas", "pallas_interpret") and self.per_channel
 
     def dequantize(self) -> jax.Array:
         """-> f32[..., K, N]."""
@@ -125,6 +149,9 @@ class _ScaledWeight:
 
         def local(w, x, layer, out_dtype):
             q, scales = w.q, w.scales
+            rows = int(np.prod(x.shape[:-1]))
+            if layer is not None and w.reads_layer_in_place and rows <= PALLAS_MAX_ROWS:
+                return w8_matmul(x, q, scales, impl=w.impl, layer=layer, out_dtype=out_dtype)
             if layer is not None:
                 q, scales = (
                     jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (q, scales)
@@ -206,6 +233,10 @@ class Int8Weight(_ScaledWeight):
     scales: jax.Array  # f32[..., K // group_size, N]
     group_size: int = struct.field(pytree_node=False)
     parallel: str | None = struct.field(pytree_node=False, default=None)  # see `quant/sharded.py`
+    # the matmul: 'xla' (convert + dot, every backend), 'pallas' (the W8A16 kernel on a layer of
+    # a stack, up to PALLAS_MAX_ROWS rows; GPU), 'pallas_interpret' (CPU tests); set by the
+    # engine (`quant.with_matmul_impl`)
+    impl: str = struct.field(pytree_node=False, default="xla")
 
 
 @struct.dataclass
@@ -218,6 +249,10 @@ class Fp8Weight(_ScaledWeight):
     scales: jax.Array  # f32[..., K // group_size, N]
     group_size: int = struct.field(pytree_node=False)
     parallel: str | None = struct.field(pytree_node=False, default=None)  # see `quant/sharded.py`
+    # the matmul: 'xla' (convert + dot, every backend), 'pallas' (the W8A16 kernel on a layer of
+    # a stack, up to PALLAS_MAX_ROWS rows; GPU), 'pallas_interpret' (CPU tests); set by the
+    # engine (`quant.with_matmul_impl`)
+    impl: str = struct.field(pytree_node=False, default="xla")
 
 
 @functools.partial(jax.jit, static_argnames=("fp8",))

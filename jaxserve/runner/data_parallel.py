@@ -14,14 +14,13 @@ slot numbers. Params are replicated over 'data'.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 from jaxserve.resolve import DecodeShape, ModelImpl, PrefillShape
 from jaxserve.runner import steps
+from jaxserve.runner.jit_step import step
 
 DATA = "data"
 
@@ -43,8 +42,7 @@ def _shard_map(fn, in_specs, out_specs):
     )
 
 
-@functools.partial(
-    jax.jit,
+@step(
     static_argnames=("config", "impl", "shape", "num_steps"),
     donate_argnames=("cache", "state"),
 )
@@ -79,8 +77,7 @@ def generate(
     )(params, cache, state, want_top)
 
 
-@functools.partial(
-    jax.jit,
+@step(
     static_argnames=("config", "impl", "shape"),
     donate_argnames=("cache", "state"),
 )

@@ -138,11 +138,11 @@ def workspace_bytes(runner, decode, prefill) -> int | None:
     common = dict(config=runner.model_config, impl=runner.resolved.model)
     no = np.bool_(False)
     if runner.overlaps_grammar:  # the forward is the large one of the decode's two programs
-        decode_program = steps.decode_forward.lower(
+        decode_program = runner._jit(steps.decode_forward).lower(
             runner.params, runner.cache, runner.state, shape=decode, **common
         )
     else:
-        decode_program = runner.step_fns.generate.lower(
+        decode_program = runner._jit(runner.step_fns.generate).lower(
             runner.params,
             runner.cache,
             runner.state,
@@ -152,7 +152,7 @@ def workspace_bytes(runner, decode, prefill) -> int | None:
             **common,
         )
     if runner.splits_prefill:  # the forward is the large one of the prefill's two programs
-        prefill_program = steps.prefill_forward.lower(
+        prefill_program = runner._jit(steps.prefill_forward).lower(
             runner.params,
             runner.cache,
             runner.state,
@@ -161,7 +161,7 @@ def workspace_bytes(runner, decode, prefill) -> int | None:
             **common,
         )
     else:
-        prefill_program = runner.step_fns.prefill.lower(
+        prefill_program = runner._jit(runner.step_fns.prefill).lower(
             runner.params, runner.cache, runner.state, batch, no, shape=prefill, **common
         )
     programs = [decode_program, prefill_program]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 
@@ -43,11 +44,20 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import SchedulerOutput
 from jaxserve.core.slot_row import make_slot_row
 from jaxserve.layers import linear
+from jaxserve.layers.embedding import is_quantized
 from jaxserve.parallel import partition
 from jaxserve.parallel.mesh import make_mesh, mesh_sizes
 from jaxserve.quant import with_matmul_impl
 from jaxserve.resolve import DecodeShape, PrefillShape, Resolved, bucket_for, resolve
-from jaxserve.runner import cpu_backend, data_parallel, input_batch, memory, spec_decode, steps
+from jaxserve.runner import (
+    compile_cache,
+    cpu_backend,
+    data_parallel,
+    input_batch,
+    memory,
+    spec_decode,
+    steps,
+)
 from jaxserve.runner.memory import check_memory, device_memory_bytes, state_bytes  # noqa: F401
 from jaxserve.runner.step_handle import StepHandle, fetch_outputs
 
@@ -106,12 +116,18 @@ class ModelRunner:
                 slot_buckets="auto" if buckets == "auto" else _shard_buckets(buckets, d),
             )
         backend = backend or jax.default_backend()
+        self.compilation_cache_dir = compile_cache.enable(engine_config.compilation_cache)
+        autotune = (
+            compile_cache.autotune_dir(self.compilation_cache_dir) if backend == "gpu" else None
+        )
         self.resolved: Resolved = resolve(
             shard_config,
             model_config,
             backend,
             cpu_kernel=cpu_backend.attention_kernel(backend, engine_config),
             cpu_matmul=cpu_backend.matmul_kernel(backend, engine_config, mesh),
+            plain_weights=not any(map(is_quantized, params["layers"].values())),
+            autotune_cache_dir=autotune,
         )
         self.step_fns = data_parallel if d > 1 else steps  # generate / prefill (one shard or all)
         r = self.resolved
@@ -185,6 +201,10 @@ class ModelRunner:
         """The context the steps run in: the mesh, so layers see its axes while tracing."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
+    def _jit(self, step):
+        """A step function (`runner.jit_step.Step`) jitted with this engine's XLA options."""
+        return step.jit(self.resolved.compiler_options)
+
     def on_device(self, tree):
         """Host arrays onto the device (replicated over the mesh, if any), for a step's inputs
         that two programs read."""
@@ -197,11 +217,11 @@ class ModelRunner:
         with self._on_mesh():
             if self.overlaps_grammar:
                 logits = self._decode_forward(shape)
-                self.state, out = steps.decode_sample(
+                self.state, out = self._jit(steps.decode_sample)(
                     self.state, logits, np.bool_(want_top), num_top=shape.num_top
                 )
                 return out
-            self.cache, self.state, out = self.step_fns.generate(
+            self.cache, self.state, out = self._jit(self.step_fns.generate)(
                 self.params,
                 self.cache,
                 self.state,
@@ -219,7 +239,7 @@ class ModelRunner:
         c = self.config
         self.num_h2d_transfers += 1  # the limits
         with self._on_mesh():
-            self.cache, self.state, out = spec_decode.speculate(
+            self.cache, self.state, out = self._jit(spec_decode.speculate)(
                 self.params,
                 self.cache,
                 self.state,
@@ -253,7 +273,7 @@ class ModelRunner:
         ]
 
     def _decode_forward(self, shape: DecodeShape):
-        self.cache, logits = steps.decode_forward(
+        self.cache, logits = self._jit(steps.decode_forward)(
             self.params,
             self.cache,
             self.state,
@@ -266,9 +286,11 @@ class ModelRunner:
     def prefill(
         self, batch: input_batch.PrefillBatch, shape: PrefillShape, want_top: bool = False
     ) -> steps.PrefillOutput:
-        prefill = self.step_fns.prefill
+        prefill = self._jit(self.step_fns.prefill)
         if self.splits_prefill:  # forward then sample: one sampler program per row bucket
-            prefill, batch = steps.prefill_in_two, self.on_device(batch)
+            options = self.resolved.compiler_options
+            prefill = functools.partial(steps.prefill_in_two, options=options)
+            batch = self.on_device(batch)
         with self._on_mesh():
             self.cache, self.state, out = prefill(
                 self.params,
@@ -292,7 +314,7 @@ class ModelRunner:
             req.seed,
             self.config.max_model_len,
         )
-        self.state = steps.insert(
+        self.state = self._jit(steps.insert)(
             self.state,
             np.int32(req.slot),
             row,
@@ -305,7 +327,9 @@ class ModelRunner:
 
     def move(self, moves: list[tuple[int, int]]) -> None:
         """Moves slot rows (a request changing slot, `Scheduler._compact`): one device copy."""
-        self.state = steps.move(self.state, *input_batch.move_arrays(moves, self.num_slots))
+        self.state = self._jit(steps.move)(
+            self.state, *input_batch.move_arrays(moves, self.num_slots)
+        )
         self.num_h2d_transfers += 1
         a, b = (list(x) for x in zip(*moves))
         self._page_table[b] = self._page_table[a]
@@ -322,7 +346,9 @@ class ModelRunner:
 
     def _flush(self) -> None:
         if self._dirty:
-            self.state = steps.sync(self.state, self._page_table.copy(), self._active.copy())
+            self.state = self._jit(steps.sync)(
+                self.state, self._page_table.copy(), self._active.copy()
+            )
             self.num_h2d_transfers += 1
             self._dirty = False
 
@@ -379,7 +405,7 @@ class ModelRunner:
             logits, shape = handle.pending
             handle.pending = None
             self._set_grammar(plan)
-            self.state, handle.decode = steps.decode_sample(
+            self.state, handle.decode = self._jit(steps.decode_sample)(
                 self.state, logits, np.bool_(handle.decode_top), num_top=shape.num_top
             )
             self._dispatch_prefill(plan, handle)
@@ -387,7 +413,9 @@ class ModelRunner:
 
     def _set_grammar(self, plan: SchedulerOutput) -> None:
         if plan.grammar_bitmask is not None:
-            self.state = steps.set_grammar(self.state, plan.grammar_bitmask, plan.grammar_rows)
+            self.state = self._jit(steps.set_grammar)(
+                self.state, plan.grammar_bitmask, plan.grammar_rows
+            )
             self.num_h2d_transfers += 1
 
     def _dispatch_prefill(self, plan: SchedulerOutput, handle: StepHandle) -> None:
@@ -437,12 +465,14 @@ class ModelRunner:
         self._dirty = True
         self._flush()
         row = make_slot_row(SamplingParams(), [0], [], (), 0, self.config.max_model_len)
-        self.state = steps.insert(self.state, np.int32(0), row, np.int32(0), np.int32(0))
+        self.state = self._jit(steps.insert)(self.state, np.int32(0), row, np.int32(0), np.int32(0))
         pad = np.full((s,), s, np.int32)
-        self.state = steps.move(self.state, pad, pad)  # every row padding: nothing moves
+        self.state = self._jit(steps.move)(self.state, pad, pad)  # every row padding: no move
         words = -(-self.model_config.vocab_size // 32)
         no_grammar = np.zeros((s,), bool)
-        self.state = steps.set_grammar(self.state, np.full((s, words), -1, np.int32), no_grammar)
+        self.state = self._jit(steps.set_grammar)(
+            self.state, np.full((s, words), -1, np.int32), no_grammar
+        )
         decode, prefill = r.decode_shapes(), r.prefill_shapes()
         for shape in decode:
             self.generate(shape)

@@ -41,7 +41,7 @@ from jaxserve.core.sampling_params import (
     MAX_LOGIT_BIAS,
 )
 from jaxserve.core.slot_row import SlotRow
-from jaxserve.runner.vocab_ops import apply_top_k_top_p, blocked_argmax
+from jaxserve.runner.vocab_ops import apply_top_k_top_p, blocked_argmax, top_k
 
 jax.tree_util.register_dataclass(
     SlotRow, data_fields=[f.name for f in dataclasses.fields(SlotRow)], meta_fields=[]
@@ -326,7 +326,7 @@ def _sample_from(masked, penalized, state, num_generated, k: int, want_top) -> S
     def logprobs():
         lse = jax.nn.logsumexp(masked, axis=-1)  # (S,)
         chosen = jnp.take_along_axis(masked, tokens[:, None], axis=-1)[:, 0] - lse
-        top_logits, top_ids = jax.lax.top_k(masked, k)
+        top_logits, top_ids = top_k(masked, k)
         ranks = _ranks(masked - lse[:, None], chosen)
         return chosen, top_logits - lse[:, None], top_ids.astype(jnp.int32), ranks
 
@@ -365,6 +365,6 @@ def token_logprobs(
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # (T, V)
     valid = target_ids >= 0
     lp = jnp.take_along_axis(logprobs, jnp.where(valid, target_ids, 0)[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logprobs, k)
+    top_lp, top_ids = top_k(logprobs, k)
     ranks = jnp.where(valid, _ranks(logprobs, lp), 0)
     return jnp.where(valid, lp, 0.0), top_ids.astype(jnp.int32), top_lp, ranks

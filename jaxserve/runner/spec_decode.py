@@ -31,9 +31,6 @@ insert, prefill and decode steps keep when the engine speculates. Host code neve
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 
 from jaxserve.layers.attention import AttentionMetadata
@@ -41,6 +38,7 @@ from jaxserve.models import llama
 from jaxserve.parallel.partition import pin_cache, pin_replicated, pin_slots
 from jaxserve.resolve import DecodeShape
 from jaxserve.runner import sampling, token_history
+from jaxserve.runner.jit_step import step
 from jaxserve.runner.steps import DecodeOutput, SlotState, _rows, _set_rows
 from jaxserve.runner.vocab_ops import blocked_argmax
 
@@ -118,8 +116,7 @@ def _verify_inputs(st: SlotState, pt, draft, limit, ps: int, as_rows: bool):
     return tokens, meta
 
 
-@functools.partial(
-    jax.jit,
+@step(
     static_argnames=("config", "impl", "shape", "num_spec", "min_n", "max_n"),
     donate_argnames=("cache", "state"),
 )

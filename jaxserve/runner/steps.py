@@ -27,8 +27,6 @@ KV cache and the slot state are donated, so XLA updates them in place.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -41,6 +39,7 @@ from jaxserve.parallel.partition import pin_cache, pin_replicated, pin_slots
 from jaxserve.resolve import DecodeShape, ModelImpl, PrefillShape
 from jaxserve.runner import sampling, token_history
 from jaxserve.runner.input_batch import PrefillBatch
+from jaxserve.runner.jit_step import step
 
 
 @struct.dataclass
@@ -116,7 +115,7 @@ def init_cache(model_config: ModelConfig, num_pages: int, page_size: int, kv_dty
     )
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@step(donate_argnames=("state",))
 def insert(state: SlotState, slot, row, num_generated, max_total_len) -> SlotState:
     """JetStream `insert`: one request's row into slot `slot` (i32[]); the slot stays inactive."""
     return pin_slots(
@@ -131,20 +130,20 @@ def insert(state: SlotState, slot, row, num_generated, max_total_len) -> SlotSta
     )
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@step(donate_argnames=("state",))
 def sync(state: SlotState, page_table, active) -> SlotState:
     """Installs the host's page table i32[S, max_pages] and decode mask bool[S]."""
     return pin_slots(state.replace(page_table=page_table, active=active))
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@step(donate_argnames=("state",))
 def set_grammar(state: SlotState, bitmask, rows) -> SlotState:
     """Installs this step's grammar masks i32[S, ceil(V / 32)] and constrained slots bool[S]."""
     masks = state.sampling.replace(grammar_mask=bitmask, constrained=rows)
     return pin_slots(state.replace(sampling=masks))
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@step(donate_argnames=("state",))
 def move(state: SlotState, src, dst) -> SlotState:
     """Copies slot rows src[i] -> dst[i] (i32[S] each; dst = S marks padding, dropped)."""
     s = state.last_token.shape[0]
@@ -193,8 +192,7 @@ def _set_rows(full: SlotState, part: SlotState) -> SlotState:
     return part
 
 
-@functools.partial(
-    jax.jit,
+@step(
     static_argnames=("config", "impl", "shape", "num_steps"),
     donate_argnames=("cache", "state"),
 )
@@ -259,7 +257,7 @@ def _decode_advance(st: SlotState, logits, num_top: int, want_top):
     return st, DecodeOutput(tok, alive, out.logprobs, out.top_ids, out.top_logprobs, out.ranks)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl", "shape"), donate_argnames=("cache",))
+@step(static_argnames=("config", "impl", "shape"), donate_argnames=("cache",))
 def decode_forward(params, cache, state: SlotState, *, config, impl, shape: DecodeShape):
     """The first half of a one-step `generate`: the forward pass of the first shape.rows slots
     -> (cache, logits f32[B, V]). The host computes the step's structured-output masks while it
@@ -272,7 +270,7 @@ def decode_forward(params, cache, state: SlotState, *, config, impl, shape: Deco
     return pin_cache(cache), logits
 
 
-@functools.partial(jax.jit, static_argnames=("num_top",), donate_argnames=("state",))
+@step(static_argnames=("num_top",), donate_argnames=("state",))
 def decode_sample(state: SlotState, logits, want_top, *, num_top: int):
     """The second half: samples from `decode_forward`'s logits f32[B, V] (with the masks
     `set_grammar` installed) and advances the first B slots -> (state, DecodeOutput with k = 1),
@@ -369,8 +367,7 @@ def _prefill_output(out, prompt) -> PrefillOutput:
     return PrefillOutput(out.tokens, out.logprobs, out.top_ids, out.top_logprobs, out.ranks, prompt)
 
 
-@functools.partial(
-    jax.jit,
+@step(
     static_argnames=("config", "impl", "shape"),
     donate_argnames=("cache", "state"),
 )
@@ -394,7 +391,7 @@ def prefill(
     return pin_cache(cache), pin_slots(state), _prefill_output(out, prompt)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl", "shape"), donate_argnames=("cache",))
+@step(static_argnames=("config", "impl", "shape"), donate_argnames=("cache",))
 def prefill_forward(params, cache, state: SlotState, batch: PrefillBatch, *, config, impl, shape):
     """The first half of `prefill`: the forward pass -> (cache, logits f32[R, V] of each row's
     last token, PromptLogprobs or None). The state is read (page tables), not changed."""
@@ -402,7 +399,7 @@ def prefill_forward(params, cache, state: SlotState, batch: PrefillBatch, *, con
     return pin_cache(cache), logits, prompt
 
 
-@functools.partial(jax.jit, static_argnames=("num_top",), donate_argnames=("state",))
+@step(static_argnames=("num_top",), donate_argnames=("state",))
 def prefill_sample(state: SlotState, batch: PrefillBatch, logits, want_top, *, num_top: int):
     """The second half: samples (or installs) each completing row's token from
     `prefill_forward`'s logits and advances the slots -> (state, PrefillOutput without prompt
@@ -413,12 +410,13 @@ def prefill_sample(state: SlotState, batch: PrefillBatch, logits, want_top, *, n
     return pin_slots(state), _prefill_output(out, None)
 
 
-def prefill_in_two(params, cache, state, batch, want_top, *, config, impl, shape):
+def prefill_in_two(params, cache, state, batch, want_top, *, config, impl, shape, options=()):
     """`prefill`'s call and result, run as `prefill_forward` then `prefill_sample` (not a jit
-    program itself: two). Put `batch` on the device first, so both read one transfer."""
-    cache, logits, prompt = prefill_forward(
+    program itself: two, compiled with XLA `options`). Put `batch` on the device first, so both
+    read one transfer."""
+    cache, logits, prompt = prefill_forward.jit(options)(
         params, cache, state, batch, config=config, impl=impl, shape=shape
     )
     rows = batch.replace(tokens=None, targets=None)  # [R] fields only: one program for every T
-    state, out = prefill_sample(state, rows, logits, want_top, num_top=shape.num_top)
+    state, out = prefill_sample.jit(options)(state, rows, logits, want_top, num_top=shape.num_top)
     return cache, state, out.replace(prompt=prompt)

@@ -87,3 +87,36 @@ def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     top_p_set = (keys > p_cut[:, None]) | tied_kept
     keep = jnp.where(top_p[:, None] < 1.0, top_p_set, keys >= k_cut[:, None])
     return jnp.where(keep, logits, -jnp.inf)
+
+
+TOP_K_BLOCK = 1024  # vocabulary entries per block of `top_k`'s first pass
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k over the last axis of x [N, V] -> (values [N, k], i32 ids [N, k]), equal to
+    it (ties: the lower id first), in two passes that never sort the whole vocabulary: the k best
+    of each block of TOP_K_BLOCK entries, then the k best of those N x (V / b) x k candidates.
+
+    Why: XLA:GPU lowers a top-k over a 128k vocabulary to a full sort of each row: a bitonic sort
+    of some 20 kernel launches, or CUB's radix sort, whose scratch size XLA asks the device for
+    while compiling (so the program cannot be compiled without a GPU: the sampler at 1 and 64
+    slots failed deviceless, `cudaErrorInvalidDevice`). Blocks of 1,024 and a second pass over
+    ~2,500 candidates are sorts XLA does in a few launches of its own kernel. Exact: each of the
+    k best is among the k best of its block, and the candidates keep block order (ids increase
+    with position), so ties resolve as in one pass."""
+    n, v = x.shape
+    b = TOP_K_BLOCK
+    if k == 0 or v <= 2 * b or k > b:
+        values, ids = jax.lax.top_k(x, k)
+        return values, ids.astype(jnp.int32)
+    pad = -v % b
+    if pad:  # padding never outranks a real entry (-inf ties with one: the lower id wins)
+        fill = jnp.array(
+            -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min, x.dtype
+        )
+        x = jnp.concatenate([x, jnp.broadcast_to(fill, (n, pad))], axis=1)
+    blocks = x.reshape(n, -1, b)  # (N, V / b, b)
+    values, ids = jax.lax.top_k(blocks, k)  # (N, V / b, k)
+    ids = ids + (jnp.arange(blocks.shape[1], dtype=ids.dtype) * b)[None, :, None]
+    values, pick = jax.lax.top_k(values.reshape(n, -1), k)  # (N, k)
+    return values, jnp.take_along_axis(ids.reshape(n, -1), pick, axis=1).astype(jnp.int32)

@@ -61,6 +61,7 @@ def test_set_flags_reach_the_engine(parsed):
         "--num_pages=40", "--tensor_parallel_size=2", "--data_parallel_size=3",
         "--max_logprobs=5", "--on_bad_request=raise", "--num_speculative_tokens=0",
         "--prompt_lookup_max=4", "--prompt_lookup_min=2", "--speculative_disable_by_batch_size=8",
+        "--compilation_cache=off",
     )  # fmt: skip
     kw = engine_flags.llm_kwargs(fv)
     assert kw == {
@@ -93,6 +94,7 @@ def test_set_flags_reach_the_engine(parsed):
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
         "speculative_disable_by_batch_size": 8,
+        "compilation_cache": "off",
     }
     # every field is reachable (the schedule needs speculation, which decode_steps=2 refuses:
     # test_speculative_schedule_flag)

@@ -1,0 +1,370 @@
+"""The GPU program inspector: a GPU engine's warm-up programs, compiled for an H100 / H200 on this
+machine (no GPU, no weights), each reported per step (`gpu_report`).
+
+    engine = abstract_engine(engine_config, target)     the engine's choices, abstract arrays
+    programs = warmup_programs(engine)                  what `ModelRunner.warmup` compiles
+    reports = [inspect(engine, p) for p in programs]    compiled deviceless, read back
+
+Command line (any preset or a checkpoint folder's config.json, any TP x DP, h100 / h200 / a
+target config file): `python -m jaxserve.launch.gpu_programs --model=llama3-8b --num_slots=64
+--programs=decode`; it prints one row per program (kernels per step and per layer, host
+launches, launches outside CUDA graphs, host round trips, weight bytes copied, collectives,
+compile seconds).
+
+The engine is built as `ModelRunner` builds a GPU engine, from the same pieces: `resolve` with
+backend 'gpu', `with_matmul_impl`, `partition.replicate_kv_heads` / `param_specs` under a mesh,
+the pool and slot-state specs, `memory.pallas_pool_pages`; but from `jax.eval_shape`, so an 8B or
+70B model is never allocated. The programs are `ModelRunner.warmup`'s: on one device group a
+decode step is `decode_forward` (one per decode shape) then `decode_sample` (one per row bucket);
+a prefill step `prefill_forward` + `prefill_sample` where there are page-table width buckets
+(`prefill` alone otherwise); the data-parallel steps otherwise; the speculative steps when the
+engine speculates; and the slot updates (insert, sync, move, set_grammar).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from jaxserve.bench import deviceless, gpu_report
+from jaxserve.bench.deviceless import GpuTarget
+
+# Program kinds, the --programs choices.
+KINDS = ("decode", "sample", "prefill", "speculative", "slots")
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractEngine:
+    """A GPU engine's choices and abstract arrays (ShapeDtypeStructs on a compile-only mesh)."""
+
+    engine_config: object  # EngineConfig, filled; TP / DP as the mesh has them
+    model_config: object  # ModelConfig (KV heads replicated up to TP where TP exceeds them)
+    resolved: object  # Resolved, backend 'gpu'
+    mesh: object
+    params: object
+    cache: object
+    state: object
+    num_pages: int
+    target: GpuTarget
+
+    @property
+    def data_shards(self) -> int:
+        return self.engine_config.data_parallel_size
+
+    @property
+    def overlaps_grammar(self) -> bool:  # as ModelRunner: decode = forward, then sample
+        return self.data_shards == 1 and self.engine_config.decode_steps == 1
+
+    @property
+    def splits_prefill(self) -> bool:  # as ModelRunner: prefill = forward, then sample
+        return self.data_shards == 1 and len({s.width for s in self.resolved.prefill_shapes()}) > 1
+
+
+def model_config_for(engine_config):
+    """The ModelConfig of engine_config.model: a preset name, a ModelConfig, or a Hugging Face
+    folder (its config.json; no weights are read)."""
+    import json
+    from pathlib import Path
+
+    from jaxserve.config import ModelConfig
+
+    m = engine_config.model
+    if isinstance(m, ModelConfig):
+        return m
+    path = Path(str(m))
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()), path.name)
+    return ModelConfig.preset(str(m))
+
+
+def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> AbstractEngine:
+    """A GPU engine of `engine_config` (model: a preset, ModelConfig or HF folder; quantization,
+    dtype, kv_cache_dtype, num_slots, max_model_len, TP, DP, ...) on compile-only GPUs."""
+    target = deviceless.target(target) if isinstance(target, str) else target
+    mesh = deviceless.gpu_mesh(
+        target, engine_config.tensor_parallel_size, engine_config.data_parallel_size
+    )
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from jaxserve.layers.embedding import is_quantized
+    from jaxserve.models import llama
+    from jaxserve.parallel import partition
+    from jaxserve.quant import quantize_params, with_matmul_impl
+    from jaxserve.resolve import resolve
+    from jaxserve.runner import data_parallel, memory, steps
+
+    c = model_config_for(engine_config)
+    e = engine_config.for_model(c)
+    t, d = e.tensor_parallel_size, e.data_parallel_size
+    dtype = jnp.dtype(e.dtype if e.dtype != "auto" else "bfloat16")
+    params = jax.eval_shape(lambda k: llama.init_params(c, k, dtype), jax.random.key(0))
+    if e.quantization:
+        params = jax.eval_shape(
+            lambda p: quantize_params(p, c, e.quantization, row_shards=t), params
+        )
+    shard = e
+    if d > 1:
+        shard = dataclasses.replace(e, num_slots=e.num_slots // d, data_parallel_size=1)
+    plain = not any(map(is_quantized, params["layers"].values()))
+    r = resolve(shard, c, "gpu", plain_weights=plain)
+    params = with_matmul_impl(params, r.int4_matmul)
+    rules = {}
+
+    def partitioned(p):  # traced: quantized column weights are repacked for T abstractly
+        p, rules["config"] = partition.replicate_kv_heads(p, c, t)
+        p, rules["specs"] = partition.param_specs(p, rules["config"], t)
+        return p
+
+    params = jax.eval_shape(partitioned, params)
+    c, specs = rules["config"], rules["specs"]
+    num_pages = e.num_pages or e.num_slots * e.max_pages_per_seq
+    num_pages -= num_pages % d
+    if r.model.attention == "pallas":
+        num_pages = memory.pallas_pool_pages(num_pages, c, e)
+
+    def init_cache():
+        return steps.init_cache(c, num_pages, e.page_size, e.kv_cache_dtype, dtype)
+
+    history = e.max_model_len if e.num_speculative_tokens else 0
+    cache = jax.eval_shape(init_cache)
+    state = jax.eval_shape(
+        lambda: steps.init_slot_state(e.num_slots, r.max_pages, c.vocab_size, history)
+    )
+    cache_specs = partition.cache_specs(cache, data_axis=d > 1)
+    state_specs = data_parallel.state_specs(state) if d > 1 else partition.replicated(state)
+
+    def placed(tree, spec_tree):
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+            tree,
+            spec_tree,
+        )
+
+    return AbstractEngine(
+        engine_config=e,
+        model_config=c,
+        resolved=r,
+        mesh=mesh,
+        params=placed(params, specs),
+        cache=placed(cache, cache_specs),
+        state=placed(state, state_specs),
+        num_pages=num_pages,
+        target=target,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """One program of the engine: a step function, its abstract arguments and static keywords."""
+
+    name: str  # e.g. "decode_forward rows=8 width=256"
+    kind: str  # one of KINDS
+    fn: Callable  # a step function (`runner.jit_step.Step`)
+    args: tuple
+    static: dict
+
+
+def _spec(engine: AbstractEngine, shape, dtype, spec=None):
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(engine.mesh, spec or P()))
+
+
+def _batch(engine: AbstractEngine, rows: int, chunk: int, with_tokens: bool = True):
+    """An abstract PrefillBatch of `rows` rows (split over 'data' under data parallelism)."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.runner.input_batch import PrefillBatch
+
+    spec = P("data") if engine.data_shards > 1 else P()
+    i32 = lambda *s: _spec(engine, s, jnp.int32, spec)  # noqa: E731
+    return PrefillBatch(
+        tokens=i32(rows, chunk) if with_tokens else None,
+        slots=i32(rows),
+        start=i32(rows),
+        length=i32(rows),
+        is_last=_spec(engine, (rows,), jnp.bool_, spec),
+        forced=i32(rows),
+        targets=i32(rows, chunk) if with_tokens else None,
+    )
+
+
+def warmup_programs(engine: AbstractEngine, kinds=KINDS) -> list[StepProgram]:
+    """Every program `ModelRunner.warmup` compiles for this engine, of the given kinds, in the
+    warm-up's order."""
+    import jax.numpy as jnp
+
+    from jaxserve.runner import data_parallel, spec_decode, steps
+
+    e, r, c = engine.engine_config, engine.resolved, engine.model_config
+    p, cache, state = engine.params, engine.cache, engine.state
+    common = dict(config=c, impl=r.model)
+    flag = _spec(engine, (), jnp.bool_)
+    out: list[StepProgram] = []
+    d = engine.data_shards
+    fns = data_parallel if d > 1 else steps
+    decode = r.decode_shapes()
+    if "decode" in kinds:
+        for s in decode:
+            name = f"rows={s.rows} width={s.width}"
+            if engine.overlaps_grammar:
+                args = (p, cache, state)
+                out.append(
+                    StepProgram(
+                        f"decode_forward {name}",
+                        "decode",
+                        steps.decode_forward,
+                        args,
+                        {**common, "shape": s},
+                    )
+                )
+            else:
+                static = {**common, "shape": s, "num_steps": e.decode_steps}
+                out.append(
+                    StepProgram(
+                        f"generate {name}", "decode", fns.generate, (p, cache, state, flag), static
+                    )
+                )
+    if "sample" in kinds and engine.overlaps_grammar:
+        for rows in sorted({s.rows for s in decode}):
+            logits = _spec(engine, (rows, c.vocab_size), jnp.float32)
+            out.append(
+                StepProgram(
+                    f"decode_sample rows={rows}",
+                    "sample",
+                    steps.decode_sample,
+                    (state, logits, flag),
+                    {"num_top": r.num_top},
+                )
+            )
+    if "speculative" in kinds and e.num_speculative_tokens:
+        limit = _spec(engine, (e.num_slots,), jnp.int32)
+        for s in decode:
+            for k in sorted({e.draft_tokens(n) for n in range(1, e.num_slots + 1)} - {0}):
+                static = {
+                    **common,
+                    "shape": s,
+                    "num_spec": k,
+                    "min_n": e.prompt_lookup_min,
+                    "max_n": e.prompt_lookup_max,
+                }
+                out.append(
+                    StepProgram(
+                        f"speculate rows={s.rows} width={s.width} k={k}",
+                        "speculative",
+                        spec_decode.speculate,
+                        (p, cache, state, limit),
+                        static,
+                    )
+                )
+    if "prefill" in kinds:
+        for s in r.prefill_shapes():
+            name = f"rows={s.rows} chunk={s.chunk} width={s.width}" + (
+                " prompt_logprobs" if s.prompt_logprobs else ""
+            )
+            batch = _batch(engine, s.rows * d, s.chunk)
+            if engine.splits_prefill:
+                out.append(
+                    StepProgram(
+                        f"prefill_forward {name}",
+                        "prefill",
+                        steps.prefill_forward,
+                        (p, cache, state, batch),
+                        {**common, "shape": s},
+                    )
+                )
+            else:
+                out.append(
+                    StepProgram(
+                        f"prefill {name}",
+                        "prefill",
+                        fns.prefill,
+                        (p, cache, state, batch, flag),
+                        {**common, "shape": s},
+                    )
+                )
+        if engine.splits_prefill and "sample" in kinds:
+            for rows in sorted({s.rows for s in r.prefill_shapes()}):
+                batch = _batch(engine, rows, 1, with_tokens=False)
+                logits = _spec(engine, (rows, c.vocab_size), jnp.float32)
+                out.append(
+                    StepProgram(
+                        f"prefill_sample rows={rows}",
+                        "sample",
+                        steps.prefill_sample,
+                        (state, batch, logits, flag),
+                        {"num_top": r.num_top},
+                    )
+                )
+    if "slots" in kinds:
+        out += _slot_programs(engine)
+    return out
+
+
+def _slot_programs(engine: AbstractEngine) -> list[StepProgram]:
+    import jax.numpy as jnp
+
+    from jaxserve.runner import steps
+
+    e, c, state = engine.engine_config, engine.model_config, engine.state
+    s = e.num_slots
+    i32 = lambda *shape: _spec(engine, shape, jnp.int32)  # noqa: E731
+    words = -(-c.vocab_size // 32)
+    row = _slot_row(engine)
+    return [
+        StepProgram("insert", "slots", steps.insert, (state, i32(), row, i32(), i32()), {}),
+        StepProgram(
+            "sync",
+            "slots",
+            steps.sync,
+            (state, i32(s, engine.resolved.max_pages), _spec(engine, (s,), jnp.bool_)),
+            {},
+        ),
+        StepProgram("move", "slots", steps.move, (state, i32(s), i32(s)), {}),
+        StepProgram(
+            "set_grammar",
+            "slots",
+            steps.set_grammar,
+            (state, i32(s, words), _spec(engine, (s,), jnp.bool_)),
+            {},
+        ),
+    ]
+
+
+def _slot_row(engine: AbstractEngine):
+    """The abstract SlotRow `insert` takes (from a real one's shapes)."""
+    import jax
+    import numpy as np
+
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.core.slot_row import make_slot_row
+
+    e = engine.engine_config
+    row = make_slot_row(SamplingParams(), [0], [], (), 0, e.max_model_len)
+    return jax.tree.map(lambda x: _spec(engine, np.shape(x), np.asarray(x).dtype), row)
+
+
+def compile_program(engine: AbstractEngine, program: StepProgram, compiler_options=None):
+    """-> deviceless.GpuProgram: the program compiled for the engine's GPUs with the engine's
+    compiler options (`Resolved.compiler_options`) unless others are given."""
+    options = compiler_options
+    if options is None:
+        options = dict(engine.resolved.compiler_options)
+    # the function the engine's runner calls (`ModelRunner._jit`), its options recorded
+    fn = program.fn.jit(tuple(sorted(options.items())))
+    return deviceless.compile_for_gpu(
+        program.name, fn, program.args, program.static, engine.mesh, options
+    )
+
+
+def inspect(engine: AbstractEngine, program: StepProgram, compiler_options=None):
+    """-> gpu_report.ProgramReport of one program."""
+    compiled = compile_program(engine, program, compiler_options)
+    # the programs that run the model have its layer loop (a sampler's loops are other loops)
+    model = program.kind in ("decode", "prefill", "speculative")
+    return gpu_report.report(compiled, engine.model_config.num_layers if model else None)
