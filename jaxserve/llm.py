@@ -311,6 +311,8 @@ class LLM:
                 sp = SamplingParams.from_dict(sp)
             except ValueError as e:
                 error = f"invalid sampling parameters: {e}"
+            except (TypeError, RecursionError) as e:  # the last line of defence: it fails alone
+                error = f"invalid sampling parameters: {type(e).__name__}: {e}"
         return text, ids, sp, error
 
     def _submit(self, prompt, sp, stream: bool) -> str:
@@ -365,6 +367,11 @@ class _BadPrompt:
 
 
 def _as_list(prompts) -> list:
+    if isinstance(prompts, bytes | bytearray | memoryview):  # iterating would give one per byte
+        raise ValueError(
+            f"prompts is {type(prompts).__name__}: decode it to a str first (e.g. "
+            "prompts.decode('utf-8')); a prompt is a str, a dict, or a list of them"
+        )
     if isinstance(prompts, str | dict):
         return [prompts]
     if isinstance(prompts, Iterable):

@@ -70,11 +70,31 @@ def merge_speculative_config(settings: dict, config, where: str) -> dict:
     return out
 
 
+# The largest speculative settings an engine takes. Each speculative step verifies k + 1 tokens a
+# row (a program per (bucket, k) pair at warm-up), and the n-gram proposer unrolls its
+# prompt_lookup_max window comparisons while tracing: 10**9 never finished tracing, k = 4096 ran
+# out of memory, 2**40 overflowed inside jax (issue 58). vLLM's ngram defaults are k 3-5, n <= 5.
+MAX_SPECULATIVE_TOKENS = 32
+MAX_PROMPT_LOOKUP = 32
+
+
 def checked_fields(c) -> dict[str, Any]:
     """An EngineConfig's speculative fields checked against each other and filled (its
     __post_init__ sets them): the schedule normalized (it needs num_speculative_tokens > 0), and
     prompt_lookup_min / _max each defaulting to the other, both to 5 when neither is set (vLLM's
     defaults), min <= max. ValueError naming the field."""
+    if c.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"EngineConfig.num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS} (each "
+            f"speculative step verifies that many drafts a row), got {c.num_speculative_tokens}"
+        )
+    for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        value = getattr(c, name)
+        if value is not None and value > MAX_PROMPT_LOOKUP:
+            raise ValueError(
+                f"EngineConfig.{name} must be at most {MAX_PROMPT_LOOKUP} (the proposer compares "
+                f"that many tokens per n-gram), got {value}"
+            )
     schedule = c.num_speculative_tokens_per_batch_size
     if schedule is not None:
         if not c.num_speculative_tokens:

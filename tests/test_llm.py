@@ -160,6 +160,33 @@ def test_bad_prompts_and_params_fail_alone(llm):
     assert all(o.outputs[0].finish_reason == "error" for o in outs if o.error)
 
 
+def test_per_prompt_values_that_are_not_parameters_fail_their_prompt_alone(llm):
+    """Issue 58: a per-prompt dict with a non-string key raised TypeError out of generate(), and
+    a JSON schema nested 3,000 deep RecursionError: the good prompt's result was lost."""
+    good = ids([[5, 6, 7]])[0]
+    deep: dict = {"type": "string"}
+    for _ in range(3000):
+        deep = {"type": "array", "items": deep}
+    params = [
+        {"max_tokens": 2, "ignore_eos": True},
+        {1: 2},
+        {"max_tokens": 2, "structured_outputs": {"json": deep}},
+    ]
+    outs = llm.generate([good, good, good], params, use_tqdm=False)
+    assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 2
+    assert "must be strings" in outs[1].error and "1" in outs[1].error
+    assert "nested deeper than" in outs[2].error and "structured_outputs.json" in outs[2].error
+    with pytest.raises(ValueError, match="must be strings"):
+        SamplingParams.from_dict({1: 2})
+
+
+@pytest.mark.parametrize("prompts", [b"hi", bytearray(b"hi")])
+def test_bytes_are_not_a_list_of_prompts(llm, prompts):
+    """Issue 58: generate(b"hi") returned one output per byte."""
+    with pytest.raises(ValueError, match="decode it to a str"):
+        llm.generate(prompts, use_tqdm=False)
+
+
 def test_on_bad_request_raise_fails_before_anything_runs():
     """vLLM's behaviour behind a flag (vllm/entrypoints/llm.py raises from input processing):
     a bad prompt or parameters raise ValueError naming the prompt's index, no request is left in

@@ -71,3 +71,25 @@ def test_schedule_is_checked_and_looked_up_as_vllm_does():
     ]:
         with pytest.raises(ValueError, match=match):
             normalize_schedule(bad)
+
+
+@pytest.mark.parametrize(
+    "settings,field",
+    [
+        ({"num_speculative_tokens": 3, "prompt_lookup_max": 10**9}, "prompt_lookup_max"),
+        ({"num_speculative_tokens": 3, "prompt_lookup_min": 33}, "prompt_lookup_min"),
+        ({"num_speculative_tokens": 4096}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 2**40}, "num_speculative_tokens"),
+    ],
+)
+def test_speculative_settings_are_bounded_by_what_compiles(settings, field):
+    """Issue 58: prompt_lookup_max=10**9 never finished tracing, num_speculative_tokens=4096 ran
+    out of memory and 2**40 overflowed inside jax; each is now a ValueError naming the field and
+    its bound, through EngineConfig and through vLLM's speculative_config dict alike."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.llm import LLM
+
+    with pytest.raises(ValueError, match=f"{field} must be at most 32"):
+        EngineConfig(**settings)
+    with pytest.raises(ValueError, match=f"{field} must be at most 32"):
+        LLM("tiny", load_format="dummy", speculative_config={"method": "ngram", **settings})

@@ -160,6 +160,38 @@ def test_params_rules():
     assert sp.clone() == sp and hash(sp) == hash(sp.clone())
 
 
+def test_constraints_are_bounded_before_compiling():
+    """Issue 58: a JSON text nested 5,000 deep raised RecursionError (a plain-text 500 from the
+    server), and 100,000 choices took the grammar library 7-8 s before failing with a Rust panic:
+    each is now a ValueError naming the field, at once."""
+    deep_text = "[" * 5000 + "]" * 5000
+    with pytest.raises(ValueError, match="structured_outputs.json is nested deeper than 128"):
+        StructuredOutputsParams(json=deep_text)
+    deep: dict = {"type": "string"}
+    for _ in range(200):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ValueError, match="nested deeper than 128"):
+        SamplingParams(structured_outputs={"json": deep})
+    with pytest.raises(ValueError, match="choice has 100000 alternatives, more than 4096"):
+        StructuredOutputsParams(choice=[f"c{i}" for i in range(100_000)])
+    with pytest.raises(ValueError, match="structured_outputs.regex has"):
+        StructuredOutputsParams(regex="a" * ((1 << 20) + 1))
+
+
+def test_a_grammar_that_fails_during_generation_is_the_requests_error(llm):
+    """Issue 58: a regex the grammar library cannot follow to its end (a{1000000}: it hits one
+    of its limits mid-generation) ended with finish_reason 'abort' and no error, so the client
+    saw a short answer as a success. The request now ends with finish_reason 'error' and an
+    error naming structured_outputs; another prompt in the batch is unaffected."""
+    sp = SamplingParams(temperature=0, max_tokens=64, structured_outputs=_so(regex="a{1000000}"))
+    plain = SamplingParams(temperature=0, max_tokens=8)
+    bad, good = llm.generate(["Say a.", "Say hi."], [sp, plain], use_tqdm=False)
+    assert good.error is None and good.outputs[0].finish_reason in ("length", "stop")
+    # llguidance 1.x: "lexer error: too many expressions constructed" after the first token
+    assert bad.error is not None and bad.error.startswith("structured_outputs"), bad
+    assert "during generation" in bad.error and bad.outputs[0].finish_reason == "error"
+
+
 def test_engine_rules_no_tokenizer_and_multi_step_decode():
     """A model without a tokenizer cannot take a grammar; decode_steps > 1 is refused (each
     token's mask depends on the one before it). Both are the request's error, not a crash."""

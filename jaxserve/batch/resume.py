@@ -121,9 +121,22 @@ def iter_output_rows(path: str) -> Iterator[tuple[int, int, bytes, dict[str, Any
             yield bad[0], bad[1], bad[2], None
 
 
+# Every output row is written as `json.dumps(row)` of a dict whose first key is "id" (batch/job.py),
+# so a torn write of ours begins with these bytes (or is a prefix of them).
+ROW_START = b'{"id": '
+
+
+def _ours(torn: bytes) -> bool:
+    return torn.startswith(ROW_START) or ROW_START.startswith(torn)
+
+
 def scan_output(path: str, repair: bool) -> Resume:
     """Reads the rows in `path` (streaming, last row per key); with `repair`, truncates a torn
-    last line. Raises NotAnOutput when the file is not a jaxserve output."""
+    last line. Raises NotAnOutput when the file is not a jaxserve output.
+
+    A torn last line is repaired only in a file this job can show it wrote: one holding a
+    complete output row, or whose only line begins as an output row does. A file of one
+    unterminated line of anything else (a note, an empty-looking block) is not ours to cut."""
     rows: dict[str, tuple[str | None, bool]] = {}
     if not os.path.exists(path):
         return Resume(rows, 0)
@@ -131,6 +144,12 @@ def scan_output(path: str, repair: bool) -> Resume:
     for _, offset, raw, row in iter_output_rows(path):
         size = offset + len(raw)
         if row is None:
+            if num_lines == 0 and not _ours(raw):
+                raise NotAnOutput(
+                    f"{path!r} holds no jaxserve output row, and its only line ({len(raw)} "
+                    "bytes, no newline) does not begin as one: it is not a jaxserve output, so "
+                    "it is not cut; give another --output, or --overwrite to replace it"
+                )
             torn_at = offset
             continue
         num_lines += 1

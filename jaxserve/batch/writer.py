@@ -8,7 +8,8 @@ Dataflow:
       -> lock <realpath>.lock (fcntl.flock, exclusive, non-blocking; it holds the owner's pid):
          a second writer of the same output fails at once (OutputLocked, naming that pid)
       -> scan the existing file: not a jaxserve output -> refused (unless overwrite: emptied);
-         torn last line (no trailing newline, or not JSON) -> truncated away
+         torn last line (no trailing newline, or not JSON) of a file this job wrote (it holds an
+         output row, or the line begins as one) -> truncated away
       -> Resume(rows: key -> (fingerprint, failed))   the last row of each key an earlier run wrote
          (`resume.py` reads the file; `errors.py` holds the errors and exit codes)
     writer.write(row)  -> one os.write of `json + "\\n"` on an O_APPEND fd, then fsync
@@ -22,9 +23,12 @@ detects that line and cuts it off, so a rerun with the same output skips exactly
 corrupt line that is not the last one, or a complete line that is not an output row, is not a crash
 artefact, and `open()` refuses to guess (NotAnOutput).
 
-One row per key: a rerun appends a new row for a row it redoes (its request changed, or it was an
-error), so until the job compacts the file, readers (`scan_output`, `merge`) take the LAST row of
-each key in a file. A run that finishes compacts, so a finished file holds one row per key.
+One row per key, at every instant: before a rerun appends anything, it drops the rows it is about to
+redo (their request changed, or they were errors) with `compact(drop=...)`, which writes a new
+file and renames it over the old (a reader sees the old file or the new, never a torn one); every
+row it then appends is of a key the file does not hold. A run that finishes compacts again (its
+rows' `line` numbers, rows no longer in the input). Readers (`scan_output`, `merge`) still take the
+last row of each key, which also reads files older versions left with superseded rows.
 
 OS errors on the output (disk full, file too large, permission) raise OutputError with an exit
 code (see `jaxserve.launch.generate`).
@@ -188,12 +192,17 @@ class OutputWriter:
             raise os_error(self.path, e) from None
 
     def compact(
-        self, drop_errors_of: set[str] | None = None, lines: dict[str, int] | None = None
+        self,
+        drop_errors_of: set[str] | None = None,
+        lines: dict[str, int] | None = None,
+        drop: set[str] | None = None,
     ) -> int:
         """Rewrites the file with the last row of each key (the order of those rows kept),
         atomically (temp file + rename); with `drop_errors_of`, also drops the error rows of
-        those keys (rows no longer in the input); with `lines` (key -> input line), a row done
-        before lines moved gets its current `line`. Returns the number of rows removed."""
+        those keys (rows no longer in the input); with `drop`, every row of those keys (the rows
+        a run is about to redo: dropped before it appends their new rows, so the file never
+        holds two rows of one key); with `lines` (key -> input line), a row done before lines
+        moved gets its current `line`. Returns the number of rows removed."""
         if self._fd is None:
             raise ValueError("OutputWriter.compact before open()")
         last: dict[str, tuple[int, bytes, bool]] = {}
@@ -208,7 +217,11 @@ class OutputWriter:
                 raw, moved = encode_row(row), True
             last[key] = (number, raw, row.get("error") is not None)
         keep = sorted(
-            (v for k, v in last.items() if not (v[2] and drop_errors_of and k in drop_errors_of)),
+            (
+                v
+                for k, v in last.items()
+                if not (v[2] and drop_errors_of and k in drop_errors_of) and k not in (drop or ())
+            ),
             key=lambda v: v[0],
         )
         removed = total - len(keep)

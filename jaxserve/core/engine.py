@@ -371,14 +371,16 @@ class LLMEngine:
         detok = self._groups[req.group_id].detokenizers[req.index]
         accepted = req.grammar is None or req.grammar.accept(token)
         status = append_token(req, token, logprob, top, now, detok)
-        if status is None and not accepted:  # the mask allowed it, so this is a bug: say so
-            logger.error(
-                "request %s: token %d breaks its grammar (%s); aborted",
-                req.request_id,
-                token,
-                req.grammar.error,
+        if status is None and not accepted:
+            # The mask allowed the token, yet the matcher failed: the grammar library hit one of
+            # its limits mid-generation (a huge repetition count, say). That is the request's
+            # error, reported as such (finish_reason "error" and .error), not a quiet abort.
+            req.error = (
+                "structured_outputs: the grammar failed during generation after "
+                f"{len(req.output_token_ids)} tokens: {req.grammar.error or 'token rejected'}"
             )
-            status = RequestStatus.FINISHED_ABORTED
+            logger.warning("request %s: %s", req.request_id, req.error)
+            status = RequestStatus.FINISHED_ERROR
         if status is not None:
             self.scheduler.finish(req, status)
 

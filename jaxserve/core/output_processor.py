@@ -173,4 +173,5 @@ def make_output(group: RequestGroup) -> RequestOutput:
         if first.sampling_params.prompt_logprobs is not None
         else None,
         num_cached_tokens=sum(c.num_cached_tokens for c in children),
+        error=next((c.error for c in children if c.error is not None), None),
     )

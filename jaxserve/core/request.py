@@ -59,6 +59,7 @@ class Request:
     text: str = ""
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    error: str | None = None  # why it ended in FINISHED_ERROR (its output's .error)
     num_computed_tokens: int = 0
     num_prefill_tokens: int = 0
     num_pending_tokens: int = 0  # output tokens scheduled on the device, not yet seen by the host

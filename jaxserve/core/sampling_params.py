@@ -195,6 +195,9 @@ class SamplingParams:
         logit_bias keys may be strings of ints (JSON object keys), as in the OpenAI API."""
         if not isinstance(d, dict):
             raise ValueError(f"sampling parameters must be a dict, got {type(d).__name__}")
+        bad = [k for k in d if not isinstance(k, str)]
+        if bad:
+            raise ValueError(f"sampling parameter names must be strings, got {bad[0]!r}")
         return cls(**d)
 
     @property

@@ -33,6 +33,25 @@ from typing import Any
 import numpy as np
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# Deepest JSON schema taken (objects and arrays nested): real schemas are a few tens deep; a deeper
+# one would overflow Python's recursion (json.dumps, the grammar compiler) instead of failing alone.
+MAX_SCHEMA_DEPTH = 128
+# Largest constraint compiled: a grammar's size sets its compile time (100,000 choices took the
+# library 7-8 s, then failed with a Rust panic), so bigger ones are refused before compiling.
+MAX_CHOICES = 4096
+MAX_CONSTRAINT_CHARS = 1 << 20
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether dicts and lists nest deeper than `limit` in `value` (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list | tuple):
+            if d > limit:
+                return True
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +84,26 @@ class StructuredOutputsParams:
                 f"must be set; {what} specified"
             )
         if self.json is not None:
+            if isinstance(self.json, str) and len(self.json) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(
+                    f"structured_outputs.json has {len(self.json)} characters, more than "
+                    f"{MAX_CONSTRAINT_CHARS}"
+                )
             if isinstance(self.json, str):
                 try:
                     schema = json.loads(self.json)
+                except RecursionError:
+                    raise ValueError(
+                        f"structured_outputs.json is nested deeper than {MAX_SCHEMA_DEPTH} levels"
+                    ) from None
                 except ValueError as e:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             else:
                 schema = self.json
+            if _depth_exceeds(schema, MAX_SCHEMA_DEPTH):
+                raise ValueError(
+                    f"structured_outputs.json is nested deeper than {MAX_SCHEMA_DEPTH} levels"
+                )
             if not isinstance(schema, dict | bool):
                 raise ValueError(
                     "structured_outputs.json must be a JSON schema (an object), got "
@@ -83,11 +115,21 @@ class StructuredOutputsParams:
                 raise ValueError(
                     f"structured_outputs.{name} must be a string, got {type(value).__name__}"
                 )
+            if value is not None and len(value) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(
+                    f"structured_outputs.{name} has {len(value)} characters, more than "
+                    f"{MAX_CONSTRAINT_CHARS}"
+                )
         if self.choice is not None:
             if isinstance(self.choice, str) or not isinstance(self.choice, list | tuple):
                 raise ValueError("structured_outputs.choice must be a list of strings")
             if not self.choice or not all(isinstance(c, str) for c in self.choice):
                 raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(
+                    f"structured_outputs.choice has {len(self.choice)} alternatives, more than "
+                    f"{MAX_CHOICES}"
+                )
             set_("choice", tuple(self.choice))
         if self.json_object is not None and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be true when given")

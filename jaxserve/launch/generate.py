@@ -224,6 +224,12 @@ def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -
         log.warning(
             "retrying %d rows that failed before: %s", len(plan.retried), _listing(plan.retried)
         )
+    if leader and (plan.changed or plan.retried):
+        try:  # their old rows go first: the file never holds two rows of one key
+            writer.compact(drop=set(plan.changed) | set(plan.retried))
+        except OutputError as e:
+            writer.close()
+            return _fail(str(e), e.exit_code)
 
     stats, llm, load_s, code = JobStats(), None, None, 0
     try:

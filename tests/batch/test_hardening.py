@@ -227,6 +227,30 @@ def test_an_existing_file_that_is_not_an_output_is_refused_unless_overwrite(tmp_
     assert out.read_bytes() == b""
 
 
+@pytest.mark.parametrize(
+    "content",
+    [b"one line of prose, no newline", b"\x00\x00\x00\x00", b'{"note": 1}'],
+)
+def test_a_file_of_one_unterminated_line_that_is_not_ours_is_not_cut(tmp_path, content):
+    """Issue 58: a user's file of one line without a trailing newline looked like the torn last
+    line a crash leaves, and was cut to nothing. A torn line is cut only in a file the job can
+    show it wrote: one holding an output row, or whose only line begins as an output row."""
+    out = tmp_path / "notes.txt"
+    out.write_bytes(content)
+    with pytest.raises(NotAnOutput, match="notes.txt.*not a jaxserve output"):
+        OutputWriter(str(out)).open()
+    assert out.read_bytes() == content
+
+
+@pytest.mark.parametrize("torn", [b'{"id": "r0", "line": 1, "te', b'{"i'])
+def test_a_torn_first_row_of_ours_is_still_repaired(tmp_path, torn):
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(torn)  # the job died while writing its first row
+    with OutputWriter(str(out)) as w:
+        assert w.open().repaired_bytes == len(torn)
+    assert out.read_bytes() == b""
+
+
 def test_non_regular_outputs_are_refused_without_blocking(tmp_path):
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)

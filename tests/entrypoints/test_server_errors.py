@@ -189,6 +189,63 @@ def test_queue_full_is_503_with_retry_after(slow):
     wait_idle(slow.engine)
 
 
+def test_one_request_counts_its_prompts_and_samples_against_the_queue(slow):
+    """Issue 58: one completion whose prompt is a list of 20,000 strings queued ~19,300 engine
+    requests past max_queued_requests=1024. prompts x n now count: a request that can never fit
+    is a 400 naming the field, one that does not fit now a 503, and nothing of it is queued."""
+    server = _serve(slow, max_queued_requests=4)
+    try:
+        before = slow.num_unfinished
+        many = {"prompt": [[3, 4]] * 5, "max_tokens": 2}
+        assert (
+            "max_queued_requests=4"
+            in _error(_post(f"{server.url}/completions", many), 400, "prompt")["message"]
+        )
+        samples = {"prompt": [3, 4], "max_tokens": 2, "n": 5}
+        _error(_post(f"{server.url}/completions", samples), 400, "n")
+        assert slow.num_unfinished == before  # nothing was queued
+        fits = {"prompt": [[3, 4]] * 3, "max_tokens": 2}
+        r = _post(f"{server.url}/completions", fits)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    finally:
+        server.stop()
+    wait_idle(slow.engine)
+
+
+class _SlowTokenizer:
+    """Two seconds a call (a sleep releases the GIL, as a tokenizer's native code mostly does)."""
+
+    def __call__(self, text, add_special_tokens=True):
+        time.sleep(2.0)
+        return {"input_ids": [3] * min(len(text), 8)}
+
+
+def test_a_long_tokenization_does_not_stall_other_clients():
+    """Issue 58: a 7 MB prompt was tokenized on the event loop: /health went unanswered for
+    seconds. Tokenizing runs in a worker thread now, and a prompt over the batch job's bound
+    (4 Mi characters) is a 400 naming it before any tokenizing."""
+    allm = AsyncLLM.from_engine(fake_engine())
+    allm.tokenizer = _SlowTokenizer()
+    server = _serve(allm)
+    try:
+        slow_call = threading.Thread(
+            target=_post, args=(f"{server.base}/tokenize", {"model": "tiny", "prompt": "hello"})
+        )
+        slow_call.start()
+        time.sleep(0.3)  # the tokenize request is in its tokenizer now
+        t0 = time.monotonic()
+        assert httpx.get(f"{server.base}/health", timeout=30).status_code == 200
+        assert time.monotonic() - t0 < 1.0  # not behind the 2 s tokenization
+        slow_call.join(30)
+        t0 = time.monotonic()
+        huge = {"model": "tiny", "prompt": "x" * ((4 << 20) + 1), "max_tokens": 1}
+        err = _error(_post(f"{server.url}/completions", huge), 400, "prompt")
+        assert "more than 4194304" in err["message"] and time.monotonic() - t0 < 1.9
+    finally:
+        server.stop()
+        allm.shutdown()
+
+
 def test_request_timeout(slow):
     server = _serve(slow, request_timeout_s=0.2)
     body = {"prompt": [3, 4], "max_tokens": 60, "ignore_eos": True}

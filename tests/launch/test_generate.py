@@ -195,6 +195,36 @@ def test_changed_input_is_redone_and_the_file_compacted(tmp_path, run_main, capl
     assert rc == 0 and len(llms[-1][1].submitted) == 5 and len(read(out)) == 5
 
 
+def test_a_reader_never_sees_two_rows_of_one_id(tmp_path, run_main, monkeypatch):
+    """Issue 58: a rerun retries an error row (a prompt over max_model_len fails by design) and
+    redoes a changed row; the file must hold at most one row per id after every write, not only
+    once the run has finished and compacted (a reader after a crash sees the file as it is)."""
+    long_prompt = "x" * 100  # over the FakeLLM's max_model_len of 64 bytes
+    inp = write_rows(
+        tmp_path / "in.jsonl", 3, extra=[json.dumps({"id": "long", "prompt": long_prompt})]
+    )
+    out = tmp_path / "out.jsonl"
+    seen = []
+    write = OutputWriter.write
+
+    def write_and_look(self, row):  # what a reader of the file sees after each append
+        write(self, row)
+        keys = [output_key(r) for r in read(self.path)]
+        seen.append(len(keys) - len(set(keys)))
+
+    monkeypatch.setattr(OutputWriter, "write", write_and_look)
+    assert run_main(f"--input={inp}", f"--output={out}", "--max_tokens=3")[0] == 0
+    lines = inp.read_text().splitlines()
+    lines[0] = json.dumps({"id": "q0", "prompt": "a new question"})
+    inp.write_text("\n".join(lines) + "\n")
+    seen.clear()
+    assert run_main(f"--input={inp}", f"--output={out}", "--max_tokens=3")[0] == 0
+    assert len(seen) == 2 and seen == [0, 0], seen  # q0 redone, "long" retried (fails again)
+    rows = read(out)
+    assert sorted(r["id"] for r in rows) == ["long", "q0", "q1", "q2"]
+    assert "max_model_len" in {r["id"]: r for r in rows}["long"]["error"]
+
+
 # -- real runs: the tiny dummy model in subprocesses ---------------------------------------------
 
 ENGINE_ARGS = [

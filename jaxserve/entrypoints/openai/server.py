@@ -35,7 +35,7 @@ from jaxserve.entrypoints.openai.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from jaxserve.entrypoints.openai.serving import APIError, ServingState, tokenize_text
+from jaxserve.entrypoints.openai.serving import APIError, ServingState, off_loop, tokenize_text
 from jaxserve.entrypoints.openai.serving_chat import apply_template, create_chat_completion
 from jaxserve.entrypoints.openai.serving_completion import create_completion
 from jaxserve.entrypoints.openai.serving_responses import create_response
@@ -119,6 +119,17 @@ class _Guard:
         return await self.app(scope, receive, send)
 
 
+def engine_requests(req) -> tuple[int, str]:
+    """(engine requests `req` queues: its prompts x n, the field that sets the count). A
+    completion's prompt may be a list of prompts (strs, or token-id lists); a list of ints is one
+    prompt's token ids."""
+    n = getattr(req, "n", None) or 1
+    prompt = getattr(req, "prompt", None)
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt) * n, "prompt"
+    return n, "n"
+
+
 def build_app(
     async_llm,
     served_model_name: str,
@@ -180,6 +191,24 @@ def build_app(
     async def serve(request: Request, model, handler):
         check_capacity()
         req = _parse(model, await body_of(request))
+        # A request queues one engine request per prompt and sample: count them all against
+        # the limit, so one client's 20,000-prompt list cannot fill the engine.
+        cost, field = engine_requests(req)
+        if cost > max_queued_requests:
+            raise APIError(
+                400,
+                f"this request asks for {cost} completions (prompts x n), more than the "
+                f"server queues at once (max_queued_requests={max_queued_requests}); split it",
+                field,
+            )
+        if async_llm.num_waiting + cost > max_queued_requests:
+            raise APIError(
+                503,
+                f"server busy: {async_llm.num_waiting} requests already waiting and this one "
+                f"adds {cost} (max_queued_requests={max_queued_requests}); retry later",
+                type="service_unavailable",
+                headers={"Retry-After": "1"},
+            )
         if req.stream:
             events = await handler(state, req)
             return _AbortingStream(events, media_type="text/event-stream")
@@ -239,9 +268,9 @@ def build_app(
         req = _parse(TokenizeRequest, await body_of(request))
         state.check_model(req.model)
         if req.messages is not None:
-            _, ids = apply_template(state, req.messages, req.add_generation_prompt)
+            _, ids = await off_loop(apply_template, state, req.messages, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = tokenize_text(state, req.prompt, req.add_special_tokens)
+            ids = await off_loop(tokenize_text, state, req.prompt, req.add_special_tokens)
         else:
             raise APIError(400, "tokenize needs 'prompt' or 'messages'", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}

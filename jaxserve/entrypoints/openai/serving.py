@@ -183,10 +183,32 @@ async def check_request(state: ServingState, req, ids: list[int], sp: SamplingPa
         raise APIError(400, error, param)
 
 
+# Longest text prompt or rendered conversation, in characters: the batch job's bound
+# (`batch.job.RENDER_MAX_CHARS`); a longer one is a 400 before any tokenizing.
+MAX_PROMPT_CHARS = 4 << 20
+
+
+def check_prompt_chars(text: str, param: str) -> None:
+    if len(text) > MAX_PROMPT_CHARS:
+        raise APIError(
+            400, f"{param} has {len(text)} characters, more than {MAX_PROMPT_CHARS}", param
+        )
+
+
 def tokenize_text(state: ServingState, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A text prompt's token ids (400 naming 'prompt' when too long or without a tokenizer).
+    Callers on the event loop run it in a worker thread (`off_loop`): a long prompt's
+    tokenizing must not stall every other client."""
     if state.tokenizer is None:
         raise APIError(400, "text prompts need a tokenizer; send token ids", "prompt")
+    check_prompt_chars(text, "prompt")
     return list(state.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+async def off_loop(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a worker thread: tokenizing and chat-template rendering, whose cost
+    grows with the request, so /health and other clients' streams are answered meanwhile."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 def token_str(state: ServingState, token_id: int) -> str:

@@ -32,12 +32,14 @@ from jaxserve.entrypoints.openai.serving import (
     APIError,
     ServingState,
     check_prompt,
+    check_prompt_chars,
     check_request,
     check_unserved,
     clamp_logprob,
     deadline,
     generate_all,
     make_sampling_params,
+    off_loop,
     prompt_logprobs_out,
     sse,
     sse_stream,
@@ -81,7 +83,7 @@ def apply_template(
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     try:
-        return render_chat(
+        text, ids = render_chat(
             tok,
             conv,
             chat_template=chat_template if chat_template is not None else state.chat_template,
@@ -92,6 +94,8 @@ def apply_template(
         )
     except Exception as e:  # a template error is the caller's conversation
         raise APIError(400, f"chat template failed: {e}", "messages") from None
+    check_prompt_chars(text, "messages")
+    return text, ids
 
 
 def _logprobs(state, c: CompletionOutput, start: int, k: int) -> ChatLogprobs:
@@ -125,7 +129,8 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     kwargs = req.chat_template_kwargs
     if req.documents is not None:  # vLLM's: for templates that render documents (RAG)
         kwargs = {"documents": req.documents, **(kwargs or {})}
-    text, ids = apply_template(
+    text, ids = await off_loop(
+        apply_template,
         state,
         req.messages,
         req.add_generation_prompt,

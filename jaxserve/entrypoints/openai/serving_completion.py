@@ -32,6 +32,7 @@ from jaxserve.entrypoints.openai.serving import (
     deadline,
     generate_all,
     make_sampling_params,
+    off_loop,
     prompt_logprobs_out,
     sse,
     sse_stream,
@@ -136,7 +137,7 @@ async def create_completion(state: ServingState, req: CompletionRequest):
     """The response object, or (stream=True) an async iterator of SSE strings."""
     state.check_model(req.model)
     check_unserved(req)
-    prompts = _prompts(state, req)
+    prompts = await off_loop(_prompts, state, req)
     max_tokens = [
         check_prompt(state, ids, req.max_tokens, DEFAULT_MAX_TOKENS) for _, ids in prompts
     ]

@@ -58,6 +58,7 @@ from jaxserve.entrypoints.openai.serving import (
     deadline,
     generate_all,
     make_sampling_params,
+    off_loop,
     truncate,
 )
 from jaxserve.entrypoints.openai.serving_chat import apply_template
@@ -197,7 +198,7 @@ async def create_response(state: ServingState, req: ResponsesRequest):
     tools = chat_tools(req)
     use = tool_use(state, req, tools)
     try:
-        text, ids = apply_template(state, to_messages(req), tools=tools)
+        text, ids = await off_loop(apply_template, state, to_messages(req), tools=tools)
     except APIError as e:
         if e.param == "messages":
             e.param = "input"
