@@ -24,35 +24,14 @@ XLA_FLAGS = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level
 ENV = {**os.environ, "XLA_FLAGS": XLA_FLAGS}
 
 
-@pytest.mark.parametrize(
-    "script,checks",
-    [("gpu_int4.py", ("check", "stack")), ("gpu_kernels.py", ("correctness", "large_pools"))],
-)
-def test_gpu_script_smoke(tmp_path, script, checks):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / script), "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads((tmp_path / script.replace(".py", ".json")).read_text())
-    assert out["smoke"] is True
-    for part in checks:  # each check row says ok (or, for the stack timing, the same output)
-        assert out[part] and all(c.get("ok", c.get("same")) for c in out[part]), part
-
-
-def test_gpu_tp_smoke(tmp_path):
-    """experiments/gpu_tp.py on 4 host CPU devices (it sets the flag itself): the TP 2 and TP 4
-    decode steps (4 replicating the tiny model's 2 KV heads) give TP 1's tokens, and every
-    timing row (f32 and INT4 at TP 1 and 2, against the narrow one-device model) runs."""
+def smoke(script: str, tmp_path, *flags: str) -> dict:
+    """experiments/<script> --smoke [flags] --out tmp_path (exit 0), and the JSON it wrote."""
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "experiments" / "gpu_tp.py"),
+            str(ROOT / "experiments" / script),
             "--smoke",
+            *flags,
             "--out",
             str(tmp_path),
         ],
@@ -63,7 +42,25 @@ def test_gpu_tp_smoke(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads((tmp_path / "gpu_tp.json").read_text())
+    return json.loads((tmp_path / script.replace(".py", ".json")).read_text())
+
+
+@pytest.mark.parametrize(
+    "script,checks",
+    [("gpu_int4.py", ("check", "stack")), ("gpu_kernels.py", ("correctness", "large_pools"))],
+)
+def test_gpu_script_smoke(tmp_path, script, checks):
+    out = smoke(script, tmp_path)
+    assert out["smoke"] is True
+    for part in checks:  # each check row says ok (or, for the stack timing, the same output)
+        assert out[part] and all(c.get("ok", c.get("same")) for c in out[part]), part
+
+
+def test_gpu_tp_smoke(tmp_path):
+    """experiments/gpu_tp.py on 4 host CPU devices (it sets the flag itself): the TP 2 and TP 4
+    decode steps (4 replicating the tiny model's 2 KV heads) give TP 1's tokens, and every
+    timing row (f32 and INT4 at TP 1 and 2, against the narrow one-device model) runs."""
+    out = smoke("gpu_tp.py", tmp_path)
     assert out["smoke"] is True and out["devices"] == 4
     assert [r["tp"] for r in out["correctness"]] == [1, 2, 4]
     assert all(r["ok"] and r["tokens_equal"] for r in out["correctness"]), out["correctness"]
@@ -80,23 +77,7 @@ def test_gpu_decode_smoke(tmp_path):
     tiny preset, bf16 and INT4, under the engine's XLA options and XLA's defaults, with the same
     greedy tokens from both; the profile path reduces the CPU trace to its table; no GPU target
     config on the CPU, said so."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "experiments" / "gpu_decode.py"),
-            "--smoke",
-            "--profile",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads((tmp_path / "gpu_decode.json").read_text())
+    out = smoke("gpu_decode.py", tmp_path, "--profile")
     assert out["smoke"] is True and "meaningless" in out["note"]
     assert "skipped" in out["target_config"]
     rows = {r["weights"]: r for r in out["cases"]}

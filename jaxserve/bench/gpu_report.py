@@ -31,18 +31,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import re
 
 from jaxserve.bench.deviceless import GpuProgram
+from jaxserve.bench.xla_text import (
+    Instruction,
+    Thunk,
+    array_shapes,
+    attr,
+    parse_module,
+    parse_thunks,
+    shape_bytes,
+    split_top,
+    trip_count,
+)
 
-_DTYPE_BYTES = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3": 1, "f8e8m0fnu": 1, "s16": 2, "u16": 2,
-    "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-    "c64": 8, "c128": 16,
-}  # fmt: skip
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 # Thunks that issue work on the device (everything else nests or orders them).
 _CONTAINERS = {
     "kCommandBuffer", "kWhile", "kConditional", "kSequential", "kAsyncStart", "kAsyncDone",
@@ -57,119 +60,12 @@ CONSTANT = "constant"  # the flag of a value computed from constants alone
 _VIEWS = {"bitcast", "get-tuple-element", "tuple", "parameter", "while", "conditional", "call"}
 
 
-def array_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    """'(bf16[1,4096]{1,0}, s32[])' -> [('bf16', (1, 4096)), ('s32', ())]."""
-    return [
-        (t, tuple(int(d) for d in dims.split(",") if d))
-        for t, dims in _ARRAY.findall(shape)
-        if t in _DTYPE_BYTES
-    ]
-
-
-def shape_bytes(shape: str) -> int:
-    return int(sum(_DTYPE_BYTES[t] * math.prod(d) for t, d in array_shapes(shape)))
-
-
-@dataclasses.dataclass
-class Instruction:
-    name: str
-    shape: str  # the result type as printed
-    opcode: str
-    operands: list[str]
-    attrs: str  # everything after the operands
-    args: str = ""  # the text inside the parentheses (a parameter's number, a constant)
-
-
-def _split_top(text: str) -> list[str]:
-    """Splits at commas not inside (), {} or []."""
-    out, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "({[":
-            depth += 1
-        elif ch in ")}]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        out.append("".join(cur).strip())
-    return out
-
-
-def _balanced(text: str, start: int) -> int:
-    """Index just past the bracket group opening at text[start]."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "({[":
-            depth += 1
-        elif text[i] in ")}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    raise ValueError(f"unbalanced: {text[start : start + 80]!r}")
-
-
-def parse_instruction(line: str) -> Instruction | None:
-    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
-    if not m:
-        return None
-    rest = line[m.end() :]
-    if rest.startswith("("):
-        end = _balanced(rest, 0)
-        shape, rest = rest[:end], rest[end:].lstrip()
-    else:
-        shape, _, rest = rest.partition(" ")
-    op = re.match(r"([\w\-]+)\(", rest)
-    if not op:
-        return None
-    end = _balanced(rest, op.end() - 1)
-    # an operand prints as %name, after a /*index=5*/ comment every fifth
-    operands = re.findall(r"%([\w.\-]+)", rest[op.end() : end - 1])
-    args = rest[op.end() : end - 1]
-    return Instruction(m.group(1), shape, op.group(1), operands, rest[end:], args)
-
-
-def parse_module(hlo: str) -> tuple[dict[str, list[Instruction]], str]:
-    """HLO module text -> ({computation name: instructions in order}, entry computation name)."""
-    comps, entry, current = {}, None, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(ENTRY )?%([\w.\-]+) \(.*\{\s*$", line)
-        if head:
-            current = head.group(2)
-            comps[current] = []
-            if head.group(1):
-                entry = current
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        if current is not None:
-            ins = parse_instruction(line)
-            if ins:
-                comps[current].append(ins)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return comps, entry
-
-
-def _attr(attrs: str, key: str) -> str | None:
-    m = re.search(rf"\b{key}=%?([\w.\-]+)", attrs)
-    return m.group(1) if m else None
-
-
-def trip_count(ins: Instruction) -> int | None:
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
-    return int(m.group(1)) if m else None
-
-
 def _consumes_in_place(ins: Instruction) -> bool:
     """A GEMM, kernel or library call: reads its operands where they are."""
     if ins.opcode == "custom-call":
         return True
     if ins.opcode in ("fusion", "fusion-start"):
-        kind = _attr(ins.attrs, "kind")
+        kind = attr(ins.attrs, "kind")
         return kind == "kCustom"  # Triton GEMMs, dynamic-slice fusions around cuBLAS, ...
     return ins.opcode in ("dot", "convolution")
 
@@ -205,14 +101,14 @@ class _Walk:
             return param_flags[i] if i < len(param_flags) else False
         if op == "get-tuple-element":
             src = ops[0] if ops else False
-            idx = int(_attr(ins.attrs, "index") or 0)
+            idx = int(attr(ins.attrs, "index") or 0)
             if isinstance(src, list):
                 return src[idx] if idx < len(src) else False
             return src
         if op == "tuple":
             return [o if isinstance(o, list) or o in (True, CONSTANT) else False for o in ops]
         if op == "while":
-            body, cond = _attr(ins.attrs, "body"), _attr(ins.attrs, "condition")
+            body, cond = attr(ins.attrs, "body"), attr(ins.attrs, "condition")
             n = trip_count(ins)
             self.loops.append((ins.name, n, times))
             init = ops[0] if ops and isinstance(ops[0], list) else [False]
@@ -223,8 +119,8 @@ class _Walk:
             branches = re.findall(r"%([\w.\-]+)", ins.attrs.split("branch_computations=")[-1])
             if "true_computation" in ins.attrs:
                 branches = [
-                    _attr(ins.attrs, "true_computation"),
-                    _attr(ins.attrs, "false_computation"),
+                    attr(ins.attrs, "true_computation"),
+                    attr(ins.attrs, "false_computation"),
                 ]
             for b, arg in zip(branches, ops[1:]):
                 if b in self.comps:
@@ -233,10 +129,10 @@ class _Walk:
         if (
             op == "call"
             or op.endswith("-start")
-            and _attr(ins.attrs, "calls")
+            and attr(ins.attrs, "calls")
             and op != "fusion-start"
         ):
-            called = _attr(ins.attrs, "to_apply") or _attr(ins.attrs, "calls")
+            called = attr(ins.attrs, "to_apply") or attr(ins.attrs, "calls")
             if called in self.comps:
                 self.run(called, list(ops), times)
             return False
@@ -244,7 +140,7 @@ class _Walk:
         if base in _COLLECTIVES and not op.endswith("-done"):
             self.collectives[base] += times
         if op in ("fusion", "fusion-start"):  # a collective fused into a kernel (one-shot)
-            for kind in self._fused_collectives(_attr(ins.attrs, "calls")):
+            for kind in self._fused_collectives(attr(ins.attrs, "calls")):
                 self.collectives[kind] += times
         if op.endswith("-done"):
             return ops[0] if ops and ops[0] in (True, CONSTANT) else False
@@ -259,7 +155,7 @@ class _Walk:
             return op in _VIEWS
         out = ins.shape
         if op in ("fusion-start", "copy-start"):  # ((operands), result, context) / (dst, src, ctx)
-            parts = _split_top(ins.shape[1:-1])
+            parts = split_top(ins.shape[1:-1])
             out = parts[1] if op == "fusion-start" else parts[0]
         self.materialized[ins.name] += shape_bytes(out) * times
         return True
@@ -276,43 +172,6 @@ class _Walk:
         if not hasattr(self, "_shape_cache"):
             self._shape_cache = {i.name: i.shape for c in self.comps.values() for i in c}
         return max((len(d) for _, d in array_shapes(self._shape_cache.get(name, ""))), default=0)
-
-
-# --- the thunk sequence ---------------------------------------------------------------------------
-@dataclasses.dataclass
-class Thunk:
-    id: int
-    kind: str
-    text: str  # the rest of the line (kernel name, grid, ...)
-    children: list[Thunk] = dataclasses.field(default_factory=list)
-    role: str = ""  # within a while: 'condition' | 'body'; within a conditional: the branch
-
-
-def parse_thunks(text: str) -> list[Thunk]:
-    """The thunk sequence dump -> a forest, nested by indentation."""
-    roots: list[Thunk] = []
-    stack: list[tuple[int, Thunk]] = []
-    role = ""
-    for line in text.splitlines():
-        # (XLA prints an empty branch as "No thunks." with the next label on the same line)
-        label = re.search(r"(condition|body|true_branch|false_branch|branch \d+):\s*$", line)
-        if label and not re.match(r"^\s*\d+: k", line):
-            role = label.group(1)
-            continue
-        m = re.match(r"^(\s*)(\d+): (k\w+)\s*(?:\[[^\]]*\])?\s*(.*)$", line)
-        if not m:
-            continue
-        indent = len(m.group(1))
-        thunk = Thunk(int(m.group(2)), m.group(3), m.group(4).strip())
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        if stack:
-            thunk.role = role
-            stack[-1][1].children.append(thunk)
-        else:
-            roots.append(thunk)
-        stack.append((indent, thunk))
-    return roots
 
 
 @dataclasses.dataclass

@@ -85,17 +85,6 @@ def program():
     return GpuProgram("step", HLO, THUNKS, names, compile_s=1.5, compiler_options={})
 
 
-def test_instructions_parse_with_tuple_shapes_and_index_comments():
-    ins = gpu_report.parse_instruction(
-        "  %x2 = f32[2,8]{1,0} fusion(%red, /*index=5*/%x), kind=kLoop, calls=%fused_slice"
-    )
-    assert (ins.name, ins.opcode, ins.operands) == ("x2", "fusion", ["red", "x"])
-    line = next(x for x in HLO.splitlines() if "= ((bf16" in x)
-    start = gpu_report.parse_instruction(line)
-    assert start.opcode == "fusion-start" and start.shape.startswith("((bf16[4,8,16]")
-    assert gpu_report.shape_bytes("(bf16[1,8,16]{2,1,0}, s32[])") == 8 * 16 * 2 + 4
-
-
 def test_weight_copies_in_the_loop_count_once_per_trip():
     r = gpu_report.report(program(), layer_trip_count=4)
     # per trip the slice of w (8 x 16 bf16); once the whole w copied at the entry. Not: the GEMM
