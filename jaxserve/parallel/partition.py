@@ -197,7 +197,13 @@ def shard_params(params: dict, config: ModelConfig, mesh) -> dict:
 def place(x, sharding: NamedSharding) -> jax.Array:
     """One array onto `sharding`, each device getting only its slice. Within one process that is
     `jax.device_put`; across processes each builds its devices' shards from its host copy
-    (`jax.make_array_from_callback`), as every process holds the same weights."""
+    (`jax.make_array_from_callback`), as every process holds the same weights. An array that
+    already spans processes (loaded straight onto the mesh, `load_spec`) has no host copy to
+    take: it is resharded on the devices, every process running the same program."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        return jax.jit(lambda a: a, out_shardings=sharding)(x)
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
     host = np.asarray(x)

@@ -61,11 +61,12 @@ def test_set_flags_reach_the_engine(parsed):
         "--num_pages=40", "--tensor_parallel_size=2", "--data_parallel_size=3",
         "--max_logprobs=5", "--on_bad_request=raise", "--num_speculative_tokens=0",
         "--prompt_lookup_max=4", "--prompt_lookup_min=2", "--speculative_disable_by_batch_size=8",
-        "--compilation_cache=off",
+        "--compilation_cache=off", "--revision=v2",
     )  # fmt: skip
     kw = engine_flags.llm_kwargs(fv)
     assert kw == {
         "model": "tiny",
+        "revision": "v2",
         "load_format": "dummy",
         "quantization": "int4-rtn",
         "dtype": "float32",

@@ -106,3 +106,21 @@ def test_mismatched_recipe_or_shapes_are_errors_naming_the_weight(tmp_path):
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="Int4Weight.scales has shape"):
         checkpoint.load_checkpoint(path)
+
+
+def test_int4_groups_that_cannot_split_over_the_devices_are_named_before_restoring():
+    """An INT4 checkpoint whose row-parallel groups do not fit a device's rows fails naming the
+    weight and the fix, not with orbax's sharding error (found across two processes, issue 58)."""
+    weights = {
+        "layers/wq": {"type": "Int4Weight", "static": {"group_size": 32}, "shape": [2, 64, 64]},
+        "layers/wo": {"type": "Int4Weight", "static": {"group_size": 32}, "shape": [2, 64, 64]},
+    }
+    checkpoint._check_row_groups(weights, 2)  # 32 rows per device: one group each
+    with pytest.raises(
+        ValueError,
+        match=r"layers/wo: INT4 groups of 32 rows cannot split over "
+        r"tensor_parallel_size=4 \(16 input rows per device\)",
+    ):
+        checkpoint._check_row_groups(weights, 4)
+    int8 = {"layers/wo": {"type": "Int8Weight", "static": {}, "shape": [2, 64, 64]}}
+    checkpoint._check_row_groups(int8, 4)  # per-channel scales: any split
