@@ -225,6 +225,14 @@ class EngineConfig:
         "refilled only once the whole batch has finished (the baseline). Default: continuous.",
         BATCHINGS,
     )
+    scheduling_policy: str = _setting(
+        "fcfs",
+        "fcfs: waiting requests are admitted in arrival order, and under memory pressure the "
+        "newest running one is preempted; priority: by each request's priority (lower first, "
+        "then arrival), and the lowest-priority running one is preempted (vLLM's policies). "
+        "Default: fcfs.",
+        ("fcfs", "priority"),
+    )
     async_scheduling: bool = _setting(
         True,
         "Plan and dispatch step N+1 before reading step N's tokens back, so the host's work "

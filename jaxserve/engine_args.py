@@ -32,6 +32,56 @@ class VllmOptions:
     hf_token: str | bool | None = None  # for Hub ids (else HF_TOKEN or the saved login)
 
 
+# vLLM constructor arguments that have no meaning in jaxserve: name -> (whether a value changes
+# nothing here, why). Such a value is accepted with a logged note; any other would silently mean
+# something else, and is refused naming the argument.
+_ANY = lambda v: True
+_OFF = lambda v: not v
+VLLM_NO_OPS = {
+    "enforce_eager": (_ANY, "every step is one compiled XLA program (no CUDA-graph toggle)"),
+    "trust_remote_code": (_ANY, "jaxserve runs its own code for the families it supports"),
+    "code_revision": (_ANY, "no remote code is run"),
+    "disable_log_stats": (_ANY, "stats are kept on the host (LLM.stats())"),
+    "swap_space": (_ANY, "preemption recomputes; nothing is swapped to the host"),
+    "max_seq_len_to_capture": (_ANY, "no CUDA-graph capture sizes"),
+    "disable_custom_all_reduce": (_ANY, "collectives are XLA's"),
+    "compilation_config": (_ANY, "XLA compiles the steps (see compilation_cache)"),
+    "distributed_executor_backend": (_ANY, "one SPMD program over a jax Mesh"),
+    "disable_async_output_proc": (_ANY, "outputs are processed on the host between steps"),
+    "served_model_name": (_ANY, "a server setting; LLM serves no name"),
+    "enable_chunked_prefill": (lambda v: v in (None, True), "prefill is always chunked"),
+    "tokenizer_mode": (lambda v: v in ("auto", "hf"), "the Hugging Face tokenizer is used"),
+    "task": (lambda v: v in ("auto", "generate"), "jaxserve generates text only"),
+    "runner": (lambda v: v in ("auto", "generate"), "jaxserve generates text only"),
+    "pipeline_parallel_size": (
+        lambda v: v == 1,
+        "no pipeline parallelism (use tensor_parallel_size)",
+    ),
+    "skip_tokenizer_init": (_OFF, "a model's tokenizer is always loaded"),
+    "cpu_offload_gb": (_OFF, "weights are never offloaded to the host"),
+    "hf_overrides": (_OFF, "the model's config.json is read as it is"),
+    "enable_lora": (_OFF, "LoRA adapters are not supported yet"),
+    "limit_mm_per_prompt": (_OFF, "text-only models"),
+    "mm_processor_kwargs": (_OFF, "text-only models"),
+    "download_dir": (_OFF, "Hub downloads go to huggingface_hub's cache (set HF_HUB_CACHE)"),
+    "override_generation_config": (_OFF, "use generation_config='vllm' and SamplingParams"),
+}
+
+
+def drop_vllm_no_ops(settings: dict) -> dict:
+    """`settings` without vLLM's arguments that mean nothing here (each logged); ValueError for
+    one whose value would silently mean something else (`VLLM_NO_OPS`)."""
+    out = dict(settings)
+    for name, (harmless, why) in VLLM_NO_OPS.items():
+        if name not in out:
+            continue
+        value = out.pop(name)
+        if not harmless(value):
+            raise ValueError(f"{name}={value!r} is not supported: {why}")
+        logger.info("%s=%r has no effect in jaxserve: %s", name, value, why)
+    return out
+
+
 # vLLM's name -> EngineConfig's, for options that mean the same thing
 SETTING_ALIASES = {"max_num_seqs": "num_slots", "block_size": "page_size"}
 # vLLM's dtype names -> jaxserve's. jaxserve computes in bfloat16 or float32; vLLM's "auto" keeps
@@ -64,7 +114,7 @@ def vllm_settings(settings: dict) -> tuple[dict, VllmOptions]:
     (max_num_seqs -> num_slots, block_size -> page_size, dtype="auto"/"half"/"float16"/"float",
     speculative_config -> its fields), and the vLLM options that are not EngineConfig fields.
     ValueError naming a bad one."""
-    settings = dict(settings)
+    settings = drop_vllm_no_ops(settings)
     spec = settings.pop("speculative_config", None)
     settings = merge_speculative_config(settings, spec, "as a setting and in speculative_config")
     for alias, name in SETTING_ALIASES.items():

@@ -151,11 +151,15 @@ class LLM:
         """Compiles every step variant now (otherwise the first steps compile); returns seconds."""
         return self.engine.runner.warmup()
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt, in input order."""
+    def generate(
+        self, prompts, sampling_params=None, use_tqdm: bool = True, priority=None
+    ) -> list[RequestOutput]:
+        """One output per prompt, in input order. priority: one int per prompt, lower first,
+        with scheduling_policy="priority" (vLLM's; any other is a ValueError under fcfs)."""
         prompts = _as_list(prompts)
         results: list[RequestOutput | None] = [None] * len(prompts)
-        for i, out in self.iter_generate(prompts, sampling_params, use_tqdm=use_tqdm):
+        it = self.iter_generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        for i, out in it:
             results[i] = out
         return results
 
@@ -199,7 +203,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def iter_generate(
-        self, prompts, sampling_params=None, use_tqdm: bool = False, stop=None
+        self, prompts, sampling_params=None, use_tqdm: bool = False, stop=None, priority=None
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Yields (input index, finished output) in completion order as each request finishes.
 
@@ -210,6 +214,11 @@ class LLM:
         """
         prompts = _as_list(prompts)
         params = self._per_prompt_params(sampling_params, len(prompts))
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        for p in priority:
+            self.engine.check_priority(p)
         index: dict[str, int] = {}
         pbar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
         t0, out_tokens = time.perf_counter(), 0
@@ -217,7 +226,7 @@ class LLM:
             prompts = [self._checked(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         try:  # submission inside: if it raises, the requests already queued are aborted too
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                index[self._submit(prompt, sp, stream=False)] = i
+                index[self._submit(prompt, sp, stream=False, priority=priority[i])] = i
             while index:
                 # The outbox holds only what the last step returned: O(finished), not O(queued).
                 for rid in [r for r in self._outbox if r in index]:
@@ -322,7 +331,7 @@ class LLM:
                 error = f"invalid sampling parameters: {type(e).__name__}: {e}"
         return text, ids, sp, error
 
-    def _submit(self, prompt, sp, stream: bool) -> str:
+    def _submit(self, prompt, sp, stream: bool, priority: int = 0) -> str:
         rid = self.engine.next_request_id()
         text, ids, sp, error = self._prepare(prompt, sp)
         if error is not None:
@@ -337,7 +346,7 @@ class LLM:
                 )
             )
             return rid
-        self.engine.add_request(rid, text, ids, sp, stream=stream)
+        self.engine.add_request(rid, text, ids, sp, stream=stream, priority=priority)
         return rid
 
     def _parse_prompt(self, prompt) -> tuple[str | None, list[int] | None, str | None]:

@@ -672,6 +672,45 @@ def test_vllm_constructor_aliases():
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (2, 3, 3)
 
 
+def test_vllm_arguments_without_meaning_here_are_noted_or_refused(caplog):
+    """vLLM's common constructor arguments that mean nothing in jaxserve are accepted with a
+    logged note (`engine_args.VLLM_NO_OPS`); a value whose meaning would silently differ is a
+    ValueError naming it, before the model loads."""
+    quiet = dict(enforce_eager=True, trust_remote_code=True, swap_space=4, disable_log_stats=True)
+    quiet |= dict(enable_chunked_prefill=True, tokenizer_mode="auto", pipeline_parallel_size=1)
+    with caplog.at_level("INFO", logger="jaxserve.engine_args"):
+        llm = LLM("tiny", **quiet, **KW)
+    assert llm.engine_config.num_slots == KW["num_slots"]
+    assert "enforce_eager=True has no effect in jaxserve" in caplog.text
+    for name, value in (
+        ("enable_lora", True),
+        ("pipeline_parallel_size", 2),
+        ("enable_chunked_prefill", False),
+        ("tokenizer_mode", "mistral"),
+        ("skip_tokenizer_init", True),
+        ("cpu_offload_gb", 4),
+    ):
+        with pytest.raises(ValueError, match=rf"{name}={value!r} is not supported"):
+            LLM("tiny", **{name: value}, **KW)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
+        LLM("tiny", no_such_option=1, **KW)
+
+
+def test_priority_needs_the_priority_policy():
+    """vLLM: LLM.generate(priority=[...]) under the default fcfs policy is a ValueError before
+    anything runs; under scheduling_policy="priority" the lists run (their order: the engine's
+    tests, tests/core/test_engine_vllm_rules.py)."""
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        make_llm().generate([prompt, prompt], sp, use_tqdm=False, priority=[0, 1])
+    llm = make_llm(scheduling_policy="priority")
+    with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
+        llm.generate([prompt, prompt], sp, use_tqdm=False, priority=[1])
+    outs = llm.generate([prompt, prompt], sp, use_tqdm=False, priority=[3, -1])
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
 def test_gpu_memory_utilization():
     """vLLM's KV budget: the fraction of device memory less params and slot state. On the CPU
     vLLM-CPU ignores it (VLLM_CPU_KVCACHE_SPACE sizes the cache); so does jaxserve."""

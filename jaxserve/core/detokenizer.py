@@ -34,29 +34,27 @@ class IncrementalDetokenizer:
         return ""
 
 
-def find_stop(
-    text: str, new_len: int, stops: tuple[str, ...], include: bool
-) -> tuple[str, str] | None:
+def find_stop(text: str, new_len: int, stops: list[str], include: bool) -> tuple[str, str] | None:
     """Looks for a stop string ending in the last `new_len` characters of `text`.
 
     Returns (truncated text, the stop string) for the match that completes first (the smallest
     end: what would stop generation if the new characters arrived one at a time; on a tie the
-    one starting earlier), or None. The text keeps the stop string only when `include` (vLLM's
-    include_stop_str_in_output).
+    one listed first, as vLLM's `check_stop_strings`), or None. The text keeps the stop string
+    only when `include` (vLLM's include_stop_str_in_output).
     """
-    best = None  # (end, start, stop)
-    for stop in stops:
+    best = None  # (end, list position, start, stop)
+    for k, stop in enumerate(stops):
         begin = max(0, len(text) - new_len - len(stop) + 1)
         i = text.find(stop, begin)
-        if i >= 0 and (best is None or (i + len(stop), i) < best[:2]):
-            best = (i + len(stop), i, stop)
+        if i >= 0 and (best is None or i + len(stop) < best[0]):
+            best = (i + len(stop), k, i, stop)
     if best is None:
         return None
-    end, i, stop = best
+    end, _, i, stop = best
     return (text[:end] if include else text[:i]), stop
 
 
-def held_back(text: str, stops: tuple[str, ...]) -> int:
+def held_back(text: str, stops: list[str]) -> int:
     """Characters at the end of `text` that could be the start of a stop string (the longest
     suffix that is a proper prefix of one), held back from streamed snapshots as vLLM does: text
     shown while streaming is then never retracted when the stop string completes."""

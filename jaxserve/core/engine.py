@@ -104,11 +104,15 @@ class LLMEngine:
         sampling_params: SamplingParams,
         stream: bool = False,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
-        """Queues one request; invalid input becomes an error output (see `validate`)."""
+        """Queues one request; invalid input becomes an error output (see `validate`).
+        priority: lower runs first under scheduling_policy="priority"; ValueError under fcfs
+        (vLLM's rule: a priority the policy would ignore is a caller's mistake)."""
         now = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already running")
+        self.check_priority(priority)
         n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
         sampling_params, error = self.check_request(prompt_token_ids, sampling_params)
         grammar = None
@@ -140,12 +144,13 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     max_total_len=max_total,
                     arrival_time=now,
+                    priority=priority,
                     grammar=None if grammar is None else grammar if i == 0 else grammar.copy(),
                 )
             )
         detoks = [
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sp.skip_special_tokens)
-            if self.tokenizer is not None
+            if self.tokenizer is not None and sp.detokenize  # detokenize=False: ids, no text
             else None
             for _ in children
         ]
@@ -157,11 +162,27 @@ class LLMEngine:
         for child in children:
             self.scheduler.add(child)
 
+    def check_priority(self, priority) -> None:
+        """ValueError unless `priority` is an int the scheduling policy uses (any int under
+        "priority", 0 under "fcfs")."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"got priority {priority}, but priority scheduling is not enabled "
+                "(scheduling_policy='priority')"
+            )
+
     def check_request(self, ids, sp) -> tuple[SamplingParams, str | None]:
         """Every check `add_request` makes, without queueing: (the params with bad_words as token
         ids, the reason the request cannot run or None). It reads only the configuration, the
         tokenizer and the grammar cache, so a server thread may call it while the engine steps
         (vLLM's front-end validation): a bad request is then a 400 before a stream starts."""
+        if isinstance(sp, SamplingParams):
+            try:  # the engine's own validated copy (a caller may have set a field since)
+                sp = sp.checked()
+            except (ValueError, TypeError, RecursionError) as e:
+                return sp, str(e)
         if isinstance(sp, SamplingParams) and sp.bad_words:
             try:  # vLLM's update_from_tokenizer: the words as token sequences
                 sp = sp.with_bad_words_ids(self.tokenizer)

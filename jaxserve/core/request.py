@@ -51,6 +51,8 @@ class Request:
     eos_token_ids: tuple[int, ...]
     max_total_len: int  # prompt + output never exceed this: min(prompt + max_tokens, max_model_len)
     arrival_time: float
+    priority: int = 0  # scheduling_policy="priority": lower runs first (vLLM)
+    order: int = 0  # arrival order, set by the scheduler (ties of priority go to the older)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)

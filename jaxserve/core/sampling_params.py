@@ -2,7 +2,9 @@
 
 Host side only: this module never imports jax. Dataflow:
 
-    SamplingParams(**kw) / SamplingParams.from_dict(d)    validated, frozen (clone() copies)
+    SamplingParams(**kw) / SamplingParams.from_dict(d)    validated; mutable, as vLLM's (the
+                                                          engine checks and copies it again at
+                                                          submission: `checked()`)
       -> core/slot_row.py: make_slot_row(...) -> SlotRow     the per-slot numpy row
       -> runner: sampling.set_slot(state, slot, row)         one slot of the device SamplingState
 
@@ -14,7 +16,9 @@ logprobs / prompt_logprobs = -1 mean the whole vocabulary, which the engine caps
 `MAX_LOGPROBS` (vLLM's default max_logprobs) when the request is added; stop_token_ids and
 bad_words are de-duplicated. `logit_bias`, `allowed_token_ids` and `bad_words` (token ids once the
 engine has tokenized them) become fixed-size per-slot arrays, bounded by `MAX_LOGIT_BIAS`,
-`MAX_ALLOWED_TOKEN_IDS` and `MAX_BAD_WORDS` x `MAX_BAD_WORD_TOKENS`.
+`MAX_ALLOWED_TOKEN_IDS` and `MAX_BAD_WORDS` x `MAX_BAD_WORD_TOKENS`. As in vLLM, stop,
+stop_token_ids and bad_words come back as lists ([] when unset); detokenize=False returns token
+ids and no text (stop strings then need detokenize=True).
 """
 
 from __future__ import annotations
@@ -54,12 +58,12 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool | np.bool_)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(kw_only=True)
 class SamplingParams:
     """How to sample one request's continuation (vLLM `SamplingParams` names, defaults, rules).
 
     temperature: 0 = greedy (top_k, top_p, min_p are then reset to off, and n must be 1).
-    top_k: 0 or -1 switch it off. stop: str or list of str (normalized to a tuple).
+    top_k: 0 or -1 switch it off. stop: str or list of str (normalized to a list, [] unset).
     max_tokens: None = up to max_model_len (prompt included), as in vLLM.
     logprobs / prompt_logprobs: top-n log-probs per generated / prompt token; -1 = the whole
     vocabulary; True = 1. The engine refuses more than its max_logprobs (default MAX_LOGPROBS).
@@ -67,8 +71,11 @@ class SamplingParams:
     logit_bias: {token_id: bias} added to the logits; allowed_token_ids: only these may be
     sampled; bad_words: words never completed (the last token of each is banned once the tokens
     before it were generated). structured_outputs: a `StructuredOutputsParams` (or a dict of its
-    fields) the output must follow (`core/structured_outputs.py`). Keyword arguments only; an unknown or invalid one raises
-    ValueError naming it. Frozen: `clone()` or `dataclasses.replace` give changed copies.
+    fields) the output must follow (`core/structured_outputs.py`). detokenize: False returns
+    token ids only (text ""). Keyword arguments only; an unknown or invalid one raises
+    ValueError naming it. Mutable, as vLLM's (`clone()` deep-copies); the engine validates and
+    copies what it is given when a request is added (`checked()`), so a change made after
+    submitting never reaches a running request.
     """
 
     n: int = 1
@@ -79,22 +86,22 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: str | tuple[str, ...] | None = None
-    stop_token_ids: tuple[int, ...] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    detokenize: bool = True
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # a dict is not hashable: left out of the hash (equality still compares it)
-    logit_bias: dict[int, float] | None = dataclasses.field(default=None, hash=False)
-    allowed_token_ids: tuple[int, ...] | None = None
-    bad_words: tuple[str, ...] | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # a JSON schema / regex / choice / grammar the output must follow (or a dict of those fields)
-    structured_outputs: StructuredOutputsParams | None = dataclasses.field(default=None, hash=False)
+    structured_outputs: StructuredOutputsParams | None = None
     # bad_words as token sequences, set by the engine with its tokenizer (`with_bad_words_ids`)
     _bad_words_token_ids: tuple[tuple[int, ...], ...] | None = dataclasses.field(
         default=None, init=False, repr=False, compare=False
@@ -116,17 +123,27 @@ class SamplingParams:
                 set_(name, _int(name, getattr(self, name)))
         if self.seed == -1:  # vLLM: -1 is unseeded
             set_("seed", None)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in (
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         set_("stop", _stop_strings(self.stop))
-        set_("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        set_("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids) or [])
         set_("allowed_token_ids", _token_ids("allowed_token_ids", self.allowed_token_ids))
         set_("logit_bias", _logit_bias(self.logit_bias))
         set_("bad_words", _bad_words(self.bad_words))
         if self.structured_outputs is not None:
             set_("structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
 
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "stop strings need detokenize=True (they are matched in the text); use "
+                "stop_token_ids with detokenize=False"
+            )
         if not (1 <= self.n <= MAX_N):
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         for name in ("top_k", "max_tokens", "min_tokens"):
@@ -209,6 +226,27 @@ class SamplingParams:
         """A deep copy (vLLM's `SamplingParams.clone`)."""
         return copy.deepcopy(self)
 
+    def checked(self) -> SamplingParams:
+        """A validated copy (the engine's own, made when a request is added): every field is
+        checked again, so a value set on the object after it was built (it is mutable) cannot
+        skip validation, and a later change to the caller's object never reaches the request."""
+        return dataclasses.replace(self)
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> SamplingParams:
+        """vLLM's `SamplingParams.from_optional`: None for n, the penalties, temperature or top_p
+        means the default; logit_bias keys may be int strings and biases are clamped to
+        [-100, 100]."""
+        for name in _OPTIONAL:
+            if name in kwargs and kwargs[name] is None:
+                del kwargs[name]
+        bias = kwargs.get("logit_bias")
+        if isinstance(bias, dict):
+            kwargs["logit_bias"] = {
+                k: min(100.0, max(-100.0, v)) if _is_real(v) else v for k, v in bias.items()
+            }
+        return cls(**kwargs)
+
     @property
     def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...] | None:
         """bad_words as token sequences once the engine tokenized them (vLLM's property)."""
@@ -259,6 +297,15 @@ class SamplingParams:
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+# from_optional: these given as None take their defaults (vLLM)
+_OPTIONAL = (
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+)
 _dataclass_init = SamplingParams.__init__
 
 
@@ -291,18 +338,18 @@ def _int(name: str, value: Any) -> int:
     return int(value)
 
 
-def _stop_strings(stop: Any) -> tuple[str, ...] | None:
+def _stop_strings(stop: Any) -> list[str]:
     if stop is None:
-        return None
+        return []
     items = (stop,) if isinstance(stop, str) else stop
     if not isinstance(items, list | tuple) or not all(isinstance(s, str) for s in items):
         raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
     if any(s == "" for s in items):
         raise ValueError("stop cannot contain an empty string")
-    return tuple(items)
+    return list(items)
 
 
-def _token_ids(name: str, ids: Any) -> tuple[int, ...] | None:
+def _token_ids(name: str, ids: Any) -> list[int] | None:
     """A list of token ids, de-duplicated in order (vLLM's dict.fromkeys)."""
     if ids is None:
         return None
@@ -310,7 +357,7 @@ def _token_ids(name: str, ids: Any) -> tuple[int, ...] | None:
         _is_int(t) and 0 <= t <= MAX_INT32 for t in ids
     ):
         raise ValueError(f"{name} must be a list of ints in [0, 2**31 - 1], got {str(ids)[:200]}")
-    return tuple(dict.fromkeys(int(t) for t in ids))
+    return list(dict.fromkeys(int(t) for t in ids))
 
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:
@@ -338,15 +385,15 @@ def _logit_bias(bias: Any) -> dict[int, float] | None:
     return out
 
 
-def _bad_words(words: Any) -> tuple[str, ...] | None:
+def _bad_words(words: Any) -> list[str]:
     if words is None:
-        return None
+        return []
     items = (words,) if isinstance(words, str) else words
     if not isinstance(items, list | tuple) or not all(isinstance(w, str) for w in items):
         raise ValueError(f"bad_words must be a list of str, got {str(words)[:200]}")
     if any(not w for w in items):
         raise ValueError("bad_words cannot contain an empty string")
-    return tuple(dict.fromkeys(items))
+    return list(dict.fromkeys(items))
 
 
 def _tokenize_bad_words(sp: SamplingParams, tokenizer) -> tuple[tuple[int, ...], ...] | None:

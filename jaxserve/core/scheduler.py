@@ -15,6 +15,9 @@ calls `finish()` for the requests that stopped. A plan is made in five phases:
      (`prefill_chunk_size` tokens), oldest first, at most `max_prefill_rows` chunks per step
      (= max_num_batched_tokens // prefill_chunk_size), so a long prompt is spread over many steps
      and never stalls the running decodes.
+  With scheduling_policy="priority" (vLLM's) the waiting queue is kept in (priority, arrival)
+  order and the preempted request is the running one of lowest priority (largest value), newest
+  among equals; fcfs is that with every priority 0.
   4. _admit: waiting requests, oldest first, take the lowest free slots as the admission policy
      (chosen once from EngineConfig.batching) allows, and their first chunk while rows are left:
        ContinuousAdmission  while chunk rows and pages (with a small watermark) allow; with prefix
@@ -131,6 +134,10 @@ def can_speculate(req: Request) -> bool:
     )
 
 
+def _priority_key(req: Request) -> tuple[int, int]:
+    return req.priority, req.order
+
+
 class Scheduler:
     def __init__(
         self,
@@ -171,10 +178,31 @@ class Scheduler:
         self.num_slot_moves = 0
         self.decode_rows_sum = 0  # row buckets of the decode steps planned, summed
         self.num_decode_plans = 0
+        self.by_priority = config.scheduling_policy == "priority"
+        self.num_added = 0
 
     # -- queue ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.num_added += 1
+        request.order = self.num_added  # arrival order (children of one request in index order)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: at the back (front: a preempted request) under fcfs; under
+        the priority policy at its place by (priority, arrival order)."""
+        if not self.by_priority:
+            self.waiting.appendleft(request) if front else self.waiting.append(request)
+            return
+        key = _priority_key(request)
+        at = next((i for i, r in enumerate(self.waiting) if _priority_key(r) > key), None)
+        self.waiting.insert(len(self.waiting) if at is None else at, request)
+
+    def _victim(self) -> Request:
+        """The running request preempted first: the newest (fcfs), or the lowest priority, then
+        the newest (priority)."""
+        if not self.by_priority:
+            return self.running[-1]
+        return max(self.running, key=_priority_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -363,7 +391,7 @@ class Scheduler:
         """
         need = pages_for(num_tokens, self.page_size) - len(req.pages)
         while need > self.allocator.num_free_pages:
-            victim = self.running[-1]
+            victim = self._victim()
             if victim is req:
                 if self_preempt:
                     self._preempt(req, plan)
@@ -391,4 +419,4 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         plan.preempted.append(req)
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)

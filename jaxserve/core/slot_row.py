@@ -109,7 +109,7 @@ def make_slot_row(
     stop = []
     if sp.min_tokens > 0:
         # vLLM's all_stop_token_ids: eos is suppressed during min_tokens even with ignore_eos.
-        stop = list(dict.fromkeys(tuple(eos_token_ids) + (sp.stop_token_ids or ())))
+        stop = list(dict.fromkeys([*eos_token_ids, *(sp.stop_token_ids or ())]))
         if len(stop) > MAX_STOP_IDS:
             raise ValueError(
                 f"stop_token_ids: {len(stop)} distinct stop/eos ids with min_tokens > 0, "

@@ -127,11 +127,13 @@ class AsyncLLM:
         sampling_params: SamplingParams | dict | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs: a snapshot each step it gains tokens (stream=True) and
         finally the finished output (only that one with stream=False). A bad prompt or bad
         parameters yield one finished output with `error` set. Closing the iterator early aborts
-        the request."""
+        the request. priority: lower runs first under scheduling_policy="priority" (ValueError
+        under fcfs, as vLLM)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine thread failed: {self._dead!r}") from self._dead
         if self._stopping:
@@ -139,6 +141,7 @@ class AsyncLLM:
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         if rid in self._outbox:
             raise ValueError(f"request_id {rid!r} is already running")
+        self.engine.check_priority(priority)  # reads only the config: safe from this thread
         now = time.monotonic()
         try:
             sp = sampling_params if sampling_params is not None else SamplingParams()
@@ -151,7 +154,7 @@ class AsyncLLM:
         self._outbox[rid] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            self._post(("add", rid, text, ids, sp, stream, now))
+            self._post(("add", rid, text, ids, sp, stream, now, priority))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -216,13 +219,15 @@ class AsyncLLM:
         if command[0] == "abort":
             self.engine.abort(command[1])
             return
-        _, rid, text, ids, sp, stream, now = command
+        _, rid, text, ids, sp, stream, now, priority = command
         with self._cond:
             self._pending_adds -= 1
         if rid not in self._outbox:
             return  # its caller went away before the engine saw it
         try:
-            self.engine.add_request(rid, text, ids, sp, stream=stream, arrival_time=now)
+            self.engine.add_request(
+                rid, text, ids, sp, stream=stream, arrival_time=now, priority=priority
+            )
         except ValueError as e:
             self._deliver(rid, RequestOutput.from_error(rid, text, ids, str(e), now, sp.n))
 

@@ -8,11 +8,13 @@ after min_tokens (`v1/engine/detokenizer.py`), logprobs and cumulative_logprob
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.detokenizer import find_stop
 from jaxserve.core.engine import LLMEngine
 from jaxserve.core.outputs import Logprob
 from jaxserve.core.sampling_params import SamplingParams
@@ -167,3 +169,116 @@ def test_max_logprobs_is_the_engines_setting(max_logprobs, ok):
         engine.add_request(f"r{i}", None, [5, 6], SamplingParams(max_tokens=1, logprobs=k))
     outs = run_all(engine)
     assert [outs[f"r{i}"].error is None for i in range(3)] == ok
+
+
+# -- issue 57 part 3: the last differences a vLLM notebook trips on ---------------------------------
+@pytest.mark.parametrize("stops, want", [(["ab", "b"], "ab"), (["b", "ab"], "b")])
+def test_stop_strings_completing_at_the_same_character_first_listed_wins(stops, want):
+    """vLLM tests/detokenizer/test_check_stop_strings.py::test_ties_broken_by_list_order: "ab" and
+    "b" both complete at the same character; the one listed first is the stop reason."""
+    rule = lambda seq, seed: (seq[-1] + 1) % 26 + 26  # 'a', 'b', ... after the prompt's 'z'
+    engine = make_engine(rule=rule, tokenizer=LetterTokenizer())
+    engine.add_request("r", None, [25], SamplingParams(temperature=0, max_tokens=4, stop=stops))
+    out = run_all(engine)["r"].outputs[0]
+    text = "" if want == "ab" else "a"
+    assert (out.text, out.stop_reason) == (text, want)
+    assert find_stop("ab", 2, stops, include=False) == (text, want)
+
+
+def test_the_earliest_completing_stop_wins_regardless_of_list_order():
+    """vLLM tests/detokenizer/test_check_stop_strings.py::
+    test_earliest_completing_stop_wins_regardless_of_list_order and
+    test_completion_position_not_start_position."""
+    for stop in (["a", "is"], ["is", "a"]):
+        assert find_stop(" The user is a", len(" is a"), stop, False) == (" The user ", "is")
+        assert find_stop(" The user is a", len(" is a"), stop, True) == (" The user is", "is")
+    assert find_stop("abc", 3, ["abc", "b"], False) == ("a", "b")
+
+
+def test_detokenize_false_gives_the_same_token_ids_and_no_text():
+    """vLLM tests/detokenizer/test_disable_detokenization.py::test_computed_prefix_blocks: the
+    same params with detokenize False then True (set on the object, which is mutable) give the
+    same tokens, no text then text."""
+    rule = lambda seq, seed: (seq[-1] + 1) % 26 + 26
+    engine = make_engine(rule=rule, tokenizer=LetterTokenizer())
+    sp = SamplingParams(max_tokens=10, temperature=0.0, detokenize=False)
+    engine.add_request("off", None, [29], sp)
+    sp.detokenize = True
+    engine.add_request("on", None, [29], sp)
+    outs = run_all(engine)
+    off, on = outs["off"].outputs[0], outs["on"].outputs[0]
+    assert off.text == "" and on.text != ""
+    assert off.token_ids == on.token_ids
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_a_deep_copy_with_a_new_seed_samples_as_that_seed():
+    """vLLM tests/samplers/test_seeded_generate.py::test_random_sample_with_seed: params are
+    deep-copied and given a new seed per prompt; equal seeds give equal outputs, different seeds
+    different ones."""
+    rule = lambda seq, seed: (sum(seq) * 7 + seed) % VOCAB
+    base = SamplingParams(temperature=3.0 / 2, top_p=0.95, max_tokens=8, ignore_eos=True)
+    engine = make_engine(rule=rule)
+    for i, seed in enumerate([0, 1, 0, None]):
+        params = copy.deepcopy(base)
+        params.seed = seed
+        engine.add_request(str(i), None, [5, 6], params)
+    assert base.seed is None  # the copies were changed, not the original
+    outs = run_all(engine)
+    toks = [outs[str(i)].outputs[0].token_ids for i in range(4)]
+    assert toks[0] == toks[2] != toks[1]
+    assert toks[0] == reference([5, 6], 8, seed=0, rule=rule)
+
+
+def test_a_field_changed_after_submission_does_not_reach_the_request_and_is_checked():
+    """The engine validates and copies params when a request is added: changing the caller's
+    object later changes nothing, and a bad value set on the object is that request's error."""
+    rule = lambda seq, seed: (seq[-1] + 1) % VOCAB
+    engine = make_engine(rule=rule)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", None, [5], sp)
+    sp.max_tokens = 6  # after submission: "a" keeps 3
+    engine.add_request("b", None, [5], sp)
+    sp.temperature = 9.0  # invalid, set after construction
+    engine.add_request("bad", None, [5], sp)
+    outs = run_all(engine)
+    assert len(outs["a"].outputs[0].token_ids) == 3
+    assert len(outs["b"].outputs[0].token_ids) == 6
+    assert "temperature must be in [0, 2]" in outs["bad"].error
+
+
+def test_lists_and_from_optional_as_vllm():
+    """vLLM's SamplingParams: stop / stop_token_ids / bad_words come back as lists ([] unset);
+    from_optional takes None for the defaulted numbers and clamps logit_bias to [-100, 100]."""
+    sp = SamplingParams(stop="x", stop_token_ids=(5, 6, 5), bad_words=("w",))
+    assert sp.stop == ["x"] and sp.stop_token_ids == [5, 6] and sp.bad_words == ["w"]
+    empty = SamplingParams()
+    assert empty.stop == [] and empty.stop_token_ids == [] and empty.bad_words == []
+    assert empty.allowed_token_ids is None
+    sp = SamplingParams.from_optional(
+        n=None, temperature=None, top_p=None, presence_penalty=None, frequency_penalty=None,
+        repetition_penalty=None, max_tokens=7, logit_bias={"3": 250.0, 4: -1000},
+    )  # fmt: skip
+    assert (sp.n, sp.temperature, sp.top_p, sp.repetition_penalty) == (1, 1.0, 1.0, 1.0)
+    assert sp.max_tokens == 7 and sp.logit_bias == {3: 100.0, 4: -100.0}
+    assert sp.clone() == sp and sp.clone() is not sp
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_priority_orders_admission_and_is_refused_under_fcfs(policy):
+    """vLLM tests/v1/core/test_scheduler.py::test_priority_scheduling_basic_ordering: with one
+    slot, waiting requests run by priority (lower first), then arrival; under fcfs a priority is
+    a ValueError (vLLM's input processor)."""
+    engine = make_engine(num_slots=1, scheduling_policy=policy)
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    if policy == "fcfs":
+        with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+            engine.add_request("x", None, [5], sp, priority=1)
+        return
+    for rid, prio in (("p5", 5), ("p1", 1), ("p3", 3), ("p1b", 1)):
+        engine.add_request(rid, None, [5], sp, priority=prio)
+    order = []
+    while engine.has_unfinished():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["p1", "p1b", "p3", "p5"]

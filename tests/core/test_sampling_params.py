@@ -96,7 +96,7 @@ def test_defaults_and_normalization():
     sp = SamplingParams()
     assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (1, 1.0, 1.0, 0, 0.0)
     assert (sp.max_tokens, sp.min_tokens, sp.seed) == (16, 0, None)
-    assert sp.stop is None and sp.stop_token_ids is None
+    assert sp.stop == [] and sp.stop_token_ids == []  # vLLM's lists
     assert not sp.greedy and SamplingParams(temperature=0).greedy
     d = {
         "temperature": 1,
@@ -106,11 +106,11 @@ def test_defaults_and_normalization():
         "top_k": -1,
     }
     sp = SamplingParams.from_dict(d)
-    assert isinstance(sp.temperature, float) and sp.stop == ("###",) and sp.stop_token_ids == (5, 6)
+    assert isinstance(sp.temperature, float) and sp.stop == ["###"] and sp.stop_token_ids == [5, 6]
     assert sp.seed == 3 and type(sp.seed) is int
-    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
-    hash(sp)  # frozen and hashable with tuples
-    hash(SamplingParams(logit_bias={1: 2.0}))  # the dict is left out of the hash
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    sp.seed = 9  # mutable, as vLLM's
+    assert sp.seed == 9
 
 
 def test_seed_key_data_matches_jax():
@@ -228,8 +228,8 @@ def test_logprobs_minus_one_and_true():
 def test_stop_token_ids_and_bad_words_are_deduplicated():
     """vLLM: stop_token_ids and bad_words go through dict.fromkeys (order kept)."""
     sp = SamplingParams(stop_token_ids=[5, 3, 5, 3], bad_words=["b", "a", "b"])
-    assert sp.stop_token_ids == (5, 3) and sp.bad_words == ("b", "a")
-    assert SamplingParams(allowed_token_ids=[2, 2, 1]).allowed_token_ids == (2, 1)
+    assert sp.stop_token_ids == [5, 3] and sp.bad_words == ["b", "a"]
+    assert SamplingParams(allowed_token_ids=[2, 2, 1]).allowed_token_ids == [2, 1]
 
 
 def test_clone_is_an_equal_independent_copy():

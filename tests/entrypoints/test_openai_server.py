@@ -116,7 +116,7 @@ def test_logprobs_and_echo(client, offline):
 def test_truncate_prompt_tokens_and_what_is_not_served(client, offline):
     """vLLM's truncate_prompt_tokens keeps the prompt's last k tokens (so a long prefix in front
     of PROMPTS[0] gives PROMPTS[0]'s output); fields whose meaning is not served (FIM suffix,
-    beam search) are 400s naming them, not ignored."""
+    beam search, a priority under the fcfs policy) are 400s naming them, not ignored."""
     p = PROMPTS[0]
     long = [7] * 30 + p
     r = client.completions.create(
@@ -134,6 +134,7 @@ def test_truncate_prompt_tokens_and_what_is_not_served(client, offline):
         ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
         ({"extra_body": {"truncate_prompt_tokens": -2}}, "truncate_prompt_tokens"),
+        ({"extra_body": {"priority": 1}}, "priority"),  # vLLM: only with the priority policy
     ]
     for extra, param in bad:
         for stream in (False, True):

@@ -61,7 +61,7 @@ def test_set_flags_reach_the_engine(parsed):
         "--num_pages=40", "--tensor_parallel_size=2", "--data_parallel_size=3",
         "--max_logprobs=5", "--on_bad_request=raise", "--num_speculative_tokens=0",
         "--prompt_lookup_max=4", "--prompt_lookup_min=2", "--speculative_disable_by_batch_size=8",
-        "--compilation_cache=off", "--revision=v2",
+        "--compilation_cache=off", "--revision=v2", "--scheduling_policy=priority",
     )  # fmt: skip
     kw = engine_flags.llm_kwargs(fv)
     assert kw == {
@@ -82,6 +82,7 @@ def test_set_flags_reach_the_engine(parsed):
         "prefill_chunk_size": 32,
         "decode_steps": 2,
         "batching": "static",
+        "scheduling_policy": "priority",
         "async_scheduling": False,
         "enable_prefix_caching": True,
         "slot_buckets": (1, 3),

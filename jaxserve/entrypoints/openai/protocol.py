@@ -98,6 +98,7 @@ class _SamplingRequest(_Request):
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: json / regex / choice / grammar
     prompt_logprobs: int | None = Field(default=None, ge=-1)  # vLLM's: top-n per prompt token
+    priority: int = 0  # vLLM's: lower runs first with --scheduling_policy=priority
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: keep the last k
     use_beam_search: bool = False  # vLLM's; not served here (a 400, never ignored)
 

@@ -172,6 +172,10 @@ async def check_request(state: ServingState, req, ids: list[int], sp: SamplingPa
     vLLM's front end, a streamed request gets the status code, not an error event after 200.
     A grammar (whose validation, or the first one's tokenizer setup, can take a while) or
     bad_words is checked in a worker thread, so other clients' streams do not wait on it."""
+    try:  # vLLM's `priority` extra: a ValueError under the fcfs policy
+        state.async_llm.engine.check_priority(getattr(req, "priority", 0))
+    except ValueError as e:
+        raise APIError(400, str(e), "priority") from None
     if sp.structured_outputs is not None or sp.bad_words:
         error = await asyncio.to_thread(state.async_llm.check, ids, sp)
     else:
@@ -219,14 +223,20 @@ def token_str(state: ServingState, token_id: int) -> str:
 
 
 async def generate_all(
-    state: ServingState, prompts: list[tuple[str | None, list[int]]], sps: list, stream: bool
+    state: ServingState,
+    prompts: list[tuple[str | None, list[int]]],
+    sps: list,
+    stream: bool,
+    priority: int = 0,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Runs one engine request per prompt (`sps`: its SamplingParams); yields (prompt index, output) as they arrive. Closing
     it aborts whatever is unfinished. An engine error output raises APIError (400)."""
     allm = state.async_llm
     base = random_id("cmpl")
     gens = [
-        allm.generate({"prompt": t, "prompt_token_ids": ids}, sp, f"{base}-{i}", stream=stream)
+        allm.generate(
+            {"prompt": t, "prompt_token_ids": ids}, sp, f"{base}-{i}", stream, priority=priority
+        )
         for i, ((t, ids), sp) in enumerate(zip(prompts, sps))
     ]
     queue: asyncio.Queue = asyncio.Queue()

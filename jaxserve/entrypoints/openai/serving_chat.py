@@ -166,7 +166,9 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
         return sse_stream(_stream(state, req, text, ids, sp, rid, k, use))
     final = None
     async with deadline(state):
-        async with contextlib.aclosing(generate_all(state, [(text, ids)], [sp], False)) as outs:
+        async with contextlib.aclosing(
+            generate_all(state, [(text, ids)], [sp], False, req.priority)
+        ) as outs:
             async for _, out in outs:
                 final = out
     echo = _echo(req)
@@ -237,7 +239,9 @@ async def _stream(state, req, text, ids, sp, rid, k, use) -> AsyncIterator[str]:
         return sse(ChatCompletionChunk(id=rid, model=state.model_name, choices=[c]))
 
     async with deadline(state):
-        async with contextlib.aclosing(generate_all(state, [(text, ids)], [sp], True)) as outs:
+        async with contextlib.aclosing(
+            generate_all(state, [(text, ids)], [sp], True, req.priority)
+        ) as outs:
             async for _, out in outs:
                 for c in out.outputs:
                     if c.index not in sent:

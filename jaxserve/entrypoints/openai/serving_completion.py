@@ -164,7 +164,9 @@ async def create_completion(state: ServingState, req: CompletionRequest):
 async def _full(state, req, prompts, sps, choices, rid) -> CompletionResponse:
     finals: dict[int, RequestOutput] = {}
     async with deadline(state):
-        async with contextlib.aclosing(generate_all(state, prompts, sps, False)) as outs:
+        async with contextlib.aclosing(
+            generate_all(state, prompts, sps, False, req.priority)
+        ) as outs:
             async for i, out in outs:
                 finals[i] = out
     result, usage = [], Usage()
@@ -202,7 +204,9 @@ async def _stream(state, req, prompts, sps, choices, rid) -> AsyncIterator[str]:
         return sse(CompletionResponse(id=rid, model=state.model_name, choices=[c]))
 
     async with deadline(state):
-        async with contextlib.aclosing(generate_all(state, prompts, sps, True)) as outs:
+        async with contextlib.aclosing(
+            generate_all(state, prompts, sps, True, req.priority)
+        ) as outs:
             async for i, out in outs:
                 ch = choices[i]
                 for c in out.outputs:
