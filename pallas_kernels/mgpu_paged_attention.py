@@ -1,0 +1,474 @@
+"""Paged decode attention on Pallas Mosaic GPU (Hopper: TMA + wgmma), the successor of the Triton
+`paged_attention` (jax 0.11 deprecates the Pallas Triton backend).
+
+Same call, same semantics as `paged_attention.paged_attention` (one new query token per row
+against that row's KV pages, the whole stacked pool and a traced `layer`, GQA, scale, soft-cap,
+traced sliding window, int8/fp8 pages with per-token scales). Dataflow of `paged_attention_mgpu`
+(B rows, H = KVH * G query heads, pool of P pages of ps tokens, BK = block_k keys per step):
+
+    q [B, H, D] -> [B, KVH, 64, D]        the G heads of one KV head, zero-padded to the 64 rows
+                                          of a wgmma M tile (decode is memory-bound: the idle
+                                          rows cost tensor-core cycles, not bandwidth)
+    grid (B, KVH, S), one warpgroup per program (b, h, s), which walks its share of row b's key
+    tiles (the same tiles, splits and window arithmetic as the Triton kernel, `decode_plan`):
+        q tile [64, D]            TMA -> SMEM once
+        per key tile n (ppb = BK / ps pages):
+            page table entries     read as scalars from GMEM (page = pt[b, first + n * ppb + j])
+            K, V pages [ps, D]     TMA -> slot n % NBUF of a multi-buffered SMEM ring [NBUF, BK, D]
+                                   (one barrier per slot, arrived on by each of its page copies;
+                                   tile n + NBUF is issued once tile n's products are done, so
+                                   NBUF - 1 tiles are in flight while one is computed)
+            int8/fp8 pages         the ring holds the raw pages; their f32 per-token scales go to
+                                   SMEM by TMA too (ps >= 32) or as scalars (ps < 32: a page's
+                                   scales are under the 128 bytes a warpgroup's TMA copy must
+                                   move); the tile is loaded to registers, times its scales, and
+                                   stored as bf16 into one SMEM slot the products read: no
+                                   dequantized page ever reaches GMEM
+            S = Q . K^T            wgmma [64, D] x [D, BK] -> f32 [64, BK] (K^T a transposed view
+                                   of the ring slot)
+            s = softcap(S * scale), masked to keys in [window start, kv_len): online softmax
+                                   (running max m, sum l f32[64]) in registers
+            P [64, BK] bf16        -> SMEM, O_tile = wgmma P . V [BK, D] -> f32 [64, D];
+                                   o = o * exp(m_old - m_new) + O_tile
+        o f32[64, D], m, l f32[64] -> SMEM (reusing the loop's SMEM) -> TMA -> GMEM partials
+    combine over S (log-sum-exp, in XLA, as the Triton kernel) -> [B, KVH, 64, D] -> [B, H, D]
+
+Both products read their operands from SMEM (wgmma's A may come from registers on the GPU, but
+the Mosaic GPU interpret mode, which the tests run on CPU, only takes SMEM operands; the P tile is
+8 KiB). The products run in bf16 with f32 accumulation; int8/fp8 values times their scale are
+rounded to bf16 (the reference keeps them in f32: within the bf16 tolerance). Rows with seq_len 0
+run no iterations and come out as zeros. Key pages past a row's length are clipped into the pool
+and masked. Lowering semantics: Lane (the default), one warpgroup per block, no warp
+specialization. At the 8B decode shape ptxas reports 238 registers, no spills (sm_90a); head_dim
+256 spills a few hundred bytes.
+
+Refused with a ValueError (the Triton kernel or the reference serves them; `check_mgpu_options`):
+f32 queries (wgmma multiplies f32 only as tf32, short of the f32 kernels' accuracy), KV pages
+other than bf16/int8/fp8, page sizes below 8 (TMA boxes of 8-row tiles), head dims other than 64,
+128 or 256 (128-byte swizzled rows; wgmma N <= 256), GQA groups over 64 heads, and a config whose
+SMEM exceeds the 227 KiB of a Hopper block.
+
+Interpret mode (CPU): `interpret=True` runs the kernel in Mosaic GPU's interpreter
+(`plgpu.InterpretGPUParams()`, passed as `plgpu.kernel(interpret=...)`), which simulates SMEM,
+TMA, barriers and wgmma.
+
+`reference` (= `paged_attention.paged_attention_reference`) is the pure-jnp definition the tests
+hold the kernel to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.paged_attention import decode_plan, paged_attention_reference
+from pallas_kernels.paged_common import (
+    MASK_VALUE,
+    QUANTIZED_KV_DTYPES,
+    check_attention_options,
+    check_kv_inputs,
+)
+
+ROWS = 64  # wgmma M tile: the query heads of one KV head, zero-padded
+SWIZZLE = 128  # bytes: rows of 128 bytes swizzled, the layout wgmma and TMA share
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuDecodeConfig:
+    """Tiles of the Mosaic GPU decode kernel.
+
+    block_k:         keys per step (a whole number of pages; a multiple of 64, the swizzled K
+                     dimension of the P . V product)
+    num_buffers:     slots of the K/V SMEM ring (>= 2: NBUF - 1 tiles in flight)
+    target_programs: split the pages over programs until B * KVH * splits reaches this (132 SMs)
+    max_splits:      upper bound on the split-K factor
+    """
+
+    block_k: int = 64
+    num_buffers: int = 2
+    target_programs: int = 528
+    max_splits: int = 16
+
+    def __post_init__(self):
+        if self.block_k <= 0 or self.block_k % 64 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k must be a power of two multiple of 64, got {self.block_k}")
+        if self.num_buffers < 2:
+            raise ValueError(f"num_buffers must be >= 2, got {self.num_buffers}")
+        if self.target_programs <= 0 or self.max_splits <= 0:
+            raise ValueError("target_programs and max_splits must be positive")
+
+
+H100_MGPU_DECODE = MgpuDecodeConfig()
+# SMEM of one H100/H200 block (227 KiB of dynamic shared memory).
+SMEM_BYTES = 227 * 1024
+
+
+def _tiled(shape, dtype):
+    """An SMEM scratch of `shape` in the swizzled layout wgmma and TMA share: rows of up to 128
+    bytes swizzled (64 for the 64-byte rows of int8/fp8 pages of head_dim 64)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(SWIZZLE, shape[-1] * itemsize)
+    return plgpu.SMEM(
+        shape,
+        dtype,
+        transforms=(
+            plgpu.TilingTransform((8, swizzle // itemsize)),
+            plgpu.SwizzleTransform(swizzle),
+        ),
+    )
+
+
+def _smem_bytes(d: int, block_k: int, nbuf: int, kv_itemsize: int, quantized: bool) -> int:
+    """SMEM of the loop scope (the output scope after it reuses it; it is smaller)."""
+    ring = 2 * nbuf * block_k * d * 2  # K, V bf16 ring
+    if quantized:  # the raw pages' ring and their scales; one bf16 slot the dequantized tile
+        ring = 2 * nbuf * block_k * (d * kv_itemsize + 4) + 2 * block_k * d * 2
+    return ring + ROWS * d * 2 + ROWS * block_k * 2  # + q tile, P tile
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel.
+
+
+def _decode_kernel(
+    scalars_ref,  # i32[2]                   GMEM: (layer, window; <= 0 global)
+    lens_ref,  # i32[B]                      GMEM
+    pt_ref,  # i32[B, Wp]                    GMEM page table, padded to S * pages_per_split + ppb
+    q_ref,  # bf16[B, KVH, 64, D]            GMEM
+    k_ref,  # [L * KVH * P, ps, D]           GMEM: the whole K pool, one page per leading index
+    v_ref,  # [L * KVH * P, ps, D]           GMEM
+    *refs,  # (ks_ref, vs_ref f32[L * KVH * P, ps]), o_ref f32[B, KVH, S, 64, D], m_ref, l_ref
+    page_size: int,
+    block_k: int,
+    pages_per_split: int,
+    num_splits: int,
+    num_buffers: int,
+    num_kv_heads: int,
+    num_pages: int,
+    quantized: bool,
+    sm_scale: float,
+    softcap: float | None,
+):
+    if quantized:
+        ks_ref, vs_ref, o_ref, m_ref, l_ref = refs
+    else:
+        ks_ref = vs_ref = None
+        o_ref, m_ref, l_ref = refs
+    b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    ps, nbuf = page_size, num_buffers
+    ppb = block_k // ps
+    d = q_ref.shape[-1]
+    cdt = q_ref.dtype  # bf16: the products' operand dtype
+    # TMA moves multiples of 128 bytes per warpgroup: a page's f32 scales qualify from ps = 32
+    scales_by_tma = quantized and ps * 4 % 128 == 0
+
+    kv_len = lens_ref[b]
+    window = scalars_ref[1]
+    windowed = window > 0
+    base = (scalars_ref[0] * num_kv_heads + h) * num_pages  # first page of (layer, head)
+    win_start = jnp.where(windowed, jnp.maximum(kv_len - window, 0), 0)  # first visible key
+    first_page = win_start // ps
+    n_blocks = pl.cdiv(pl.cdiv(kv_len, ps) - first_page, ppb)  # key tiles of the row
+    bps = jnp.where(windowed, pl.cdiv(n_blocks, num_splits), pages_per_split // ppb)
+    block0 = s * bps
+    n_iter = jnp.maximum(jnp.minimum(bps, n_blocks - block0), 0)
+
+    def loop_scope(q_smem, k_smem, v_smem, p_smem, raw, q_bar, kv_bar):
+        # raw: (kq_smem, vq_smem, ks_smem, vs_smem) landing buffers of int8/fp8 pages, or None
+        def issue(i):
+            """TMA copies of key tile i (its ppb pages of K and V) into ring slot i % nbuf."""
+            slot = lax.rem(i, nbuf)
+            page0 = first_page + (block0 + i) * ppb
+            for j in range(ppb):
+                page = base + jnp.clip(pt_ref[b, page0 + j], 0, num_pages - 1)
+                bar = kv_bar.at[slot]
+                rows = pl.ds(j * ps, ps)
+                if quantized:
+                    kq_smem, vq_smem, ks_smem, vs_smem = raw
+                    plgpu.copy_gmem_to_smem(k_ref.at[page], kq_smem.at[slot, rows], bar)
+                    plgpu.copy_gmem_to_smem(v_ref.at[page], vq_smem.at[slot, rows], bar)
+                    if scales_by_tma:
+                        plgpu.copy_gmem_to_smem(ks_ref.at[page], ks_smem.at[slot, rows], bar)
+                        plgpu.copy_gmem_to_smem(vs_ref.at[page], vs_smem.at[slot, rows], bar)
+                else:
+                    plgpu.copy_gmem_to_smem(k_ref.at[page], k_smem.at[slot, rows], bar)
+                    plgpu.copy_gmem_to_smem(v_ref.at[page], v_smem.at[slot, rows], bar)
+
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+        for i in range(nbuf):  # prologue: the ring's first tiles in flight
+            pl.when(i < n_iter)(functools.partial(issue, jnp.int32(i)))
+
+        plgpu.barrier_wait(q_bar)
+
+        def dequantize(i, slot):
+            """Raw int8/fp8 pages of a slot, times their per-token scales, -> the bf16 ring."""
+            kq_smem, vq_smem, ks_smem, vs_smem = raw
+            if not scales_by_tma:  # a page's scales are < 128 bytes: copied as scalars
+                page0 = first_page + (block0 + i) * ppb
+
+                @pl.loop(0, block_k)
+                def _(r):
+                    page = base + jnp.clip(pt_ref[b, page0 + r // ps], 0, num_pages - 1)
+                    ks_smem[slot, r] = ks_ref[page, r % ps]
+                    vs_smem[slot, r] = vs_ref[page, r % ps]
+
+            for src, sc, dst in ((kq_smem, ks_smem, k_smem), (vq_smem, vs_smem, v_smem)):
+                x = plgpu.load(src.at[slot], layout=plgpu.Layout.WGMMA)
+                scale = plgpu.load(sc.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+                x = x.astype(jnp.float32) * lax.broadcast_in_dim(scale, (block_k, d), [0])
+                dst.at[0][...] = x.astype(cdt)
+            plgpu.commit_smem()  # generic-proxy stores visible to wgmma's async proxy
+
+        def body(i, carry):
+            o, m, l = carry
+            slot = lax.rem(i, nbuf)
+            plgpu.barrier_wait(kv_bar.at[slot])
+            if quantized:
+                dequantize(i, slot)
+            cslot = 0 if quantized else slot  # the bf16 slot the products read
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[cslot].transpose((1, 0)))
+                return acc_ref[...]
+
+            logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))
+            logits = logits * sm_scale
+            if softcap is not None:
+                logits = softcap * jnp.tanh(logits / softcap)
+            page0 = first_page + (block0 + i) * ppb
+            tok = page0 * ps + plgpu.broadcasted_iota(
+                jnp.int32, (ROWS, block_k), 1, layout=plgpu.Layout.WGMMA
+            )
+            logits = jnp.where((tok < kv_len) & (tok >= win_start), logits, MASK_VALUE)
+            m_new = jnp.maximum(m, logits.max(axis=1))
+            corr = jnp.exp2((m - m_new) * LOG2E)
+            p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * LOG2E)
+            l_new = l * corr + p.sum(axis=1)
+            p_smem[...] = p.astype(cdt)
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[cslot])
+                return acc_ref[...]
+
+            o = o * lax.broadcast_in_dim(corr, o.shape, [0]) + pl.run_scoped(
+                pv, plgpu.ACC((ROWS, d), jnp.float32)
+            )
+
+            @pl.when(i + nbuf < n_iter)
+            def _():  # the slot's products are done: refill it with tile i + nbuf
+                issue(i + nbuf)
+
+            return o, m_new, l_new
+
+        init = (
+            plgpu.layout_cast(jnp.full((ROWS, d), 0, jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(
+                jnp.full((ROWS,), jnp.finfo(jnp.float32).min, jnp.float32),
+                plgpu.Layout.WGMMA.reduce(1),
+            ),
+            plgpu.layout_cast(jnp.full((ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        )
+        return lax.fori_loop(0, n_iter, body, init)
+
+    raw_scratch = None
+    if quantized:
+        kv_dt = k_ref.dtype
+        raw_scratch = (
+            _tiled((nbuf, block_k, d), kv_dt),
+            _tiled((nbuf, block_k, d), kv_dt),
+            plgpu.SMEM((nbuf, block_k), jnp.float32),
+            plgpu.SMEM((nbuf, block_k), jnp.float32),
+        )
+    o, m, l = pl.run_scoped(
+        loop_scope,
+        _tiled((ROWS, d), cdt),
+        _tiled((1 if quantized else nbuf, block_k, d), cdt),
+        _tiled((1 if quantized else nbuf, block_k, d), cdt),
+        _tiled((ROWS, block_k), cdt),
+        raw_scratch,
+        plgpu.Barrier(),
+        # one barrier per ring slot, arrived on by each of the slot's TMA copies
+        plgpu.Barrier(num_arrivals=ppb * (4 if scales_by_tma else 2), num_barriers=nbuf),
+    )
+
+    def store_scope(o_smem, m_smem, l_smem):
+        o_smem[...] = o
+        m_smem[...] = m
+        l_smem[...] = l
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, s])
+        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[b, h, s])
+        plgpu.copy_smem_to_gmem(l_smem, l_ref.at[b, h, s])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(
+        store_scope,
+        _tiled((ROWS, d), jnp.float32),
+        plgpu.SMEM((ROWS,), jnp.float32),
+        plgpu.SMEM((ROWS,), jnp.float32),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("softcap", "scale", "config", "interpret"))
+def _decode_call(
+    q,
+    k_pages,
+    v_pages,
+    seq_lens,
+    page_table,
+    layer,
+    k_scale,
+    v_scale,
+    window,
+    softcap,
+    scale,
+    config,
+    interpret,
+):
+    """Jitted Mosaic GPU kernel wrapper: q [B, H, D] -> [B, H, D]."""
+    b, h, d = q.shape
+    n_layers, kvh, n_pages, ps, _ = k_pages.shape
+    g = h // kvh
+    block_k = max(config.block_k, ps)
+    ppb, splits, pps = decode_plan(
+        b, kvh, page_table.shape[1], ps, dataclasses.replace(config, block_k=block_k)
+    )
+    wp = splits * pps + ppb  # a window's tiles start at its first page: one more tile of columns
+    pt = jnp.pad(page_table, ((0, 0), (0, wp - page_table.shape[1])))
+    qg = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, ROWS - g), (0, 0)))
+    rows = n_layers * kvh * n_pages
+    args = [
+        jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)]),
+        seq_lens,
+        pt,
+        qg,
+        k_pages.reshape(rows, ps, d),  # a bitcast, not a copy
+        v_pages.reshape(rows, ps, d),
+    ]
+    quantized = k_scale is not None
+    if quantized:
+        args += [k_scale.reshape(rows, ps), v_scale.reshape(rows, ps)]
+    kernel = functools.partial(
+        _decode_kernel,
+        page_size=ps,
+        block_k=block_k,
+        pages_per_split=pps,
+        num_splits=splits,
+        num_buffers=config.num_buffers,
+        num_kv_heads=kvh,
+        num_pages=n_pages,
+        quantized=quantized,
+        sm_scale=1.0 / math.sqrt(d) if scale is None else float(scale),
+        softcap=None if softcap is None else float(softcap),
+    )
+    f32 = jnp.float32
+    o, m, l = plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((b, kvh, splits, ROWS, d), f32),
+            jax.ShapeDtypeStruct((b, kvh, splits, ROWS), f32),
+            jax.ShapeDtypeStruct((b, kvh, splits, ROWS), f32),
+        ),
+        grid=(b, kvh, splits),
+        grid_names=("b", "h", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name=f"mgpu_paged_decode_ps{ps}_bk{block_k}_s{splits}",
+    )(*args)
+    # Log-sum-exp combine of the S partial results. Empty splits have l = 0 and m = f32.min.
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    corr = jnp.exp(m - m_all)
+    l_all = jnp.sum(l * corr, axis=2)
+    o = jnp.sum(o * corr[..., None], axis=2)
+    o = o / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # inactive rows: 0 / 1 = 0
+    return o[:, :, :g].reshape(b, h, d).astype(q.dtype)
+
+
+def check_mgpu_options(q, k_pages, config: MgpuDecodeConfig) -> None:
+    """Raises ValueError naming what the Mosaic GPU kernel does not support."""
+    if q.dtype != jnp.bfloat16:
+        raise ValueError(
+            f"paged_attention_mgpu supports bf16 queries only (wgmma bf16 x bf16 -> f32), got "
+            f"{q.dtype}; f32 models use the Triton kernel or the reference"
+        )
+    b, h, d = q.shape
+    kvh, ps = k_pages.shape[1], k_pages.shape[3]
+    if h // kvh > ROWS:
+        raise ValueError(f"paged_attention_mgpu: a GQA group of {h // kvh} heads exceeds {ROWS}")
+    if d not in (64, 128, 256):
+        raise ValueError(f"paged_attention_mgpu: head_dim must be 64, 128 or 256, got {d}")
+    block_k = max(config.block_k, ps)
+    if ps < 8 or block_k % ps:
+        raise ValueError(
+            f"paged_attention_mgpu: page_size must be a power of two >= 8 (TMA tiles of 8 "
+            f"rows), got {ps}"
+        )
+    kv_dt = jnp.dtype(k_pages.dtype)
+    quantized = kv_dt in QUANTIZED_KV_DTYPES
+    if not quantized and kv_dt != jnp.bfloat16:
+        raise ValueError(f"paged_attention_mgpu: KV pages must be bf16, int8 or fp8, got {kv_dt}")
+    need = _smem_bytes(d, block_k, config.num_buffers, kv_dt.itemsize, quantized)
+    if need > SMEM_BYTES:
+        raise ValueError(
+            f"paged_attention_mgpu: {need} bytes of SMEM (head_dim {d}, block_k {block_k}, "
+            f"{config.num_buffers} buffers) exceed {SMEM_BYTES}; lower num_buffers or block_k"
+        )
+
+
+def paged_attention_mgpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    seq_lens: jax.Array,
+    page_table: jax.Array,
+    layer: jax.Array | int = 0,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    *,
+    window: jax.Array | int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    config: MgpuDecodeConfig = H100_MGPU_DECODE,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention of one new token per row against its pages (Mosaic GPU, Hopper).
+
+    The arguments and result of `paged_attention.paged_attention` (whose docstring describes
+    them), with `config` an `MgpuDecodeConfig`. `interpret=True` runs Mosaic GPU's interpreter
+    on the CPU. Raises ValueError for f32 queries and the shapes `check_mgpu_options` names.
+    """
+    if q.ndim != 3 or q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"q must be f32/bf16 [B, H, D], got {q.dtype}{list(q.shape)}")
+    b, h, d = q.shape
+    check_kv_inputs(h, d, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, b)
+    check_attention_options(window, softcap, scale)
+    check_mgpu_options(q, k_pages, config)
+    return _decode_call(
+        q,
+        k_pages,
+        v_pages,
+        seq_lens,
+        page_table,
+        jnp.asarray(layer, jnp.int32).reshape(()),
+        k_scale,
+        v_scale,
+        jnp.asarray(0 if window is None else window, jnp.int32).reshape(()),
+        softcap=softcap,
+        scale=scale,
+        config=config,
+        interpret=interpret,
+    )
+
+
+reference = paged_attention_reference
+"""The pure-jnp definition the kernel is held to: `paged_attention.paged_attention_reference`
+(gather + einsum) with q [B, 1, H, D] and positions seq_lens - 1 for decode."""
