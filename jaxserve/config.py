@@ -38,7 +38,16 @@ __all__ = [
 
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-ATTENTION_IMPLS = ("auto", "cpu_kernel", "ragged", "reference", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = (
+    "auto",
+    "cpu_kernel",
+    "ragged",
+    "reference",
+    "pallas",
+    "pallas_interpret",
+    "mgpu",
+    "mgpu_interpret",
+)
 MATMUL_IMPLS = ("auto", "cpu_kernel", "xla")
 LOAD_FORMATS = ("auto", "dummy")
 BATCHINGS = ("continuous", "static")
@@ -149,7 +158,10 @@ class EngineConfig:
         "tokens; prefill chunks use a CPU layout of the reference); reference = the jnp gather "
         "reference for everything; "
         "pallas = the Pallas kernels; pallas_interpret = the Pallas kernels in interpret mode "
-        "(CPU tests). Default: auto.",
+        "(CPU tests); mgpu = decode through the Pallas Mosaic GPU kernel for Hopper "
+        "(pallas_kernels/mgpu_paged_attention.py; bf16 activations), prefill through the "
+        "Pallas prefill kernel; mgpu_interpret = the same in interpret modes (CPU tests). "
+        "Default: auto.",
         ATTENTION_IMPLS,
     )
     matmul_impl: str = _setting(
@@ -245,6 +257,28 @@ class EngineConfig:
         "a prefill computed are cached, so a hit changes no output, in bf16 too (a generated "
         "token's decode-written K/V round differently: a next turn recomputes the previous "
         "answer). Default: True (as vLLM v1).",
+    )
+    enable_lora: bool = _setting(
+        False,
+        "Serve LoRA adapters over the base model (vLLM's multi-LoRA): a request names its "
+        "adapter with a LoRARequest (a PEFT folder); requests with different adapters, or none, "
+        "share a batch (jaxserve.lora, layers/lora.py). Default: False.",
+    )
+    max_loras: int = _setting(
+        1,
+        "With enable_lora: adapters held on the device at once (a batch mixes at most this many); "
+        "a request whose adapter finds no free slot waits, and an adapter no admitted request "
+        "uses is evicted, least recently used first. Default: 1 (as vLLM).",
+    )
+    max_lora_rank: int = _setting(
+        16,
+        "With enable_lora: the largest adapter rank r served (adapters of a lower rank are "
+        "zero-padded to it; a higher one is refused at load). Default: 16 (as vLLM).",
+    )
+    max_cpu_loras: int | None = _setting(
+        None,
+        "With enable_lora: adapters kept read on the host beyond those on the device. Default: "
+        "None (max_loras).",
     )
     slot_buckets: tuple[int, ...] | str = _setting(
         "auto",
@@ -352,6 +386,14 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.num_slots ({self.num_slots}) must be a multiple of "
                 f"data_parallel_size ({self.data_parallel_size}): each replica owns an equal share"
+            )
+        for f in ("max_loras", "max_lora_rank"):
+            check_int(f)
+        check_int("max_cpu_loras", optional=True)
+        if self.enable_lora and self.data_parallel_size > 1:
+            raise ValueError(
+                "EngineConfig.enable_lora needs data_parallel_size=1 (adapters are not yet "
+                "shared across data-parallel replicas)"
             )
         check_int("num_speculative_tokens", minimum=0)
         for f in ("prompt_lookup_max", "prompt_lookup_min", "speculative_disable_by_batch_size"):

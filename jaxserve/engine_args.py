@@ -60,7 +60,6 @@ VLLM_NO_OPS = {
     "skip_tokenizer_init": (_OFF, "a model's tokenizer is always loaded"),
     "cpu_offload_gb": (_OFF, "weights are never offloaded to the host"),
     "hf_overrides": (_OFF, "the model's config.json is read as it is"),
-    "enable_lora": (_OFF, "LoRA adapters are not supported yet"),
     "limit_mm_per_prompt": (_OFF, "text-only models"),
     "mm_processor_kwargs": (_OFF, "text-only models"),
     "download_dir": (_OFF, "Hub downloads go to huggingface_hub's cache (set HF_HUB_CACHE)"),

@@ -54,6 +54,7 @@ from jaxserve.engine_args import (
     vllm_settings,
 )
 from jaxserve.entrypoints.chat_utils import render_chat
+from jaxserve.lora import LoRARequest
 from jaxserve.runner.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -152,13 +153,26 @@ class LLM:
         return self.engine.runner.warmup()
 
     def generate(
-        self, prompts, sampling_params=None, use_tqdm: bool = True, priority=None
+        self,
+        prompts,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        lora_request=None,
+        priority=None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in input order. priority: one int per prompt, lower first,
-        with scheduling_policy="priority" (vLLM's; any other is a ValueError under fcfs)."""
+        """One output per prompt, in input order. lora_request: a `jaxserve.lora.LoRARequest` for
+        every prompt, or a list of one (or None) per prompt (enable_lora=True); priority: one int
+        per prompt, lower first, with scheduling_policy="priority" (vLLM's; any other is a
+        ValueError under fcfs)."""
         prompts = _as_list(prompts)
         results: list[RequestOutput | None] = [None] * len(prompts)
-        it = self.iter_generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        it = self.iter_generate(
+            prompts,
+            sampling_params,
+            use_tqdm=use_tqdm,
+            priority=priority,
+            lora_request=lora_request,
+        )
         for i, out in it:
             results[i] = out
         return results
@@ -173,13 +187,15 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Generates for one conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered by the tokenizer's chat template (or `chat_template`), as vLLM's `LLM.chat`:
         `continue_final_message` continues the final (assistant) message instead of opening a
         new turn (then add_generation_prompt must be False); `tools` are given to the template;
         `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False}),
-        overriding the named options. A conversation `render_chat` rejects fails alone."""
+        overriding the named options. A conversation `render_chat` rejects fails alone.
+        lora_request: as `generate`'s, per conversation."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
         if continue_final_message and add_generation_prompt:
@@ -200,10 +216,16 @@ class LLM:
                 prompts.append({"prompt": text, "prompt_token_ids": ids})
             except Exception as e:  # a malformed conversation fails alone
                 prompts.append(_BadPrompt(f"chat template failed: {e}"))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def iter_generate(
-        self, prompts, sampling_params=None, use_tqdm: bool = False, stop=None, priority=None
+        self,
+        prompts,
+        sampling_params=None,
+        use_tqdm: bool = False,
+        stop=None,
+        priority=None,
+        lora_request=None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Yields (input index, finished output) in completion order as each request finishes.
 
@@ -219,6 +241,7 @@ class LLM:
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         for p in priority:
             self.engine.check_priority(p)
+        loras = self._per_prompt_loras(lora_request, len(prompts))
         index: dict[str, int] = {}
         pbar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
         t0, out_tokens = time.perf_counter(), 0
@@ -226,7 +249,8 @@ class LLM:
             prompts = [self._checked(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
         try:  # submission inside: if it raises, the requests already queued are aborted too
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
-                index[self._submit(prompt, sp, stream=False, priority=priority[i])] = i
+                rid = self._submit(prompt, sp, stream=False, priority=priority[i], lora=loras[i])
+                index[rid] = i
             while index:
                 # The outbox holds only what the last step returned: O(finished), not O(queued).
                 for rid in [r for r in self._outbox if r in index]:
@@ -246,16 +270,21 @@ class LLM:
             self.engine.drain()
 
     def stream(
-        self, prompt, sampling_params: SamplingParams | None = None, delta: bool = False
+        self,
+        prompt,
+        sampling_params: SamplingParams | None = None,
+        delta: bool = False,
+        lora_request=None,
     ) -> Iterator[RequestOutput]:
         """Yields a RequestOutput each step the request produced tokens; the last is finished.
 
         delta=False: cumulative text and token ids (vLLM's default); delta=True: only what is new.
         """
         sp = self._per_prompt_params(sampling_params, 1)[0]
+        lora = self._per_prompt_loras(lora_request, 1)[0]
         if self.engine_config.on_bad_request == "raise":
             prompt = self._checked(0, prompt, sp)
-        rid = self._submit(prompt, sp, stream=True)
+        rid = self._submit(prompt, sp, stream=True, lora=lora)
         seen: dict[int, tuple[int, int]] = {}  # child index -> (tokens, chars) already yielded
         try:
             while True:
@@ -331,7 +360,28 @@ class LLM:
                 error = f"invalid sampling parameters: {type(e).__name__}: {e}"
         return text, ids, sp, error
 
-    def _submit(self, prompt, sp, stream: bool, priority: int = 0) -> str:
+    def _per_prompt_loras(self, lora_request, n: int) -> list:
+        """One LoRARequest (or None) per prompt; ValueError for a wrong count, or an adapter
+        without enable_lora (vLLM's rule: checked before anything runs)."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * n
+        elif isinstance(lora_request, list | tuple):
+            loras = list(lora_request)
+            if len(loras) != n:
+                raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts")
+        else:
+            raise ValueError(
+                "lora_request must be a jaxserve.lora.LoRARequest, a list of them (one per "
+                f"prompt) or None, got {type(lora_request).__name__}"
+            )
+        for lora in loras:
+            if lora is not None and (
+                not isinstance(lora, LoRARequest) or not self.engine_config.enable_lora
+            ):
+                self.engine.read_lora(lora)  # raises, naming the problem
+        return loras
+
+    def _submit(self, prompt, sp, stream: bool, priority: int = 0, lora=None) -> str:
         rid = self.engine.next_request_id()
         text, ids, sp, error = self._prepare(prompt, sp)
         if error is not None:
@@ -346,7 +396,9 @@ class LLM:
                 )
             )
             return rid
-        self.engine.add_request(rid, text, ids, sp, stream=stream, priority=priority)
+        self.engine.add_request(
+            rid, text, ids, sp, stream=stream, priority=priority, lora_request=lora
+        )
         return rid
 
     def _parse_prompt(self, prompt) -> tuple[str | None, list[int] | None, str | None]:

@@ -7,7 +7,8 @@ that lowers a GPU engine's steps on this CPU). Nothing below it asks the backend
 kernels get their implementation as static arguments (`ModelImpl`), and the runner and scheduler
 get their shape buckets from here. The choices:
 
-    attention      auto -> 'pallas' (Triton kernels) on GPU; on CPU 'cpu_kernel' (decode and
+    attention      auto -> 'pallas' (Triton kernels) on GPU, until a GPU run times the Mosaic GPU
+                   decode kernel ('mgpu', Hopper) against them (issue 55); on CPU 'cpu_kernel' (decode and
                    prefill through the C++ kernel of `cpu_kernels/`, read in place from the pool;
                    RESULTS.md sections 37 and 39) when it built here, else 'ragged' (XLA decode
                    over the step's live pages, its cost following the live tokens; prefill
@@ -62,7 +63,8 @@ from jaxserve.core.sampling_params import MAX_LOGPROBS
 class ModelImpl:
     """What a traced model needs to know of the backend (hashable: a static jit argument)."""
 
-    # 'pallas' | 'pallas_interpret' | 'ragged' | 'cpu_kernel' | 'reference'
+    # 'pallas' | 'pallas_interpret' | 'mgpu' | 'mgpu_interpret' | 'ragged' | 'cpu_kernel' |
+    # 'reference'
     attention: str = "reference"
     min_matmul_rows: int = 1  # plain matmuls of fewer rows are padded up to this
     moe_matmul: str = "ragged_dot"  # 'ragged_dot' | 'tiled': `layers/moe.py`'s grouped path

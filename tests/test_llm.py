@@ -683,7 +683,6 @@ def test_vllm_arguments_without_meaning_here_are_noted_or_refused(caplog):
     assert llm.engine_config.num_slots == KW["num_slots"]
     assert "enforce_eager=True has no effect in jaxserve" in caplog.text
     for name, value in (
-        ("enable_lora", True),
         ("pipeline_parallel_size", 2),
         ("enable_chunked_prefill", False),
         ("tokenizer_mode", "mistral"),

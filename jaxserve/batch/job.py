@@ -232,8 +232,11 @@ def run_job(
     stats: JobStats | None = None,
     render_timeout_s: float = RENDER_TIMEOUT_S,
     render_max_chars: int = RENDER_MAX_CHARS,
+    loras: dict | None = None,
 ) -> JobStats:
     """Runs every row whose key is not in `done_keys`, writing one output row per input row.
+    loras: {name: LoRARequest} a row's `lora` field selects from (a name not in it is that
+    row's error).
 
     Counts go into `stats` (a new JobStats when None) as rows finish, so a caller that is
     interrupted mid-job still holds the totals so far. Raises OutputError when the output cannot
@@ -270,9 +273,16 @@ def run_job(
         bar.update(1)
         bar.set_postfix_str(f"{stats.tokens_per_s():.1f} tok/s, {stats.num_failed} failed")
 
-    runnable, prompts, params = [], [], []
+    runnable, prompts, params, adapters = [], [], [], []
+    loras = loras or {}
     for row in todo:
         error = row.error
+        if error is None and row.lora is not None and row.lora not in loras:
+            given = ", ".join(sorted(loras)) or "none"
+            error = (
+                f"line {row.line}: lora {row.lora!r} is not an adapter of this job "
+                f"(--lora_modules gave: {given})"
+            )
         if error is None:
             try:
                 prompt = render_prompt(
@@ -290,9 +300,11 @@ def run_job(
         runnable.append(row)
         prompts.append(prompt)
         params.append(row.sampling)
+        adapters.append(None if row.lora is None else loras[row.lora])
 
     if runnable and not stop.requested:
-        outputs = llm.iter_generate(prompts, params, stop=lambda: stop.requested)
+        kw = {"lora_request": adapters} if any(a is not None for a in adapters) else {}
+        outputs = llm.iter_generate(prompts, params, stop=lambda: stop.requested, **kw)
         try:
             for index, out in outputs:
                 row = runnable[index]

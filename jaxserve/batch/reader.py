@@ -13,8 +13,9 @@ for its field, a lone UTF-16 surrogate, an invalid sampling parameter) is caught
 Blank lines are skipped (they are not rows). A JSONL row is an object with `id` (a string of at
 most MAX_ID_CHARS characters, or an integer in [-2**63, 2**63)), exactly one of `prompt` (str),
 `messages` (chat list; each content a string or OpenAI's content parts, see chat_utils) or
-`prompt_token_ids` (list of int), and optional per-row `SamplingParams` fields overriding the
-job's defaults; any other field is an error.
+`prompt_token_ids` (list of int), optional per-row `SamplingParams` fields overriding the
+job's defaults, and an optional `lora` (the name of a LoRA adapter the job was given with
+--lora_modules); any other field is an error.
 
 A row's `key` names it for resume, sharding and merge, and never depends on its line number, so
 inserting or deleting lines moves no answer to another row:
@@ -66,6 +67,7 @@ class InputRow:
     sampling: SamplingParams | None = None
     error: str | None = None  # "line N: <problem>" when the row cannot run
     fingerprint: str | None = None  # sha256 of the canonical request; "error:..." for a bad row
+    lora: str | None = None  # the LoRA adapter's name (the job's --lora_modules), None: none
 
 
 def row_key(row_id: str | int | None, line: int) -> str:
@@ -85,14 +87,17 @@ def canonical_json(obj: Any) -> str:
 
 
 def request_fingerprint(
-    field: str, value: Any, sampling: SamplingParams, use_chat_template: bool
+    field: str, value: Any, sampling: SamplingParams, use_chat_template: bool, lora=None
 ) -> str:
-    """SHA-256 (hex) of everything that decides a row's answer."""
+    """SHA-256 (hex) of everything that decides a row's answer (the adapter's name only when
+    the row names one, so rows without one keep the fingerprints of older jaxserves)."""
     request = {
         field: value,
         "sampling": dataclasses.asdict(sampling),
         "use_chat_template": bool(use_chat_template),
     }
+    if lora is not None:
+        request["lora"] = lora
     return hashlib.sha256(canonical_json(request).encode("ascii")).hexdigest()
 
 
@@ -246,12 +251,18 @@ class _Parser:
         if problem:
             return fail(problem)
 
-        overrides = {k: v for k, v in obj.items() if k != "id" and k not in PROMPT_FIELDS}
+        lora = obj.get("lora")
+        if lora is not None and (not isinstance(lora, str) or not lora or len(lora) > MAX_ID_CHARS):
+            return fail(f"'lora' must be an adapter's name (a non-empty string), got {lora!r:.80}")
+        skip = {"id", "lora", *PROMPT_FIELDS}
+        overrides = {k: v for k, v in obj.items() if k not in skip}
         sampling, err = self.sampling(line, key, overrides)
         if err:
             return InputRow(line, key, row_id, error=err)
-        fp = request_fingerprint(field, value, sampling, self.use_chat_template)
-        return InputRow(line, key, row_id, sampling=sampling, fingerprint=fp, **{field: value})
+        fp = request_fingerprint(field, value, sampling, self.use_chat_template, lora)
+        return InputRow(
+            line, key, row_id, sampling=sampling, fingerprint=fp, lora=lora, **{field: value}
+        )
 
     def sampling(
         self, line: int, key: str, overrides: dict[str, Any]

@@ -88,6 +88,7 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
+    from jaxserve.layers import lora as lora_layers
     from jaxserve.layers.embedding import is_quantized
     from jaxserve.models import llama
     from jaxserve.parallel import partition
@@ -126,9 +127,13 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
 
     params = jax.eval_shape(partitioned, params)
     c, specs = rules["config"], rules["specs"]
+    if e.enable_lora:  # every adapter slot's stacks, split as ModelRunner splits them
+        stacks = jax.eval_shape(lambda: lora_layers.init(c, e.max_loras, e.max_lora_rank, dtype))
+        params = {**params, "lora": stacks}
+        specs = {**specs, "lora": partition.lora_specs(stacks)}
     num_pages = e.num_pages or e.num_slots * e.max_pages_per_seq
     num_pages -= num_pages % d
-    if r.model.attention == "pallas":
+    if r.model.attention in ("pallas", "mgpu"):
         num_pages = memory.pallas_pool_pages(num_pages, c, e)
 
     def init_cache():

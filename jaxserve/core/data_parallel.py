@@ -24,10 +24,11 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 
 
-def make_scheduler(config: EngineConfig, num_pages: int, slot_buckets=None):
-    """One Scheduler, or one per data shard behind the same interface."""
+def make_scheduler(config: EngineConfig, num_pages: int, slot_buckets=None, loras=None):
+    """One Scheduler, or one per data shard behind the same interface (LoRA adapter slots
+    `loras` with one only: EngineConfig refuses enable_lora with data parallelism)."""
     if config.data_parallel_size == 1:
-        return Scheduler(config, num_pages, slot_buckets)
+        return Scheduler(config, num_pages, slot_buckets, loras=loras)
     return DataParallelScheduler(config, num_pages, slot_buckets)
 
 

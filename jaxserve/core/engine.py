@@ -45,6 +45,9 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import SchedulerOutput
 from jaxserve.core.slot_row import make_slot_row
 from jaxserve.core.structured_outputs import StructuredOutputManager
+from jaxserve.lora.peft import read_adapter
+from jaxserve.lora.request import LoRARequest
+from jaxserve.lora.slots import LoRASlots
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,14 @@ class LLMEngine:
         self.config = config = config.for_model(model_config)  # a filled config comes back equal
         self.num_pages = num_pages
         self.tokenizer = tokenizer
-        self.scheduler = make_scheduler(config, num_pages, runner.slot_buckets)
+        self.loras = None
+        if config.enable_lora:
+            self.loras = LoRASlots(
+                config.max_loras,
+                config.max_cpu_loras or config.max_loras,
+                lambda req: read_adapter(req, model_config, config.max_lora_rank),
+            )
+        self.scheduler = make_scheduler(config, num_pages, runner.slot_buckets, self.loras)
         self._rng = np.random.default_rng(seed)  # seeds of unseeded requests
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -105,16 +115,22 @@ class LLMEngine:
         stream: bool = False,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queues one request; invalid input becomes an error output (see `validate`).
         priority: lower runs first under scheduling_policy="priority"; ValueError under fcfs
-        (vLLM's rule: a priority the policy would ignore is a caller's mistake)."""
+        (vLLM's rule: a priority the policy would ignore is a caller's mistake).
+        lora_request: the adapter to run with (EngineConfig.enable_lora; ValueError without it);
+        an adapter that cannot be read or does not fit the model is this request's error."""
         now = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already running")
         self.check_priority(priority)
         n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
         sampling_params, error = self.check_request(prompt_token_ids, sampling_params)
+        lora = None
+        if error is None and lora_request is not None:
+            lora, error = self.read_lora(lora_request)
         grammar = None
         if error is None and sampling_params.structured_outputs is not None:
             try:  # a schema, regex or grammar that does not compile is this request's error
@@ -145,6 +161,7 @@ class LLMEngine:
                     max_total_len=max_total,
                     arrival_time=now,
                     priority=priority,
+                    lora=lora,
                     grammar=None if grammar is None else grammar if i == 0 else grammar.copy(),
                 )
             )
@@ -172,6 +189,23 @@ class LLMEngine:
                 f"got priority {priority}, but priority scheduling is not enabled "
                 "(scheduling_policy='priority')"
             )
+
+    def read_lora(self, lora_request) -> tuple:
+        """(the adapter, None) or (None, why it cannot be used); ValueError when LoRA is off or
+        `lora_request` is not a LoRARequest (a caller's mistake, as in vLLM)."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a jaxserve.lora.LoRARequest, got {type(lora_request).__name__}"
+            )
+        if self.loras is None:
+            raise ValueError(
+                f"got lora_request {lora_request.lora_name!r}, but LoRA is not enabled "
+                "(enable_lora=True)"
+            )
+        try:
+            return self.loras.read(lora_request), None
+        except ValueError as e:
+            return None, str(e)
 
     def check_request(self, ids, sp) -> tuple[SamplingParams, str | None]:
         """Every check `add_request` makes, without queueing: (the params with bad_words as token

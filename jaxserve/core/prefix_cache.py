@@ -77,7 +77,7 @@ class PrefixCache:
         tokens = req.all_token_ids[: req.num_prefill_tokens]
         hits: list[tuple[int, int]] = []
         for i in range((req.num_prefill_tokens - 1) // self.page_size):
-            hit = self._table.get(self._key(hits[-1][1] if hits else 0, tokens, i))
+            hit = self._table.get(self._key(hits[-1][1] if hits else 0, tokens, i, req.lora_int_id))
             if hit is None:
                 break
             hits.append(hit)
@@ -104,7 +104,8 @@ class PrefixCache:
         tokens = req.all_token_ids
         for i in range(len(req.block_uids), full):
             parent = req.block_uids[i - 1] if i else 0
-            req.block_uids.append(self.insert(req.pages[i], self._key(parent, tokens, i)))
+            key = self._key(parent, tokens, i, req.lora_int_id)
+            req.block_uids.append(self.insert(req.pages[i], key))
 
     def reset(self) -> bool:
         """Forgets every cached prefix; evictable pages become free pages. Refused (False, nothing
@@ -118,9 +119,16 @@ class PrefixCache:
         return True
 
     # -- the table ------------------------------------------------------------------------------
-    def _key(self, parent_uid: int, tokens: list[int], i: int) -> tuple:
-        """The key of the i-th page of `tokens`, whose previous page's key has `parent_uid`."""
-        return parent_uid, tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
+    def _key(self, parent_uid: int, tokens: list[int], i: int, lora_int_id: int = 0) -> tuple:
+        """The key of the i-th page of `tokens`, whose previous page's key has `parent_uid`. The
+        first page's names the LoRA adapter the K/V were computed with (0: none), so requests
+        with other adapters never share a page (vLLM's extra hash key); the rest follow from it."""
+        page = tuple(tokens[i * self.page_size : (i + 1) * self.page_size])
+        return (
+            (parent_uid, page, lora_int_id)
+            if lora_int_id and not parent_uid
+            else (parent_uid, page)
+        )
 
     def lookup(self, key: tuple) -> tuple[int, int] | None:
         """(page, uid) registered under `key`, or None."""

@@ -78,6 +78,15 @@ class Request:
     leader: Request | None = dataclasses.field(default=None, repr=False)
     # structured outputs: the request's `structured_outputs.Grammar` (None = unconstrained)
     grammar: Any = dataclasses.field(default=None, repr=False)
+    # LoRA (EngineConfig.enable_lora): the request's adapter (`lora.peft.LoRAAdapter`, None = the
+    # base model) and, while it is admitted, the device slot holding it (-1: none)
+    lora: Any = dataclasses.field(default=None, repr=False)
+    lora_slot: int = -1
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model (what prefix-cache keys are kept under)."""
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,9 @@ calls `finish()` for the requests that stopped. A plan is made in five phases:
        StaticAdmission      a new batch only when no request is running, then as many requests as
                             there are slots, whatever the rows and pages (the baseline)
      An admitted request first takes the cached pages its tokens begin with (`PrefixCache.take`)
-     and prefills only the rest.
+     and prefills only the rest. With LoRA, a request also takes a device slot for its adapter
+     (`lora/slots.py`); one whose adapter finds none (every slot held by other adapters'
+     requests) is skipped and keeps its place, and the requests behind it go on (vLLM's rule).
   5. _commit: advances the planned requests as if the plan had run, and registers every full page
      a prefill chunk completes (prefix_cache.py).
 
@@ -59,6 +61,7 @@ from jaxserve.core.admission import AdmissionPolicy, ContinuousAdmission, Static
 from jaxserve.core.page_allocator import PageAllocator, pages_for
 from jaxserve.core.prefix_cache import PrefixCache
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.lora.slots import LoRASlots
 from jaxserve.resolve import bucket_for
 
 
@@ -98,6 +101,8 @@ class SchedulerOutput:
     grammar_rows: np.ndarray | None = None
     # the masks are computed while the decode forward runs (`Runner.complete` takes them)
     grammar_deferred: bool = False
+    # LoRA adapters to load into their device slots before the step (slot, `lora.peft.LoRAAdapter`)
+    lora_loads: list = dataclasses.field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -112,7 +117,9 @@ class SchedulerOutput:
         """The plan changes the runner's slot state (a slot released, moved or filled, pages
         given): it must reach the runner even with no step to run, or a released slot would stay
         active on the device and decode into pages since given to another request."""
-        return bool(self.released or self.moves or self.inserted or self.page_updates)
+        return bool(
+            self.released or self.moves or self.inserted or self.page_updates or self.lora_loads
+        )
 
 
 def can_speculate(req: Request) -> bool:
@@ -145,9 +152,11 @@ class Scheduler:
         num_pages: int,
         slot_buckets: tuple[int, ...] | None = None,
         slot_offset: int = 0,
+        loras: LoRASlots | None = None,
     ):
         """slot_offset: the first of this scheduler's config.num_slots slots (a data-parallel
-        shard's, `data_parallel.py`); buckets count slots from it."""
+        shard's, `data_parallel.py`); buckets count slots from it. loras: the device's adapter
+        slots (EngineConfig.enable_lora)."""
         self.config = config
         self.slot_offset = slot_offset
         # Decode row buckets (the runner's): requests are packed into the lowest slots so a decode
@@ -180,6 +189,7 @@ class Scheduler:
         self.num_decode_plans = 0
         self.by_priority = config.scheduling_policy == "priority"
         self.num_added = 0
+        self.loras = loras
 
     # -- queue ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -224,12 +234,18 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
 
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            self.loras.release(request.lora_slot)
+            request.lora_slot = -1
+
     def _free_resources(self, request: Request) -> None:
         # Last page first: cached pages are evicted least recently freed first, and a page is only
         # found through the pages before it, so a sequence's tail goes before its head (as vLLM).
         self.allocator.free(request.pages[::-1])
         request.pages = []
         request.block_uids = []
+        self._release_lora(request)
         if request.slot is not None:
             self._released.append(request.slot)
             self.free_slots.append(request.slot)
@@ -244,6 +260,8 @@ class Scheduler:
         rows_left = self._schedule_prefills(plan)
         self._admit(plan, rows_left)
         plan.released, self._released = self._released, []
+        if self.loras is not None:
+            plan.lora_loads = self.loras.take_loads()
         self._commit(plan)
         return plan
 
@@ -312,22 +330,31 @@ class Scheduler:
         is planned its first chunk if a row is left (else at the next plan)."""
         if not self.admission.is_open(self.running):
             return
+        skipped: list[Request] = []  # their adapter finds no device slot now (vLLM skips them)
         while self.waiting and self.free_slots and self.admission.wants_more(rows):
             req = self.waiting[0]
             if req.num_pending_tokens:
                 break  # preempted with tokens in flight: re-prefill once they are known
             if self.admission.must_wait(req):
                 break
+            if req.lora is not None:
+                req.lora_slot = self.loras.acquire(req.lora)
+                if req.lora_slot is None:
+                    req.lora_slot = -1
+                    skipped.append(self.waiting.popleft())
+                    continue
             req.begin_prefill()
             hits = self.prefix_cache.take(req)
             if not self.admission.fits(
                 self.allocator, self._first_chunk_pages(req, hits), self.running
             ):
                 self.allocator.free(hits)  # back to the cache, still evictable
+                self._release_lora(req)
                 break
             self._insert(req, hits, plan)
             if rows > 0 and self._schedule_chunk(req, plan):
                 rows -= 1
+        self.waiting.extendleft(reversed(skipped))
 
     def _first_chunk_pages(self, req: Request, hits: list[int]) -> int:
         """New pages `req`'s first chunk needs, past the cached pages `hits` it begins with."""

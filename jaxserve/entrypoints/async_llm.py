@@ -128,12 +128,14 @@ class AsyncLLM:
         request_id: str | None = None,
         stream: bool = True,
         priority: int = 0,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs: a snapshot each step it gains tokens (stream=True) and
         finally the finished output (only that one with stream=False). A bad prompt or bad
         parameters yield one finished output with `error` set. Closing the iterator early aborts
         the request. priority: lower runs first under scheduling_policy="priority" (ValueError
-        under fcfs, as vLLM)."""
+        under fcfs, as vLLM). lora_request: the request's `jaxserve.lora.LoRARequest` (needs
+        enable_lora; an adapter that cannot be used is the request's error output)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine thread failed: {self._dead!r}") from self._dead
         if self._stopping:
@@ -154,7 +156,7 @@ class AsyncLLM:
         self._outbox[rid] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            self._post(("add", rid, text, ids, sp, stream, now, priority))
+            self._post(("add", rid, text, ids, sp, stream, now, priority, lora_request))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -219,14 +221,21 @@ class AsyncLLM:
         if command[0] == "abort":
             self.engine.abort(command[1])
             return
-        _, rid, text, ids, sp, stream, now, priority = command
+        _, rid, text, ids, sp, stream, now, priority, lora = command
         with self._cond:
             self._pending_adds -= 1
         if rid not in self._outbox:
             return  # its caller went away before the engine saw it
         try:
             self.engine.add_request(
-                rid, text, ids, sp, stream=stream, arrival_time=now, priority=priority
+                rid,
+                text,
+                ids,
+                sp,
+                stream=stream,
+                arrival_time=now,
+                priority=priority,
+                lora_request=lora,
             )
         except ValueError as e:
             self._deliver(rid, RequestOutput.from_error(rid, text, ids, str(e), now, sp.n))

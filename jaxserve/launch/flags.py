@@ -25,6 +25,7 @@ from absl import flags
 
 from jaxserve.config import EngineConfig
 from jaxserve.launch import distributed  # noqa: F401  (every launcher takes the multi-host flags)
+from jaxserve.lora.request import parse_lora_modules
 from jaxserve.speculative_config import merge_speculative_config, normalize_schedule
 
 FLAGS = flags.FLAGS
@@ -130,6 +131,25 @@ flags.DEFINE_string(
     '"num_speculative_tokens": 3, "prompt_lookup_max": 4}\': sets the speculative fields it '
     "names (method 'ngram' only; a field set both here and by its own flag is an error).",
 )
+
+
+flags.DEFINE_multi_string(
+    "lora_modules",
+    [],
+    "LoRA adapters served by name (needs --enable_lora), each name=path (a PEFT folder) or "
+    'vLLM\'s JSON {"name": ..., "path": ...}: a server request selects one by its model field, '
+    "a batch job's row by its lora field. "
+    "Repeat the flag, or give several name=path space-separated.",
+)
+
+
+def lora_modules(fv: flags.FlagValues = FLAGS) -> dict[str, str]:
+    """--lora_modules as {name: PEFT folder}; ValueError for a malformed value, or adapters
+    without --enable_lora."""
+    modules = parse_lora_modules(fv["lora_modules"].value or [])
+    if modules and not fv["enable_lora"].value:
+        raise ValueError("--lora_modules needs --enable_lora")
+    return modules
 
 
 def llm_kwargs(fv: flags.FlagValues = FLAGS) -> dict[str, Any]:

@@ -16,7 +16,8 @@ Dataflow:
     write <output>.summary.json
 
 Input rows (JSONL): {"id": ..., "prompt" | "messages" | "prompt_token_ids": ..., optional
-SamplingParams fields such as "max_tokens", "temperature", "seed", "stop"}; or a plain text file,
+SamplingParams fields such as "max_tokens", "temperature", "seed", "stop", and "lora": the name
+of an adapter given with --enable_lora --lora_modules name=path}; or a plain text file,
 one prompt per line, id = a hash of the line's content (plus "#k" for its k-th repeat), so
 inserting a line moves no answer. The sampling flags below are the defaults for every row.
 A row without a "seed" samples with one derived from --seed (0 when unset) and its key, so sampled
@@ -56,6 +57,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.launch import distributed
 from jaxserve.launch import flags as engine_flags
+from jaxserve.lora.request import lora_requests
 
 FLAGS = flags.FLAGS
 log = logging.getLogger("jaxserve.generate")
@@ -157,6 +159,7 @@ def main(argv: list[str]) -> int:
         defaults = sampling_defaults()
         SamplingParams.from_dict(defaults)  # a bad flag fails here, not once per row
         llm_kwargs = engine_flags.llm_kwargs()
+        loras = lora_requests(engine_flags.lora_modules())
         distributed.wanted()  # the multi-host flags go together
     except OutputError as e:
         return _fail(str(e), e.exit_code)
@@ -165,10 +168,10 @@ def main(argv: list[str]) -> int:
     distributed.initialize()
     stop = StopFlag()
     with stop.installed():
-        return _run(defaults, llm_kwargs, stop)
+        return _run(defaults, llm_kwargs, stop, loras)
 
 
-def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -> int:
+def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag, loras: dict) -> int:
     base_seed = EngineConfig(**llm_kwargs).seed  # --seed, else the engine's default
     rows = read_input(
         FLAGS.input,
@@ -250,6 +253,7 @@ def _run(defaults: dict[str, Any], llm_kwargs: dict[str, Any], stop: StopFlag) -
                 progress=FLAGS.progress,
                 print_outputs=FLAGS.print_outputs,
                 stats=stats,
+                loras=loras,
             )
         if not stop.requested:  # finished: one row per key in the file
             keys = {r.key for r in rows}

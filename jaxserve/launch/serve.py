@@ -80,6 +80,12 @@ flags.DEFINE_bool(
     "Let a chat request bring its own Jinja template (chat_template, or in chat_template_kwargs); "
     "otherwise such a request is a 400, as in vLLM.",
 )
+flags.DEFINE_bool(
+    "allow_runtime_lora_updating",
+    os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+    "Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints). Default: "
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING.",
+)
 flags.DEFINE_bool("warmup_model", True, "Compile every step shape before the port opens.")
 flags.DEFINE_float(
     "graceful_shutdown_s", 60.0, "On SIGTERM, how long to wait for requests in flight."
@@ -124,6 +130,9 @@ def main(argv: list[str]) -> int:
             )
         if FLAGS.enable_auto_tool_choice and FLAGS.tool_call_parser is None:
             raise ValueError("--enable_auto_tool_choice needs --tool_call_parser")
+        lora_modules = engine_flags.lora_modules()
+        if FLAGS.allow_runtime_lora_updating and not kwargs.get("enable_lora"):
+            raise ValueError("--allow_runtime_lora_updating needs --enable_lora")
     except ValueError as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
@@ -140,17 +149,24 @@ def main(argv: list[str]) -> int:
         log.info("warm-up took %.1f s", llm.warmup_seconds)
     async_llm = AsyncLLM.from_llm(llm)
     name = FLAGS.served_model_name or kwargs.get("model") or DEFAULT_NAME
-    application = build_app(
-        async_llm,
-        name,
-        api_key=FLAGS.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
-        max_queued_requests=FLAGS.max_queued_requests,
-        request_timeout_s=FLAGS.request_timeout_s,
-        chat_template=read_chat_template(FLAGS.chat_template),
-        tool_call_parser=FLAGS.tool_call_parser,
-        enable_auto_tool_choice=FLAGS.enable_auto_tool_choice,
-        trust_request_chat_template=FLAGS.trust_request_chat_template,
-    )
+    try:
+        application = build_app(
+            async_llm,
+            name,
+            api_key=FLAGS.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
+            max_queued_requests=FLAGS.max_queued_requests,
+            request_timeout_s=FLAGS.request_timeout_s,
+            chat_template=read_chat_template(FLAGS.chat_template),
+            tool_call_parser=FLAGS.tool_call_parser,
+            enable_auto_tool_choice=FLAGS.enable_auto_tool_choice,
+            trust_request_chat_template=FLAGS.trust_request_chat_template,
+            lora_modules=lora_modules,
+            allow_runtime_lora_updating=FLAGS.allow_runtime_lora_updating,
+        )
+    except ValueError as e:  # a --lora_modules adapter that cannot be served
+        async_llm.shutdown()
+        print(f"serve: error: {e}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(
         application,
         host=FLAGS.host,

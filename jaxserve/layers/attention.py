@@ -16,6 +16,7 @@ from flax import struct
 from cpu_kernels import paged_decode_attention as cpu_attention
 from jaxserve.layers.kv_cache import KVCache
 from jaxserve.layers.ragged_attention import prefill_attention, ragged_decode_attention
+from pallas_kernels import mgpu_paged_attention as mgpu
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_prefill as pp
 
@@ -120,6 +121,8 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     'pallas' / 'pallas_interpret': T == 1 runs the flash-decoding kernel, T > 1 the ragged
     chunked-prefill kernel; both read the whole stacked pool at the traced `layer`, and a
     windowed layer's loop starts at its window's first page.
+    'mgpu' / 'mgpu_interpret': T == 1 runs the Mosaic GPU decode kernel (Hopper: TMA + wgmma;
+    `pallas_kernels/mgpu_paged_attention.py`), T > 1 the Pallas prefill kernel as 'pallas'.
     'cpu_kernel' (the CPU default where it builds): the C++ kernel of
     `cpu_kernels/paged_decode_attention.py`, which reads each row's pages of the whole pool at
     the traced `layer` in place; a prefill chunk's tokens run as decode rows at their positions
@@ -167,8 +170,14 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
                 cache.k_scale, cache.v_scale, **opts,
             )  # fmt: skip
         impl = "reference"
-    if impl in ("pallas", "pallas_interpret"):
-        interpret = impl == "pallas_interpret"
+    if impl in ("mgpu", "mgpu_interpret") and q.shape[1] == 1:
+        out = mgpu.paged_attention_mgpu(
+            q[:, 0], cache.k, cache.v, _decode_kv_len(meta), meta.page_table, layer,
+            cache.k_scale, cache.v_scale, **opts, interpret=impl == "mgpu_interpret",
+        )  # fmt: skip
+        return out[:, None]  # (B, 1, H, D)
+    if impl in ("pallas", "pallas_interpret", "mgpu", "mgpu_interpret"):
+        interpret = impl in ("pallas_interpret", "mgpu_interpret")
         if q.shape[1] == 1:
             out = pa.paged_attention(
                 q[:, 0],

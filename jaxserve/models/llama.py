@@ -33,6 +33,8 @@ leading layer axis and the layers run under `lax.scan`, so compile time does not
       we_down    [Ls, E, Im, D]
     final_norm   [D]
     lm_head      [D, V]           absent when config.tie_word_embeddings (logits use embed^T)
+    lora/        only with LoRA adapters (EngineConfig.enable_lora; `layers/lora.py`): every
+      wq ... w_down  {"a": [L, N, in, R], "b": [L, N, R, out]}   N adapter slots of rank R
 
 Linear weights are `[in, out]` arrays or quantized-weight pytrees (see `jaxserve.quant`) with the
 same logical shape; `layers.linear.linear` multiplies either. A quantized embedding is stored as the
@@ -59,6 +61,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.layers import kv_cache as kvc
+from jaxserve.layers import lora
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.embedding import embed, is_quantized
 from jaxserve.layers.linear import TransposedWeight, linear, linears
@@ -76,11 +79,15 @@ def forward(
     cache: kvc.KVCache,
     config: ModelConfig,
     impl: ModelImpl = REFERENCE_IMPL,
+    lora_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, kvc.KVCache]:
     """Runs the new tokens through every layer, writing their K/V into the paged cache.
 
     tokens: i32[B, T]; meta: positions/slot_mapping [B, T], page_table [B, W], seq_lens [B].
     impl (static): the attention implementation and the matmul row padding (`jaxserve.resolve`).
+    lora_rows: i32[B], each row's LoRA adapter slot (-1 = none), used when params hold the
+    adapters' stacks (params["lora"], `layers/lora.py`): each adapted weight's output gains its
+    row's adapter product.
     Returns the final-norm hidden states [B, T, D] (params dtype) and the updated cache.
     """
     c = config
@@ -98,23 +105,31 @@ def forward(
     }
     scanned = {name: w for name, w in params["layers"].items() if name not in whole}
     sparse = jnp.asarray(np.isin(np.arange(c.num_layers), c.moe_layers)) if rows else None
+    adapters = params.get("lora") if lora_rows is not None else None
 
     def layer(carry, xs):
         x, cache = carry
-        lp, li, row, is_sparse, lc = xs  # lc: this layer's `layer_constants`
+        lp, li, row, is_sparse, lc, la = xs  # lc: this layer's `layer_constants`; la: its LoRA
+
+        def adapted(a, name, y):  # y = a @ weight `name`, plus each row's adapter product
+            if la is None or name not in la:
+                return y
+            return y + lora.delta(a, la[name]["a"], la[name]["b"], lora_rows)
 
         def stack_row(name):  # the row of whole[name] holding layer li
             return row[name] if name in row else li
 
         def proj(a, name):  # a @ layer li's weight `name`
             if name not in whole:
-                return linear(a, lp[name], min_rows=impl.min_matmul_rows)
-            return linear(a, whole[name], layer=stack_row(name), min_rows=impl.min_matmul_rows)
+                return adapted(a, name, linear(a, lp[name], min_rows=impl.min_matmul_rows))
+            y = linear(a, whole[name], layer=stack_row(name), min_rows=impl.min_matmul_rows)
+            return adapted(a, name, y)
 
         def projs(a, names):  # (a @ layer li's weight `name` for each name), stacks together
             if all(n in whole and n not in row for n in names):
                 ws = [whole[n] for n in names]
-                return linears(a, ws, layer=li, min_rows=impl.min_matmul_rows)
+                ys = linears(a, ws, layer=li, min_rows=impl.min_matmul_rows)
+                return tuple(adapted(a, n, y) for n, y in zip(names, ys))
             return tuple(proj(a, n) for n in names)
 
         def expert(name):  # layer li's expert stack `name` [E, K, N] as stored (moe_mlp reads it)
@@ -145,7 +160,7 @@ def forward(
     (x, cache), _ = jax.lax.scan(
         layer,
         (x, cache),
-        (scanned, jnp.arange(c.num_layers, dtype=jnp.int32), rows, sparse, consts),
+        (scanned, jnp.arange(c.num_layers, dtype=jnp.int32), rows, sparse, consts, adapters),
     )
     return rms_norm(x, params["final_norm"], c.rms_norm_eps, c.norm_offset), cache
 

@@ -71,6 +71,24 @@ def role_of(name: str) -> str:
     return ROLES.get(name, "replicated")
 
 
+def lora_specs(stacks: dict) -> dict:
+    """PartitionSpecs of the LoRA adapters' stacks (`layers/lora.py`: a [L, in, N, R],
+    b [L, N, R, out]): each factor splits with its base weight, so a device reads only its
+    share. A column-parallel weight's b splits its outputs (a is whole: the input is); a
+    row-parallel weight's a splits its inputs (b is whole), so the shrink's partial sums add up
+    across devices as the base weight's do."""
+    specs = {}
+    for name in stacks:
+        role = role_of(name)
+        if role == "column":
+            specs[name] = {"a": P(), "b": P(None, None, None, AXIS)}
+        elif role == "row":
+            specs[name] = {"a": P(None, AXIS, None, None), "b": P()}
+        else:
+            raise ValueError(f"no LoRA sharding rule for {name!r} (role {role!r})")
+    return specs
+
+
 # -- KV-head replication ----------------------------------------------------------------------------
 def kv_head_map(config: ModelConfig, t: int) -> np.ndarray | None:
     """For T > KVH: the source KV head of each of the T new heads (head j <- j // (T / KVH)), so

@@ -44,7 +44,9 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import SchedulerOutput
 from jaxserve.core.slot_row import make_slot_row
 from jaxserve.layers import linear
+from jaxserve.layers import lora as lora_layers
 from jaxserve.layers.embedding import is_quantized
+from jaxserve.models.params import model_dtype
 from jaxserve.parallel import partition
 from jaxserve.parallel.mesh import make_mesh, mesh_sizes
 from jaxserve.quant import with_matmul_impl
@@ -89,6 +91,7 @@ class ModelRunner:
         mesh=None,
     ):
         engine_config = engine_config.for_model(model_config)  # a filled config comes back equal
+        kv_heads = model_config.num_kv_heads  # the checkpoint's (replicated below for TP > KVH)
         t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
         if mesh is None and t * d > 1:
             mesh = make_mesh(t, d)
@@ -140,6 +143,20 @@ class ModelRunner:
                 params = {**params, "lm_head": linear.transposed(head, kernel)}
         if mesh is not None:
             params = partition.shard_params(params, model_config, mesh)
+        if engine_config.enable_lora:
+            if model_config.num_kv_heads != kv_heads:
+                raise ValueError(
+                    "enable_lora with tensor_parallel_size above the model's KV heads (which are "
+                    "then replicated) is not supported yet"
+                )
+            params = {**params, "lora": self._lora_stacks(params, model_config, engine_config)}
+            # an adapter into its device slot: the stacks donated and updated in place, kept
+            # split as they are, one program for any slot and adapter
+            self._set_lora = jax.jit(
+                lora_layers.set_slot,
+                donate_argnums=0,
+                out_shardings=jax.tree.map(lambda a: a.sharding, params["lora"]),
+            )
         self.params = params
         self.model_config = model_config
         self.config = engine_config
@@ -155,7 +172,7 @@ class ModelRunner:
         # CPU warms up in 0.53-0.55x the time). With one width (the C++ CPU kernel) it would
         # save nothing and cost a program launch per step, so that prefill stays one program.
         self.splits_prefill = d == 1 and len({s.width for s in r.prefill_shapes()}) > 1
-        if r.model.attention == "pallas":
+        if r.model.attention in ("pallas", "mgpu"):  # both run the Pallas prefill kernel
             num_pages = memory.pallas_pool_pages(num_pages, model_config, engine_config)
         self.num_pages = num_pages  # the pool's pages (the engine's allocator takes this count)
         check_memory(model_config, engine_config, num_pages)  # before anything is allocated
@@ -192,6 +209,27 @@ class ModelRunner:
         self.num_d2h_transfers = 0
         self.workspace_bytes: int | None = None  # XLA temp bytes of the largest steps (warm-up)
         logger.info(memory.describe(self.memory_plan()))
+
+    def _lora_stacks(self, params, model_config: ModelConfig, engine_config: EngineConfig):
+        """Every adapter slot's weights, zeros (`layers/lora.py`), split over the mesh with their
+        base weights (`partition.lora_specs`)."""
+        c = engine_config
+
+        def init():
+            return lora_layers.init(model_config, c.max_loras, c.max_lora_rank, model_dtype(params))
+
+        if self.mesh is None:
+            return init()
+        specs = partition.lora_specs(jax.eval_shape(init))
+        return jax.jit(init, out_shardings=partition.named(self.mesh, specs))()
+
+    def load_lora(self, slot: int, adapter) -> None:
+        """Adapter `adapter` (None: zeros) into device slot `slot`, in place (no recompile)."""
+        c = self.config
+        weights = lora_layers.slot_arrays(adapter, self.model_config, c.max_lora_rank, np.float32)
+        stacks = self._set_lora(self.params["lora"], np.int32(slot), weights)
+        self.params = {**self.params, "lora": stacks}
+        self.num_h2d_transfers += 1
 
     def memory_plan(self) -> dict:
         """Per-device bytes of params, KV pool, slot state and workspace (`runner/memory.py`)."""
@@ -320,6 +358,7 @@ class ModelRunner:
             row,
             np.int32(len(req.output_token_ids)),
             np.int32(req.max_total_len),
+            np.int32(req.lora_slot),
         )
         self._active[req.slot] = False
         self._dirty = True
@@ -364,6 +403,8 @@ class ModelRunner:
             self._dirty = True
         if plan.moves:
             self.move(plan.moves)
+        for slot, adapter in plan.lora_loads:
+            self.load_lora(slot, adapter)
         for req in plan.inserted:
             self.insert(req)
         for slot, pages in plan.page_updates.items():
@@ -465,7 +506,13 @@ class ModelRunner:
         self._dirty = True
         self._flush()
         row = make_slot_row(SamplingParams(), [0], [], (), 0, self.config.max_model_len)
-        self.state = self._jit(steps.insert)(self.state, np.int32(0), row, np.int32(0), np.int32(0))
+        self.state = self._jit(steps.insert)(
+            self.state, np.int32(0), row, np.int32(0), np.int32(0), np.int32(-1)
+        )
+        if "lora" in self.params:  # slot 0's weights rewritten as they are (compiles the load)
+            held = self.params["lora"]
+            one = lora_layers.get_slot(held, 0)
+            self.params = {**self.params, "lora": self._set_lora(held, np.int32(0), one)}
         pad = np.full((s,), s, np.int32)
         self.state = self._jit(steps.move)(self.state, pad, pad)  # every row padding: no move
         words = -(-self.model_config.vocab_size // 32)

@@ -85,7 +85,7 @@ def ngram_propose_reference(tokens: list[int], k: int, min_n: int, max_n: int) -
 # lengths: there the verify forward runs its B x (k + 1) tokens as that many decode rows (each
 # row's page table repeated), so every token gets the bits a decode step gives it, in bf16 too.
 # 'ragged' decodes over a live-page bucket sized for B rows: there the tokens run as a chunk.
-DECODE_ROW_IMPLS = ("cpu_kernel", "pallas", "pallas_interpret")
+DECODE_ROW_IMPLS = ("cpu_kernel", "pallas", "pallas_interpret", "mgpu", "mgpu_interpret")
 
 
 def _verify_inputs(st: SlotState, pt, draft, limit, ps: int, as_rows: bool):
@@ -147,7 +147,8 @@ def speculate(
     draft = ngram_propose(st.history, st.seq_len + 1, num_spec, min_n, max_n)  # (B, k)
     as_rows = impl.attention in DECODE_ROW_IMPLS
     tokens, meta = _verify_inputs(st, pt, draft, lim, cache.page_size, as_rows)
-    hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)  # (B, T, D)
+    lora = jnp.repeat(st.lora, t) if as_rows else st.lora  # each token row's adapter slot
+    hidden, cache = llama.forward(params, tokens, meta, cache, config, impl, lora_rows=lora)
     b, d = shape.rows, hidden.shape[-1]
     logits = llama.compute_logits(params, hidden.reshape(b * t, d), config, impl)
     target = blocked_argmax(pin_replicated(logits).astype(jnp.float32)).reshape(b, t)

@@ -55,6 +55,7 @@ class SlotState:
     # n-gram proposer of `spec_decode.py` searches), L = max_model_len; None (no leaf) unless the
     # engine speculates
     history: jax.Array | None
+    lora: jax.Array  # i32[S]  the slot's LoRA adapter slot (`layers/lora.py`), -1 = none
 
 
 @struct.dataclass
@@ -105,6 +106,7 @@ def init_slot_state(
         page_table=jnp.zeros((num_slots, max_pages), jnp.int32),
         sampling=sampling.init_state(num_slots, vocab_size),
         history=jnp.zeros((num_slots, history_len), jnp.int32) if history_len else None,
+        lora=jnp.full((num_slots,), -1, jnp.int32),
     )
 
 
@@ -116,8 +118,9 @@ def init_cache(model_config: ModelConfig, num_pages: int, page_size: int, kv_dty
 
 
 @step(donate_argnames=("state",))
-def insert(state: SlotState, slot, row, num_generated, max_total_len) -> SlotState:
-    """JetStream `insert`: one request's row into slot `slot` (i32[]); the slot stays inactive."""
+def insert(state: SlotState, slot, row, num_generated, max_total_len, lora=-1) -> SlotState:
+    """JetStream `insert`: one request's row into slot `slot` (i32[]); the slot stays inactive.
+    lora: the request's adapter slot (i32[], -1 = none)."""
     return pin_slots(
         state.replace(
             sampling=sampling.set_slot(state.sampling, slot, row),
@@ -126,6 +129,7 @@ def insert(state: SlotState, slot, row, num_generated, max_total_len) -> SlotSta
             seq_len=state.seq_len.at[slot].set(0),
             active=state.active.at[slot].set(False),
             history=token_history.set_row(state.history, slot, row),
+            lora=state.lora.at[slot].set(lora),
         )
     )
 
@@ -235,7 +239,7 @@ def _decode_logits(params, cache, st: SlotState, pt, config, impl, shape: Decode
     """One decode forward of slot rows `st` (B rows) -> (logits f32[B, V], cache)."""
     window_flat = _window_flat(config, shape.rows, shape.num_flat, cache.page_size)
     _, tokens, meta = _decode_inputs(st, pt, shape.num_flat, cache.page_size, window_flat)
-    hidden, cache = llama.forward(params, tokens, meta, cache, config, impl)
+    hidden, cache = llama.forward(params, tokens, meta, cache, config, impl, lora_rows=st.lora)
     return pin_replicated(llama.compute_logits(params, hidden[:, 0], config, impl)), cache
 
 
@@ -334,7 +338,8 @@ def _prefill_forward(params, cache, state, batch, config, impl, shape: PrefillSh
     PromptLogprobs or None)."""
     r, t = batch.tokens.shape
     meta = _prefill_inputs(state, batch, shape.width, cache.page_size)
-    hidden, cache = llama.forward(params, batch.tokens, meta, cache, config, impl)  # (R, T, D)
+    rows = state.lora[jnp.minimum(batch.slots, state.lora.shape[0] - 1)]  # padding: unused
+    hidden, cache = llama.forward(params, batch.tokens, meta, cache, config, impl, lora_rows=rows)
     last = hidden[jnp.arange(r), jnp.maximum(batch.length - 1, 0)]  # each row's last token (R, D)
     logits = pin_replicated(llama.compute_logits(params, last, config, impl))  # (R, V)
     prompt = None

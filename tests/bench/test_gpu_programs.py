@@ -40,8 +40,11 @@ LAYER_KERNELS = {None: 25, "int4-rtn": 32, "int8": 30, "fp8": 30}
 KV_QUANT_KERNELS = 4
 
 
-def engine(model="llama3-8b", slots=8, quantization=None, kv="auto", tp=1, max_model_len=4096):
+def engine(
+    model="llama3-8b", slots=8, quantization=None, kv="auto", tp=1, max_model_len=4096, **more
+):
     config = EngineConfig(
+        **more,
         model=model,
         quantization=quantization,
         kv_cache_dtype=kv,
@@ -161,3 +164,34 @@ def test_every_warmup_program_compiles_deviceless():
         assert r.weight_bytes_materialized == 0, (p.name, r.materialized)
         if "prompt_logprobs" not in p.name:
             assert r.host_round_trips == {}, (p.name, r.host_round_trips)
+
+
+def test_mosaic_gpu_decode_kernel_inside_the_engine_step():
+    """attention_impl='mgpu': the decode step runs the Mosaic GPU kernel (one custom call a
+    layer, no Triton attention kernel) and holds the step's design: weights in place, no host
+    round trip, the float bound of kernels per layer."""
+    r = _report("decode", "width=256", slots=8, attention_impl="mgpu")
+    assert r.kernel_names.get("kCustomCall") == 32, r.kernel_names
+    assert not any(name.startswith("paged_decode") for name in r.kernel_names), r.kernel_names
+    assert r.weight_bytes_materialized == 0, r.materialized
+    assert r.host_round_trips == {}, r.host_round_trips
+    assert r.per_layer is not None and r.per_layer <= LAYER_KERNELS[None], r.kernel_names
+
+
+# Each LoRA-adapted weight adds at most 3 launches a layer: the shrink GEMM over every slot, the
+# mask of each row's other slots, the expand GEMM (its sum with the base GEMM's output fused or
+# one more elementwise kernel: measured 20 for the 7 weights).
+LORA_KERNELS = 3 * 7
+
+
+def test_lora_decode_reads_the_adapter_stacks_in_place():
+    """enable_lora (4 slots of rank 16): the adapters' stacks are read in place like the base
+    weights (their [L, in, N, R] / [L, N, R, out] layouts make each GEMM's operand a view of the
+    layer's slice), no host round trip; at most LORA_KERNELS more kernels a layer."""
+    r = _report("decode", "width=256", slots=8, enable_lora=True, max_loras=4, max_lora_rank=16)
+    assert r.weight_bytes_materialized == 0, r.materialized
+    assert r.host_round_trips == {}, r.host_round_trips
+    assert r.per_layer is not None and r.per_layer <= LAYER_KERNELS[None] + LORA_KERNELS, (
+        r.per_layer,
+        r.kernel_names,
+    )

@@ -62,6 +62,7 @@ def test_set_flags_reach_the_engine(parsed):
         "--max_logprobs=5", "--on_bad_request=raise", "--num_speculative_tokens=0",
         "--prompt_lookup_max=4", "--prompt_lookup_min=2", "--speculative_disable_by_batch_size=8",
         "--compilation_cache=off", "--revision=v2", "--scheduling_policy=priority",
+        "--noenable_lora", "--max_loras=3", "--max_lora_rank=8", "--max_cpu_loras=4",
     )  # fmt: skip
     kw = engine_flags.llm_kwargs(fv)
     assert kw == {
@@ -97,6 +98,10 @@ def test_set_flags_reach_the_engine(parsed):
         "prompt_lookup_min": 2,
         "speculative_disable_by_batch_size": 8,
         "compilation_cache": "off",
+        "enable_lora": False,
+        "max_loras": 3,
+        "max_lora_rank": 8,
+        "max_cpu_loras": 4,
     }
     # every field is reachable (the schedule needs speculation, which decode_steps=2 refuses:
     # test_speculative_schedule_flag)

@@ -30,12 +30,12 @@ def _step(params, tokens, meta, cache, config, impl):
     return llama.compute_logits(params, hidden, config), cache  # (B, T, V)
 
 
-def greedy(params, config, prompts, impl, kv_cache_dtype, new_tokens):
+def greedy(params, config, prompts, impl, kv_cache_dtype, new_tokens, dtype="float32"):
     """Chunked prefill of ragged prompts (CHUNK tokens per step), then `new_tokens` decode steps."""
     b = len(prompts)
     c = config
     pages = b * WIDTH
-    cache = kvc.init(c.num_layers, c.num_kv_heads, pages, PS, c.head_dim, kv_cache_dtype, "float32")
+    cache = kvc.init(c.num_layers, c.num_kv_heads, pages, PS, c.head_dim, kv_cache_dtype, dtype)
     page_table = np.random.default_rng(0).permutation(pages).reshape(b, WIDTH).astype(np.int32)
 
     def slot(row, pos):
@@ -106,3 +106,19 @@ def test_smollm2_greedy_pallas_equals_reference(smollm2_f32):
     ker_tokens, ker_logits = greedy(params, config, prompts, "pallas_interpret", "auto", 4)
     np.testing.assert_array_equal(ker_tokens, ref_tokens)
     np.testing.assert_allclose(ker_logits, ref_logits, atol=2e-3, rtol=0)
+
+
+def test_mosaic_gpu_decode_in_the_model_equals_reference():
+    """attention_impl='mgpu': decode steps through the Mosaic GPU kernel (interpret mode), prefill
+    chunks through the Pallas prefill kernel, bf16 (the kernel's activations) and head_dim 64."""
+    import dataclasses
+
+    config = dataclasses.replace(ModelConfig.preset("tiny"), num_heads=2, num_kv_heads=1,
+                                 head_dim=64, name="tiny-d64")  # fmt: skip
+    params = llama.init_params(config, jax.random.key(0), jnp.bfloat16)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (11, 5)]
+    ref = greedy(params, config, prompts, "reference", "auto", 3, "bfloat16")
+    ker = greedy(params, config, prompts, "mgpu_interpret", "auto", 3, "bfloat16")
+    np.testing.assert_array_equal(ker[0], ref[0])
+    np.testing.assert_allclose(ker[1], ref[1], atol=3e-2, rtol=0)

@@ -311,6 +311,49 @@ def case_expert_split(t: int) -> dict:
     return out
 
 
+def case_lora(t: int, quantization: str | None = None) -> dict:
+    """Greedy tokens of a batch mixing two LoRA adapters and none (two device slots) at TP t
+    against one device, over float or quantized base weights (the golden Llama)."""
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    from lora_testing import write_adapter
+
+    from jaxserve.lora import LoRARequest
+
+    tmp, base = Path(tempfile.mkdtemp()), os.path.join(GOLDEN, "llama")
+    adapters = [
+        LoRARequest(name, i + 1, str(write_adapter(tmp / name, base, rank=r, seed=i)))
+        for i, (name, r) in enumerate((("a", 4), ("b", 8)))
+    ]
+    choice = [(None, *adapters)[i % 3] for i in range(len(GREEDY_PROMPTS))]
+    kw = dict(dtype="float32", num_slots=4, max_model_len=64, page_size=8, enable_lora=True)
+    kw |= dict(max_loras=2, max_lora_rank=8, quantization=quantization)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    ps = [{"prompt_token_ids": p} for p in GREEDY_PROMPTS]
+
+    def tokens(llm, lora):
+        outs = llm.generate(ps, sp, use_tqdm=False, lora_request=lora)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    one = tokens(LLM(base, **kw), choice)
+    sharded = LLM(base, tensor_parallel_size=t, **kw)
+    got, plain = tokens(sharded, choice), tokens(sharded, None)
+    adapted = [i for i, c in enumerate(choice) if c is not None]
+    stacks = sharded.engine.runner.params["lora"]
+    shard = {  # one device's share of each factor, as a fraction of the whole
+        f"{n}.{f}": stacks[n][f].addressable_shards[0].data.size / stacks[n][f].size
+        for n in ("wq", "wo")
+        for f in ("a", "b")
+    }
+    return {
+        "equal": got == one,
+        "adapters_change_tokens": all(got[i] != plain[i] for i in adapted),
+        "shard": shard,
+    }
+
+
 CASES = {
     "logits_tp1": lambda: case_logits(1),  # the sharded code path on a 1-device mesh
     "logits_tp2": lambda: case_logits(2),
@@ -342,6 +385,8 @@ CASES = {
     "moe_int8_greedy_tp2": lambda: case_greedy(
         os.path.join(GOLDEN, "mixtral"), tensor_parallel_size=2, quantization="int8"
     ),
+    "lora_tp2": lambda: case_lora(2),
+    "lora_int8_tp2": lambda: case_lora(2, "int8"),
     "param_bytes_tp2": lambda: case_param_bytes(2),
     "param_bytes_tp4": lambda: case_param_bytes(4),
 }

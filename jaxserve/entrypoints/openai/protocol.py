@@ -270,6 +270,21 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # replace an adapter already loaded under this name
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
@@ -419,6 +434,8 @@ class ModelCard(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "jaxserve"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's folder (vLLM's)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
 
 
 class ModelList(_Response):

@@ -5,7 +5,12 @@
 
 Endpoints: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses (text: serving_responses.py), GET /health, GET /metrics (Prometheus text),
-GET /version (vLLM's), POST /tokenize, POST /detokenize.
+GET /version (vLLM's), POST /tokenize, POST /detokenize; with runtime LoRA updates allowed,
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's).
+
+LoRA (EngineConfig.enable_lora): the adapters given at start (`lora_modules`, name -> PEFT folder)
+and those loaded at run time are served by name: a request's `model` selects one (the base model
+by its own name), and /v1/models lists each with its `root` folder and `parent` model.
 
 Each generation request: auth (Bearer api_key; /health, /metrics and /version stay open) -> body
 size -> queue check (503 + Retry-After once max_queued_requests wait for a slot) -> strict parsing
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib.metadata
+import itertools
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -30,15 +36,19 @@ from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     ResponsesRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from jaxserve.entrypoints.openai.serving import APIError, ServingState, off_loop, tokenize_text
 from jaxserve.entrypoints.openai.serving_chat import apply_template, create_chat_completion
 from jaxserve.entrypoints.openai.serving_completion import create_completion
 from jaxserve.entrypoints.openai.serving_responses import create_response
+from jaxserve.lora import LoRARequest
+from jaxserve.lora.peft import read_adapter
 
 MAX_BODY_BYTES = 8 * 2**20
 _OPEN_PATHS = ("/health", "/metrics", "/version")
@@ -141,8 +151,13 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     trust_request_chat_template: bool = False,
+    lora_modules: dict[str, str] | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
-    """The app. `max_queued_requests`: requests allowed to wait for a slot before 503."""
+    """The app. `max_queued_requests`: requests allowed to wait for a slot before 503.
+    lora_modules: LoRA adapters served by name (name -> PEFT folder; needs enable_lora), each
+    read and checked now (ValueError naming a bad one); allow_runtime_lora_updating: the load /
+    unload endpoints (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(async_llm, served_model_name)
     state = ServingState(
@@ -157,6 +172,20 @@ def build_app(
         trust_request_chat_template=trust_request_chat_template,
     )
     app.state.serving = state
+    lora_ids = itertools.count(1)  # an id is never reused, even after an unload
+
+    def lora_request(name: str, path: str) -> LoRARequest:
+        """A checked adapter for this model (ValueError naming what is wrong)."""
+        if not async_llm.engine_config.enable_lora:
+            raise ValueError(f"LoRA adapter {name!r}: the engine was started without enable_lora")
+        if name == served_model_name:
+            raise ValueError(f"LoRA adapter {name!r}: the name is the base model's")
+        req = LoRARequest(name, next(lora_ids), path)
+        read_adapter(req, async_llm.model_config, async_llm.engine_config.max_lora_rank)
+        return req
+
+    for name, path in (lora_modules or {}).items():
+        state.loras[name] = lora_request(name, path)
 
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
@@ -238,17 +267,57 @@ def build_app(
     async def responses(request: Request):
         return await serve(request, ResponsesRequest, create_response)
 
-    def model_card() -> ModelCard:
-        return ModelCard(id=served_model_name, max_model_len=state.max_model_len)
+    def model_card(name: str | None = None) -> ModelCard:
+        lora = state.check_model(name)
+        if lora is None:
+            return ModelCard(id=served_model_name, max_model_len=state.max_model_len)
+        return ModelCard(
+            id=lora.lora_name,
+            max_model_len=state.max_model_len,
+            root=lora.lora_path,
+            parent=served_model_name,
+        )
 
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[model_card()]).model_dump()
+        cards = [model_card()] + [model_card(name) for name in state.loras]
+        return ModelList(data=cards).model_dump()
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):  # the openai client's models.retrieve(id)
-        state.check_model(model)
-        return model_card().model_dump()
+        return model_card(model).model_dump()
+
+    if allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            req = _parse(LoadLoRAAdapterRequest, await body_of(request))
+            if req.lora_name in state.loras and not req.load_inplace:
+                raise APIError(
+                    400,
+                    f"The lora adapter '{req.lora_name}' has already been loaded.",
+                    "lora_name",
+                )
+            try:  # reading the adapter's files must not stall other clients
+                lora = await off_loop(lora_request, req.lora_name, req.lora_path)
+            except ValueError as e:
+                raise APIError(400, str(e), "lora_path") from None
+            state.loras[req.lora_name] = lora
+            return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            req = _parse(UnloadLoRAAdapterRequest, await body_of(request))
+            lora = state.loras.get(req.lora_name)
+            if lora is None or req.lora_int_id not in (None, lora.lora_int_id):
+                raise APIError(
+                    404,
+                    f"The lora adapter '{req.lora_name}' cannot be found.",
+                    "lora_name",
+                    type="not_found_error",
+                )
+            del state.loras[req.lora_name]  # running requests finish; its slot is evicted later
+            return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health():

@@ -55,6 +55,8 @@ class ServingState:
     tool_call_parser: str | None = None  # tool_calls.TOOL_CALL_PARSERS
     enable_auto_tool_choice: bool = False  # tool_choice="auto" (needs the parser)
     trust_request_chat_template: bool = False  # a request may bring its own chat template
+    # LoRA adapters served by name (--lora_modules, /v1/load_lora_adapter): name -> LoRARequest
+    loras: dict = dataclasses.field(default_factory=dict)
 
     @property
     def tokenizer(self):
@@ -79,11 +81,18 @@ class ServingState:
         base = SamplingParams()
         return {f: getattr(sp, f) for f in GENERATION_FIELDS if getattr(sp, f) != getattr(base, f)}
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"The model `{model}` does not exist.", "model", code="model_not_found"
-            )
+    def check_model(self, model: str | None):
+        """The LoRARequest a request's `model` names (None for the base model); 404 for a name
+        this server does not serve."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.loras:
+            return self.loras[model]
+        raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
+
+    def answer_name(self, model: str | None) -> str:
+        """The `model` a response carries: the adapter's name, else the served model's."""
+        return model if model in self.loras else self.model_name
 
 
 def check_unserved(req) -> None:
@@ -228,14 +237,22 @@ async def generate_all(
     sps: list,
     stream: bool,
     priority: int = 0,
+    model: str | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Runs one engine request per prompt (`sps`: its SamplingParams); yields (prompt index, output) as they arrive. Closing
-    it aborts whatever is unfinished. An engine error output raises APIError (400)."""
+    """Runs one engine request per prompt (`sps`: its SamplingParams), with the LoRA adapter the
+    request's `model` names, if any; yields (prompt index, output) as they arrive. Closing it
+    aborts whatever is unfinished. An engine error output raises APIError (400)."""
     allm = state.async_llm
     base = random_id("cmpl")
+    lora = state.check_model(model)
     gens = [
         allm.generate(
-            {"prompt": t, "prompt_token_ids": ids}, sp, f"{base}-{i}", stream, priority=priority
+            {"prompt": t, "prompt_token_ids": ids},
+            sp,
+            f"{base}-{i}",
+            stream,
+            priority=priority,
+            lora_request=lora,
         )
         for i, ((t, ids), sp) in enumerate(zip(prompts, sps))
     ]

@@ -167,7 +167,7 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     final = None
     async with deadline(state):
         async with contextlib.aclosing(
-            generate_all(state, [(text, ids)], [sp], False, req.priority)
+            generate_all(state, [(text, ids)], [sp], False, req.priority, req.model)
         ) as outs:
             async for _, out in outs:
                 final = out
@@ -191,7 +191,7 @@ async def create_chat_completion(state: ServingState, req: ChatCompletionRequest
     usage = Usage(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)
     return ChatCompletionResponse(
         id=rid,
-        model=state.model_name,
+        model=state.answer_name(req.model),
         choices=choices,
         usage=usage,
         prompt_logprobs=prompt_logprobs_out(state, final),
@@ -236,11 +236,11 @@ async def _stream(state, req, text, ids, sp, rid, k, use) -> AsyncIterator[str]:
 
     def chunk(index, delta, lps=None, finish=None):
         c = ChatChunkChoice(index=index, delta=delta, logprobs=lps, finish_reason=finish)
-        return sse(ChatCompletionChunk(id=rid, model=state.model_name, choices=[c]))
+        return sse(ChatCompletionChunk(id=rid, model=state.answer_name(req.model), choices=[c]))
 
     async with deadline(state):
         async with contextlib.aclosing(
-            generate_all(state, [(text, ids)], [sp], True, req.priority)
+            generate_all(state, [(text, ids)], [sp], True, req.priority, req.model)
         ) as outs:
             async for _, out in outs:
                 for c in out.outputs:
@@ -268,4 +268,6 @@ async def _stream(state, req, text, ids, sp, rid, k, use) -> AsyncIterator[str]:
                         usage.completion_tokens += len(c.token_ids)
     if req.stream_options is not None and req.stream_options.include_usage:
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        yield sse(ChatCompletionChunk(id=rid, model=state.model_name, choices=[], usage=usage))
+        yield sse(
+            ChatCompletionChunk(id=rid, model=state.answer_name(req.model), choices=[], usage=usage)
+        )

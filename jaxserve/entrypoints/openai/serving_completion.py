@@ -165,7 +165,7 @@ async def _full(state, req, prompts, sps, choices, rid) -> CompletionResponse:
     finals: dict[int, RequestOutput] = {}
     async with deadline(state):
         async with contextlib.aclosing(
-            generate_all(state, prompts, sps, False, req.priority)
+            generate_all(state, prompts, sps, False, req.priority, req.model)
         ) as outs:
             async for i, out in outs:
                 finals[i] = out
@@ -190,7 +190,9 @@ async def _full(state, req, prompts, sps, choices, rid) -> CompletionResponse:
                 )
             )
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-    return CompletionResponse(id=rid, model=state.model_name, choices=result, usage=usage)
+    return CompletionResponse(
+        id=rid, model=state.answer_name(req.model), choices=result, usage=usage
+    )
 
 
 async def _stream(state, req, prompts, sps, choices, rid) -> AsyncIterator[str]:
@@ -201,11 +203,11 @@ async def _stream(state, req, prompts, sps, choices, rid) -> AsyncIterator[str]:
         c = CompletionChoice(
             index=index, text=text, logprobs=lps, finish_reason=finish, token_ids=ids
         )
-        return sse(CompletionResponse(id=rid, model=state.model_name, choices=[c]))
+        return sse(CompletionResponse(id=rid, model=state.answer_name(req.model), choices=[c]))
 
     async with deadline(state):
         async with contextlib.aclosing(
-            generate_all(state, prompts, sps, True, req.priority)
+            generate_all(state, prompts, sps, True, req.priority, req.model)
         ) as outs:
             async for i, out in outs:
                 ch = choices[i]
@@ -231,4 +233,6 @@ async def _stream(state, req, prompts, sps, choices, rid) -> AsyncIterator[str]:
                     usage.prompt_tokens += len(out.prompt_token_ids)
     if req.stream_options is not None and req.stream_options.include_usage:
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        yield sse(CompletionResponse(id=rid, model=state.model_name, choices=[], usage=usage))
+        yield sse(
+            CompletionResponse(id=rid, model=state.answer_name(req.model), choices=[], usage=usage)
+        )

@@ -222,7 +222,9 @@ async def create_response(state: ServingState, req: ResponsesRequest):
         return _events(_stream(state, text, ids, sp, shell, use))
     final = None
     async with deadline(state):
-        async with contextlib.aclosing(generate_all(state, [(text, ids)], [sp], False)) as outs:
+        async with contextlib.aclosing(
+            generate_all(state, [(text, ids)], [sp], False, model=req.model)
+        ) as outs:
             async for _, out in outs:
                 final = out
     c = final.outputs[0]
@@ -256,7 +258,7 @@ def _shell(state: ServingState, req: ResponsesRequest, rid: str) -> ResponseObje
     return ResponseObject(
         id=rid,
         status="in_progress",
-        model=state.model_name,
+        model=state.answer_name(req.model),
         instructions=req.instructions,
         max_output_tokens=req.max_output_tokens,
         metadata=req.metadata,
@@ -374,7 +376,9 @@ async def _stream(state, text, ids, sp, shell, use: ToolUse) -> AsyncIterator[di
         for event in items.add(OutputMessage(id=_id("msg"), status="in_progress")):
             yield event
     async with deadline(state):
-        async with contextlib.aclosing(generate_all(state, [(text, ids)], [sp], True)) as outs:
+        async with contextlib.aclosing(
+            generate_all(state, [(text, ids)], [sp], True, model=shell.model)
+        ) as outs:
             async for _, out in outs:
                 c = out.outputs[0]
                 delta, calls = view.update(c.text, c.finish_reason is not None)
