@@ -68,6 +68,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mgpu_common import tiled_smem
 from pallas_kernels.paged_attention import decode_plan, paged_attention_reference
 from pallas_kernels.paged_common import (
     MASK_VALUE,
@@ -77,7 +78,6 @@ from pallas_kernels.paged_common import (
 )
 
 ROWS = 64  # wgmma M tile: the query heads of one KV head, zero-padded
-SWIZZLE = 128  # bytes: rows of 128 bytes swizzled, the layout wgmma and TMA share
 LOG2E = math.log2(math.e)
 
 
@@ -109,21 +109,6 @@ class MgpuDecodeConfig:
 H100_MGPU_DECODE = MgpuDecodeConfig()
 # SMEM of one H100/H200 block (227 KiB of dynamic shared memory).
 SMEM_BYTES = 227 * 1024
-
-
-def _tiled(shape, dtype):
-    """An SMEM scratch of `shape` in the swizzled layout wgmma and TMA share: rows of up to 128
-    bytes swizzled (64 for the 64-byte rows of int8/fp8 pages of head_dim 64)."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(SWIZZLE, shape[-1] * itemsize)
-    return plgpu.SMEM(
-        shape,
-        dtype,
-        transforms=(
-            plgpu.TilingTransform((8, swizzle // itemsize)),
-            plgpu.SwizzleTransform(swizzle),
-        ),
-    )
 
 
 def _smem_bytes(d: int, block_k: int, nbuf: int, kv_itemsize: int, quantized: bool) -> int:
@@ -283,17 +268,17 @@ def _decode_kernel(
     if quantized:
         kv_dt = k_ref.dtype
         raw_scratch = (
-            _tiled((nbuf, block_k, d), kv_dt),
-            _tiled((nbuf, block_k, d), kv_dt),
+            tiled_smem((nbuf, block_k, d), kv_dt),
+            tiled_smem((nbuf, block_k, d), kv_dt),
             plgpu.SMEM((nbuf, block_k), jnp.float32),
             plgpu.SMEM((nbuf, block_k), jnp.float32),
         )
     o, m, l = pl.run_scoped(
         loop_scope,
-        _tiled((ROWS, d), cdt),
-        _tiled((1 if quantized else nbuf, block_k, d), cdt),
-        _tiled((1 if quantized else nbuf, block_k, d), cdt),
-        _tiled((ROWS, block_k), cdt),
+        tiled_smem((ROWS, d), cdt),
+        tiled_smem((1 if quantized else nbuf, block_k, d), cdt),
+        tiled_smem((1 if quantized else nbuf, block_k, d), cdt),
+        tiled_smem((ROWS, block_k), cdt),
         raw_scratch,
         plgpu.Barrier(),
         # one barrier per ring slot, arrived on by each of the slot's TMA copies
@@ -312,7 +297,7 @@ def _decode_kernel(
 
     pl.run_scoped(
         store_scope,
-        _tiled((ROWS, d), jnp.float32),
+        tiled_smem((ROWS, d), jnp.float32),
         plgpu.SMEM((ROWS,), jnp.float32),
         plgpu.SMEM((ROWS,), jnp.float32),
     )

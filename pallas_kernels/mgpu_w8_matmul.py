@@ -69,10 +69,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mgpu_common import tiled_smem
 from pallas_kernels.w8_matmul import NUM_SMS, WEIGHT_DTYPES, w8_matmul_reference
 
 ROWS = 64  # wgmma M tile
-SWIZZLE = 128  # bytes: rows of 128 bytes swizzled, the layout wgmma and TMA share
 SMEM_BYTES = 227 * 1024  # dynamic shared memory of one H100/H200 block
 
 
@@ -143,21 +143,6 @@ def plan(m: int, k: int, n: int, config: MgpuW8Config = H100_MGPU_W8) -> _Plan:
         divisors = [d for d in range(1, cap + 1) if steps % d == 0]
         splits = next((d for d in divisors if programs * d >= config.target_programs), divisors[-1])
     return _Plan(rows, padded_m, block_n, block_k, splits, config.num_buffers)
-
-
-def _tiled(shape, dtype):
-    """An SMEM scratch of `shape` in the swizzled layout wgmma and TMA share: rows of up to 128
-    bytes swizzled (64-byte rows of a 64-column int8 tile: 64)."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(SWIZZLE, shape[-1] * itemsize)
-    return plgpu.SMEM(
-        shape,
-        dtype,
-        transforms=(
-            plgpu.TilingTransform((8, swizzle // itemsize)),
-            plgpu.SwizzleTransform(swizzle),
-        ),
-    )
 
 
 def _smem_bytes(p: _Plan, w_itemsize: int = 1) -> int:
@@ -231,9 +216,9 @@ def _kernel(
 
     acc = pl.run_scoped(
         loop_scope,
-        _tiled((nbuf, ROWS, bk), cdt),
-        _tiled((nbuf, bk, bn), q_ref.dtype),
-        _tiled((bk, bn), cdt),
+        tiled_smem((nbuf, ROWS, bk), cdt),
+        tiled_smem((nbuf, bk, bn), q_ref.dtype),
+        tiled_smem((bk, bn), cdt),
         plgpu.SMEM((bn,), jnp.float32),
         # one barrier per ring slot, arrived on by its x and weight copies
         plgpu.Barrier(num_arrivals=2, num_barriers=nbuf),
@@ -247,7 +232,7 @@ def _kernel(
         plgpu.copy_smem_to_gmem(src, o_ref.at[s, pl.ds(row0, rows), pl.ds(col0, bn)])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(store_scope, _tiled((ROWS, bn), jnp.float32))
+    pl.run_scoped(store_scope, tiled_smem((ROWS, bn), jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))

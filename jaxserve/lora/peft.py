@@ -68,10 +68,6 @@ class LoRAAdapter:
     def lora_int_id(self) -> int:
         return self.request.lora_int_id
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
 
 def lora_targets(config: ModelConfig) -> tuple[str, ...]:
     """The weights that take adapters: the attention projections, and the MLP's unless the model

@@ -105,11 +105,3 @@ class LoRASlots:
     def take_loads(self) -> list[tuple[int, LoRAAdapter]]:
         loads, self._loads = self._loads, []
         return loads
-
-    def adapters(self) -> list[LoRARequest]:
-        """The adapters known (on a slot or cached), each once."""
-        seen = {a.lora_int_id: a.request for a in self.cache.values()}
-        for a in self.held:
-            if a is not None:
-                seen.setdefault(a.lora_int_id, a.request)
-        return list(seen.values())
