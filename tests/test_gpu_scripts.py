@@ -1,9 +1,9 @@
 """The prepared GPU scripts run end to end in their --smoke mode (tiny shapes, interpret mode).
 
 A lent H100 / H200 gives a session 15 minutes; a script that breaks there wastes them. These runs
-keep `experiments/gpu_int4.py`, `gpu_kernels.py`, `gpu_tp.py` and `gpu_decode.py` working on the CPU
-between loans: every step runs (checks, timings, tables, JSON), only the shapes and the backend
-differ.
+keep `experiments/gpu_int4.py`, `gpu_kernels.py`, `gpu_w8.py`, `gpu_tp.py` and `gpu_decode.py`
+working on the CPU between loans: every step runs (checks, timings, tables, JSON), only the shapes
+and the backend differ.
 """
 
 from __future__ import annotations
@@ -47,13 +47,20 @@ def smoke(script: str, tmp_path, *flags: str) -> dict:
 
 @pytest.mark.parametrize(
     "script,checks",
-    [("gpu_int4.py", ("check", "stack")), ("gpu_kernels.py", ("correctness", "large_pools"))],
+    [
+        ("gpu_int4.py", ("check", "stack")),
+        ("gpu_kernels.py", ("correctness", "large_pools")),
+        ("gpu_w8.py", ("rows",)),  # the Mosaic GPU W8A16 kernel beside Triton's and bf16
+    ],
 )
 def test_gpu_script_smoke(tmp_path, script, checks):
     out = smoke(script, tmp_path)
     assert out["smoke"] is True
     for part in checks:  # each check row says ok (or, for the stack timing, the same output)
         assert out[part] and all(c.get("ok", c.get("same")) for c in out[part]), part
+    if script == "gpu_kernels.py":  # the Mosaic GPU decode kernel timed beside Triton's, checked
+        mosaic = [r for r in out["decode"] if "mgpu_us" in r]
+        assert mosaic and all(r["mgpu_ok"] for r in mosaic), out["decode"]
 
 
 def test_gpu_tp_smoke(tmp_path):
