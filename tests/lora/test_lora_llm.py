@@ -115,3 +115,18 @@ def test_lora_requests_are_checked_before_anything_runs(llm, adapters):
         plain.generate(prompts(1), GREEDY, lora_request=adapters["all"])
     with pytest.raises(ValueError, match=r"enable_lora needs data_parallel_size=1"):
         LLM(str(BASE), enable_lora=True, data_parallel_size=2, **KW)
+
+
+def test_speculative_decoding_with_adapters_gives_the_plain_tokens(llm, adapters):
+    """n-gram speculation verifies its drafts with each row's adapter (the verify step's token
+    rows carry their slot's adapter): greedy tokens equal plain decoding's, adapters mixed."""
+    spec = LLM(str(BASE), enable_lora=True, max_loras=2, max_lora_rank=8, num_speculative_tokens=2,
+               prompt_lookup_max=3, **{**KW, "max_num_batched_tokens": 64})  # fmt: skip
+    rng = np.random.default_rng(5)
+    ps = [{"prompt_token_ids": (rng.integers(3, 250, 4).tolist() * 5)[: 12 + i]} for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    choice = ([None, *adapters.values()] * 2)[: len(ps)]
+    want = llm.generate(ps, sp, use_tqdm=False, lora_request=choice)
+    got = spec.generate(ps, sp, use_tqdm=False, lora_request=choice)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert spec.stats()["num_spec_accepted_tokens"] > 0  # the drafts were verified, some kept
