@@ -66,6 +66,16 @@ from jaxserve.runner.step_handle import StepHandle, fetch_outputs
 logger = logging.getLogger(__name__)
 
 
+def _kv_columns(config: ModelConfig, t: int) -> np.ndarray | None:
+    """The wk / wv output columns each of the T replicated KV heads copies (None: no
+    replication), as `partition.replicate_kv_heads` copies them."""
+    heads = partition.kv_head_map(config, t)
+    if heads is None:
+        return None
+    dh = config.head_dim
+    return (heads[:, None] * dh + np.arange(dh)[None, :]).reshape(-1)
+
+
 def _shard_buckets(buckets: tuple[int, ...], d: int) -> tuple[int, ...]:
     """The user's decode row buckets (over all slots) as one data shard's: each divided by D."""
     return tuple(sorted({max(1, b // d) for b in buckets}))
@@ -91,8 +101,8 @@ class ModelRunner:
         mesh=None,
     ):
         engine_config = engine_config.for_model(model_config)  # a filled config comes back equal
-        kv_heads = model_config.num_kv_heads  # the checkpoint's (replicated below for TP > KVH)
         t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
+        self._kv_cols = None
         if mesh is None and t * d > 1:
             mesh = make_mesh(t, d)
         if mesh is not None:
@@ -100,6 +110,9 @@ class ModelRunner:
             engine_config = dataclasses.replace(
                 engine_config, tensor_parallel_size=t, data_parallel_size=d
             )
+            # the KV heads copied up to T where T exceeds them; an adapter's wk / wv columns
+            # follow the same map (`load_lora`)
+            self._kv_cols = _kv_columns(model_config, t)
             params, model_config = partition.replicate_kv_heads(params, model_config, t)
         self.mesh = mesh
         self.data_shards = d
@@ -144,11 +157,6 @@ class ModelRunner:
         if mesh is not None:
             params = partition.shard_params(params, model_config, mesh)
         if engine_config.enable_lora:
-            if model_config.num_kv_heads != kv_heads:
-                raise ValueError(
-                    "enable_lora with tensor_parallel_size above the model's KV heads (which are "
-                    "then replicated) is not supported yet"
-                )
             params = {**params, "lora": self._lora_stacks(params, model_config, engine_config)}
             # an adapter into its device slot: the stacks donated and updated in place, kept
             # split as they are, one program for any slot and adapter
@@ -226,6 +234,15 @@ class ModelRunner:
     def load_lora(self, slot: int, adapter) -> None:
         """Adapter `adapter` (None: zeros) into device slot `slot`, in place (no recompile)."""
         c = self.config
+        cols = self._kv_cols
+        if adapter is not None and cols is not None:  # KV heads replicated: so are wk / wv's
+            adapter = dataclasses.replace(
+                adapter,
+                weights={
+                    n: (a, b[..., cols] if n in ("wk", "wv") else b)
+                    for n, (a, b) in adapter.weights.items()
+                },
+            )
         weights = lora_layers.slot_arrays(adapter, self.model_config, c.max_lora_rank, np.float32)
         stacks = self._set_lora(self.params["lora"], np.int32(slot), weights)
         self.params = {**self.params, "lora": stacks}

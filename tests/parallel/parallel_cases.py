@@ -387,6 +387,7 @@ CASES = {
     ),
     "lora_tp2": lambda: case_lora(2),
     "lora_int8_tp2": lambda: case_lora(2, "int8"),
+    "lora_tp4": lambda: case_lora(4),  # 4 devices over 2 KV heads: wk / wv (and adapters) copied
     "param_bytes_tp2": lambda: case_param_bytes(2),
     "param_bytes_tp4": lambda: case_param_bytes(4),
 }

@@ -9,7 +9,7 @@ import pytest
 from parallel_testing import result, run_cases
 
 CASES = ["int4_rtn_tp2", "int8_tp4", "smollm2_gguf_native_tp3", "staged_load_tp2"]
-CASES += ["lora_tp2", "lora_int8_tp2"]
+CASES += ["lora_tp2", "lora_int8_tp2", "lora_tp4"]
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,14 @@ def test_weights_built_at_load_stay_on_the_host_until_placed(results):
         assert r[name] == [r["host"]], (name, r[name])
 
 
-@pytest.mark.parametrize("name", ["lora_tp2", "lora_int8_tp2"])
+@pytest.mark.parametrize("name", ["lora_tp2", "lora_int8_tp2", "lora_tp4"])
 def test_lora_adapters_under_tensor_parallelism(results, name):
     """A batch mixing two LoRA adapters and none at TP 2 gives the one-device tokens, over float
-    and INT8 base weights (each adapted row's tokens differ from the base model's)."""
+    and INT8 base weights, and at TP 4, above the model's 2 KV heads (the adapters' wk / wv
+    columns replicated as the weights' are); each adapted row's tokens differ from the base
+    model's."""
     r = result(results, name)
     assert r["equal"] and r["adapters_change_tokens"]
     # each factor splits with its base weight: wq (column) its b's outputs, wo (row) its a's inputs
-    assert r["shard"] == {"wq.a": 1.0, "wq.b": 0.5, "wo.a": 0.5, "wo.b": 1.0}
+    part = 1 / (4 if name == "lora_tp4" else 2)
+    assert r["shard"] == {"wq.a": 1.0, "wq.b": part, "wo.a": part, "wo.b": 1.0}
