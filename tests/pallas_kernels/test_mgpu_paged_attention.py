@@ -19,8 +19,7 @@ import pytest
 
 from jaxserve.bench import deviceless
 
-if deviceless.missing() is None:
-    deviceless.prepare()  # before jax starts its backends (the CUDA plugin needs no driver then)
+deviceless.prepare()  # before jax starts its backends (the CUDA plugin needs no driver then)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -154,7 +153,6 @@ def test_rejects_a_ring_larger_than_smem():
 # Deviceless compile for an H100.
 
 
-@pytest.mark.skipif(deviceless.missing() is not None, reason=str(deviceless.missing()))
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_compiles_deviceless_for_h100_at_8b_decode_shape(kv, tmp_path, monkeypatch):
     """Llama-3-8B decode: 8 rows, 32 query heads over 8 KV heads, head_dim 128, pages of 16,
