@@ -44,9 +44,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import SchedulerOutput
 from jaxserve.core.slot_row import make_slot_row
 from jaxserve.layers import linear
-from jaxserve.layers import lora as lora_layers
 from jaxserve.layers.embedding import is_quantized
-from jaxserve.models.params import model_dtype
 from jaxserve.parallel import partition
 from jaxserve.parallel.mesh import make_mesh, mesh_sizes
 from jaxserve.quant import with_matmul_impl
@@ -56,6 +54,7 @@ from jaxserve.runner import (
     cpu_backend,
     data_parallel,
     input_batch,
+    lora_stacks,
     memory,
     spec_decode,
     steps,
@@ -64,16 +63,6 @@ from jaxserve.runner.memory import check_memory, device_memory_bytes, state_byte
 from jaxserve.runner.step_handle import StepHandle, fetch_outputs
 
 logger = logging.getLogger(__name__)
-
-
-def _kv_columns(config: ModelConfig, t: int) -> np.ndarray | None:
-    """The wk / wv output columns each of the T replicated KV heads copies (None: no
-    replication), as `partition.replicate_kv_heads` copies them."""
-    heads = partition.kv_head_map(config, t)
-    if heads is None:
-        return None
-    dh = config.head_dim
-    return (heads[:, None] * dh + np.arange(dh)[None, :]).reshape(-1)
 
 
 def _shard_buckets(buckets: tuple[int, ...], d: int) -> tuple[int, ...]:
@@ -102,7 +91,7 @@ class ModelRunner:
     ):
         engine_config = engine_config.for_model(model_config)  # a filled config comes back equal
         t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
-        self._kv_cols = None
+        kv_cols = None
         if mesh is None and t * d > 1:
             mesh = make_mesh(t, d)
         if mesh is not None:
@@ -111,8 +100,8 @@ class ModelRunner:
                 engine_config, tensor_parallel_size=t, data_parallel_size=d
             )
             # the KV heads copied up to T where T exceeds them; an adapter's wk / wv columns
-            # follow the same map (`load_lora`)
-            self._kv_cols = _kv_columns(model_config, t)
+            # follow the same map (`lora_stacks.LoRAStacks`)
+            kv_cols = lora_stacks.kv_columns(model_config, t)
             params, model_config = partition.replicate_kv_heads(params, model_config, t)
         self.mesh = mesh
         self.data_shards = d
@@ -156,15 +145,10 @@ class ModelRunner:
                 params = {**params, "lm_head": linear.transposed(head, kernel)}
         if mesh is not None:
             params = partition.shard_params(params, model_config, mesh)
+        self.lora = None
         if engine_config.enable_lora:
-            params = {**params, "lora": self._lora_stacks(params, model_config, engine_config)}
-            # an adapter into its device slot: the stacks donated and updated in place, kept
-            # split as they are, one program for any slot and adapter
-            self._set_lora = jax.jit(
-                lora_layers.set_slot,
-                donate_argnums=0,
-                out_shardings=jax.tree.map(lambda a: a.sharding, params["lora"]),
-            )
+            self.lora = lora_stacks.LoRAStacks(params, model_config, engine_config, mesh, kv_cols)
+            params = {**params, "lora": self.lora.stacks}
         self.params = params
         self.model_config = model_config
         self.config = engine_config
@@ -218,34 +202,9 @@ class ModelRunner:
         self.workspace_bytes: int | None = None  # XLA temp bytes of the largest steps (warm-up)
         logger.info(memory.describe(self.memory_plan()))
 
-    def _lora_stacks(self, params, model_config: ModelConfig, engine_config: EngineConfig):
-        """Every adapter slot's weights, zeros (`layers/lora.py`), split over the mesh with their
-        base weights (`partition.lora_specs`)."""
-        c = engine_config
-
-        def init():
-            return lora_layers.init(model_config, c.max_loras, c.max_lora_rank, model_dtype(params))
-
-        if self.mesh is None:
-            return init()
-        specs = partition.lora_specs(jax.eval_shape(init))
-        return jax.jit(init, out_shardings=partition.named(self.mesh, specs))()
-
     def load_lora(self, slot: int, adapter) -> None:
         """Adapter `adapter` (None: zeros) into device slot `slot`, in place (no recompile)."""
-        c = self.config
-        cols = self._kv_cols
-        if adapter is not None and cols is not None:  # KV heads replicated: so are wk / wv's
-            adapter = dataclasses.replace(
-                adapter,
-                weights={
-                    n: (a, b[..., cols] if n in ("wk", "wv") else b)
-                    for n, (a, b) in adapter.weights.items()
-                },
-            )
-        weights = lora_layers.slot_arrays(adapter, self.model_config, c.max_lora_rank, np.float32)
-        stacks = self._set_lora(self.params["lora"], np.int32(slot), weights)
-        self.params = {**self.params, "lora": stacks}
+        self.params = {**self.params, "lora": self.lora.write(self.params["lora"], slot, adapter)}
         self.num_h2d_transfers += 1
 
     def memory_plan(self) -> dict:
@@ -526,10 +485,8 @@ class ModelRunner:
         self.state = self._jit(steps.insert)(
             self.state, np.int32(0), row, np.int32(0), np.int32(0), np.int32(-1)
         )
-        if "lora" in self.params:  # slot 0's weights rewritten as they are (compiles the load)
-            held = self.params["lora"]
-            one = lora_layers.get_slot(held, 0)
-            self.params = {**self.params, "lora": self._set_lora(held, np.int32(0), one)}
+        if self.lora is not None:  # slot 0's weights rewritten as they are (compiles the load)
+            self.params = {**self.params, "lora": self.lora.rewrite(self.params["lora"], 0)}
         pad = np.full((s,), s, np.int32)
         self.state = self._jit(steps.move)(self.state, pad, pad)  # every row padding: no move
         words = -(-self.model_config.vocab_size // 32)
