@@ -1,5 +1,6 @@
-"""What the Mosaic GPU kernels share (`mgpu_paged_attention.py`, `mgpu_w8_matmul.py`): the SMEM
-layout that wgmma and TMA both read."""
+"""What the Mosaic GPU kernels share (`mgpu_paged_attention.py`, `mgpu_paged_prefill.py`,
+`mgpu_w8_matmul.py`, `mgpu_w4_matmul.py`): the SMEM layout that wgmma and TMA both read, and the
+question their callers ask of each one's input check."""
 
 from __future__ import annotations
 
@@ -23,3 +24,14 @@ def tiled_smem(shape, dtype):
             plgpu.SwizzleTransform(swizzle),
         ),
     )
+
+
+def accepts(check, *args, **kwargs) -> bool:
+    """Whether a Mosaic GPU kernel's input check (`check_mgpu_*`) passes for these arguments'
+    shapes and dtypes: a static, trace-time decision. The engine's 'mgpu' implementations run
+    the kernel where this holds and its Triton twin elsewhere."""
+    try:
+        check(*args, **kwargs)
+    except ValueError:
+        return False
+    return True

@@ -38,8 +38,8 @@ the Mosaic GPU interpret mode, which the tests run on CPU, only takes SMEM opera
 8 KiB). The products run in bf16 with f32 accumulation; int8/fp8 values times their scale are
 rounded to bf16 (the reference keeps them in f32: within the bf16 tolerance). Rows with seq_len 0
 run no iterations and come out as zeros. Key pages past a row's length are clipped into the pool
-and masked. Lowering semantics: Lane (the default), one warpgroup per block, no warp
-specialization. At the 8B decode shape ptxas reports 238 registers, no spills (sm_90a); head_dim
+and masked. Lowering semantics: Warpgroup (jax's default), one warpgroup per block, no
+warp specialization. At the 8B decode shape ptxas reports 238 registers, no spills (sm_90a); head_dim
 256 spills a few hundred bytes.
 
 Refused with a ValueError (the Triton kernel or the reference serves them; `check_mgpu_options`):
@@ -47,6 +47,9 @@ f32 queries (wgmma multiplies f32 only as tf32, short of the f32 kernels' accura
 other than bf16/int8/fp8, page sizes below 8 (TMA boxes of 8-row tiles), head dims other than 64,
 128 or 256 (128-byte swizzled rows; wgmma N <= 256), GQA groups over 64 heads, and a config whose
 SMEM exceeds the 227 KiB of a Hopper block.
+
+The ring (`KVRing`, `kv_ring_scratch`) and the online-softmax step (`attend`, `softmax_init`) are
+module-level: the Mosaic GPU prefill kernel (`mgpu_paged_prefill`) walks its key tiles with them.
 
 Interpret mode (CPU): `interpret=True` runs the kernel in Mosaic GPU's interpreter
 (`plgpu.InterpretGPUParams()`, passed as `plgpu.kernel(interpret=...)`), which simulates SMEM,
@@ -61,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +124,146 @@ def _smem_bytes(d: int, block_k: int, nbuf: int, kv_itemsize: int, quantized: bo
 
 
 # ------------------------------------------------------------------------------------------------
+# The K/V page ring and the online-softmax step (shared with `mgpu_paged_prefill`).
+
+
+def scales_by_tma(page_size: int) -> bool:
+    """Whether a page's f32 scales go to SMEM by TMA: a warpgroup's TMA copy moves multiples of
+    128 bytes, so from ps = 32; smaller pages' scales are copied as scalars."""
+    return page_size * 4 % 128 == 0
+
+
+def kv_ring_scratch(nbuf: int, block_k: int, d: int, cdt, kv_dt, page_size: int) -> tuple:
+    """The `pl.run_scoped` scratch of a `KVRing`: (k_smem, v_smem, raw, barriers). bf16 pages
+    land in an nbuf-slot ring the products read; int8/fp8 pages land in the raw ring (kq, vq, ks,
+    vs) and are dequantized into one bf16 slot. One barrier per slot, arrived on by its copies."""
+    quantized = jnp.dtype(kv_dt) in QUANTIZED_KV_DTYPES
+    raw, copies = None, 2
+    if quantized:
+        raw = (
+            tiled_smem((nbuf, block_k, d), kv_dt),
+            tiled_smem((nbuf, block_k, d), kv_dt),
+            plgpu.SMEM((nbuf, block_k), jnp.float32),
+            plgpu.SMEM((nbuf, block_k), jnp.float32),
+        )
+        copies = 4 if scales_by_tma(page_size) else 2
+    slots = 1 if quantized else nbuf
+    return (
+        tiled_smem((slots, block_k, d), cdt),
+        tiled_smem((slots, block_k, d), cdt),
+        raw,
+        plgpu.Barrier(num_arrivals=block_k // page_size * copies, num_barriers=nbuf),
+    )
+
+
+class KVRing(NamedTuple):
+    """A program's key tiles: the GMEM pools [L * KVH * P, ps, D] (and f32 scales [.., ps] of
+    int8/fp8 pools, else None) and the SMEM of `kv_ring_scratch`. `page_of(j)` maps page j of a
+    tile (a Python int, or traced) to its pool row."""
+
+    k_ref: Any
+    v_ref: Any
+    ks_ref: Any
+    vs_ref: Any
+    k_smem: Any
+    v_smem: Any
+    raw: Any
+    bar: Any
+    page_size: int
+
+    def issue(self, slot, page_of) -> None:
+        """TMA copies of a key tile's pages of K and V (and scales) into ring slot `slot`."""
+        ps = self.page_size
+        for j in range(self.k_smem.shape[1] // ps):
+            pairs = ((self.k_ref, self.k_smem), (self.v_ref, self.v_smem))
+            if self.raw is not None:
+                kq_smem, vq_smem, ks_smem, vs_smem = self.raw
+                pairs = ((self.k_ref, kq_smem), (self.v_ref, vq_smem))
+                if scales_by_tma(ps):
+                    pairs += ((self.ks_ref, ks_smem), (self.vs_ref, vs_smem))
+            page = page_of(j)
+            for src, dst in pairs:
+                plgpu.copy_gmem_to_smem(
+                    src.at[page], dst.at[slot, pl.ds(j * ps, ps)], self.bar.at[slot]
+                )
+
+    def wait(self, slot, page_of) -> tuple:
+        """Waits for slot's tile; returns the bf16 K, V tiles [BK, D] in SMEM the products read.
+        Int8/fp8 pages are loaded to registers, times their scales, and stored as bf16 into the
+        one bf16 slot: no dequantized page ever reaches GMEM."""
+        plgpu.barrier_wait(self.bar.at[slot])
+        if self.raw is None:
+            return self.k_smem.at[slot], self.v_smem.at[slot]
+        kq_smem, vq_smem, ks_smem, vs_smem = self.raw
+        ps, (block_k, d) = self.page_size, self.k_smem.shape[1:]
+        if not scales_by_tma(ps):
+
+            @pl.loop(0, block_k)
+            def _(r):
+                page = page_of(r // ps)
+                ks_smem[slot, r] = self.ks_ref[page, r % ps]
+                vs_smem[slot, r] = self.vs_ref[page, r % ps]
+
+        for src, sc, dst in ((kq_smem, ks_smem, self.k_smem), (vq_smem, vs_smem, self.v_smem)):
+            x = plgpu.load(src.at[slot], layout=plgpu.Layout.WGMMA)
+            scale = plgpu.load(sc.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+            x = x.astype(jnp.float32) * lax.broadcast_in_dim(scale, (block_k, d), [0])
+            dst.at[0][...] = x.astype(dst.dtype)
+        plgpu.commit_smem()  # generic-proxy stores visible to wgmma's async proxy
+        return self.k_smem.at[0], self.v_smem.at[0]
+
+
+def softmax_init(rows: int, d: int) -> tuple:
+    """(o f32[rows, D], m, l f32[rows]) of an empty online softmax, in wgmma's register layout."""
+    return (
+        plgpu.layout_cast(jnp.full((rows, d), 0, jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(
+            jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
+            plgpu.Layout.WGMMA.reduce(1),
+        ),
+        plgpu.layout_cast(jnp.full((rows,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+    )
+
+
+def attend(carry, q_smem, k, v, p_smem, tok0, *, sm_scale, softcap, visible=None) -> tuple:
+    """One key tile of the online softmax: S = Q . K^T (wgmma, K^T a transposed view of the
+    tile), s = softcap(S * scale), masked to MASK_VALUE where `visible(tok)` is False (tok
+    i32[rows, BK] the keys' positions tok0, tok0 + 1, ...; None: every key visible), P -> bf16
+    p_smem, O = O * exp(m_old - m_new) + P . V. Returns the new (o, m, l)."""
+    o, m, l = carry
+    rows, block_k = p_smem.shape
+
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k.transpose((1, 0)))
+        return acc_ref[...]
+
+    logits = pl.run_scoped(qk, plgpu.ACC((rows, block_k), jnp.float32))
+    logits = logits * sm_scale
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    if visible is not None:
+        tok = tok0 + plgpu.broadcasted_iota(
+            jnp.int32, (rows, block_k), 1, layout=plgpu.Layout.WGMMA
+        )
+        logits = jnp.where(visible(tok), logits, MASK_VALUE)
+    m_new = jnp.maximum(m, logits.max(axis=1))
+    corr = jnp.exp2((m - m_new) * LOG2E)
+    p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * LOG2E)
+    l_new = l * corr + p.sum(axis=1)
+    p_smem[...] = p.astype(p_smem.dtype)
+    plgpu.commit_smem()
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v)
+        return acc_ref[...]
+
+    o = o * lax.broadcast_in_dim(corr, o.shape, [0]) + pl.run_scoped(
+        pv, plgpu.ACC(o.shape, jnp.float32)
+    )
+    return o, m_new, l_new
+
+
+# ------------------------------------------------------------------------------------------------
 # Kernel.
 
 
@@ -152,8 +296,6 @@ def _decode_kernel(
     ppb = block_k // ps
     d = q_ref.shape[-1]
     cdt = q_ref.dtype  # bf16: the products' operand dtype
-    # TMA moves multiples of 128 bytes per warpgroup: a page's f32 scales qualify from ps = 32
-    scales_by_tma = quantized and ps * 4 % 128 == 0
 
     kv_len = lens_ref[b]
     window = scalars_ref[1]
@@ -166,123 +308,50 @@ def _decode_kernel(
     block0 = s * bps
     n_iter = jnp.maximum(jnp.minimum(bps, n_blocks - block0), 0)
 
-    def loop_scope(q_smem, k_smem, v_smem, p_smem, raw, q_bar, kv_bar):
-        # raw: (kq_smem, vq_smem, ks_smem, vs_smem) landing buffers of int8/fp8 pages, or None
-        def issue(i):
-            """TMA copies of key tile i (its ppb pages of K and V) into ring slot i % nbuf."""
-            slot = lax.rem(i, nbuf)
-            page0 = first_page + (block0 + i) * ppb
-            for j in range(ppb):
-                page = base + jnp.clip(pt_ref[b, page0 + j], 0, num_pages - 1)
-                bar = kv_bar.at[slot]
-                rows = pl.ds(j * ps, ps)
-                if quantized:
-                    kq_smem, vq_smem, ks_smem, vs_smem = raw
-                    plgpu.copy_gmem_to_smem(k_ref.at[page], kq_smem.at[slot, rows], bar)
-                    plgpu.copy_gmem_to_smem(v_ref.at[page], vq_smem.at[slot, rows], bar)
-                    if scales_by_tma:
-                        plgpu.copy_gmem_to_smem(ks_ref.at[page], ks_smem.at[slot, rows], bar)
-                        plgpu.copy_gmem_to_smem(vs_ref.at[page], vs_smem.at[slot, rows], bar)
-                else:
-                    plgpu.copy_gmem_to_smem(k_ref.at[page], k_smem.at[slot, rows], bar)
-                    plgpu.copy_gmem_to_smem(v_ref.at[page], v_smem.at[slot, rows], bar)
+    def tile_pages(i):
+        """page_of of key tile i: page j -> its row in the pool (clipped: past-the-end pages
+        are masked)."""
+        page0 = first_page + (block0 + i) * ppb
+        return lambda j: base + jnp.clip(pt_ref[b, page0 + j], 0, num_pages - 1)
 
+    def loop_scope(q_smem, p_smem, k_smem, v_smem, raw, kv_bar, q_bar):
+        ring = KVRing(k_ref, v_ref, ks_ref, vs_ref, k_smem, v_smem, raw, kv_bar, ps)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
         for i in range(nbuf):  # prologue: the ring's first tiles in flight
-            pl.when(i < n_iter)(functools.partial(issue, jnp.int32(i)))
+            pl.when(i < n_iter)(functools.partial(ring.issue, i, tile_pages(jnp.int32(i))))
 
         plgpu.barrier_wait(q_bar)
 
-        def dequantize(i, slot):
-            """Raw int8/fp8 pages of a slot, times their per-token scales, -> the bf16 ring."""
-            kq_smem, vq_smem, ks_smem, vs_smem = raw
-            if not scales_by_tma:  # a page's scales are < 128 bytes: copied as scalars
-                page0 = first_page + (block0 + i) * ppb
-
-                @pl.loop(0, block_k)
-                def _(r):
-                    page = base + jnp.clip(pt_ref[b, page0 + r // ps], 0, num_pages - 1)
-                    ks_smem[slot, r] = ks_ref[page, r % ps]
-                    vs_smem[slot, r] = vs_ref[page, r % ps]
-
-            for src, sc, dst in ((kq_smem, ks_smem, k_smem), (vq_smem, vs_smem, v_smem)):
-                x = plgpu.load(src.at[slot], layout=plgpu.Layout.WGMMA)
-                scale = plgpu.load(sc.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-                x = x.astype(jnp.float32) * lax.broadcast_in_dim(scale, (block_k, d), [0])
-                dst.at[0][...] = x.astype(cdt)
-            plgpu.commit_smem()  # generic-proxy stores visible to wgmma's async proxy
-
         def body(i, carry):
-            o, m, l = carry
             slot = lax.rem(i, nbuf)
-            plgpu.barrier_wait(kv_bar.at[slot])
-            if quantized:
-                dequantize(i, slot)
-            cslot = 0 if quantized else slot  # the bf16 slot the products read
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[cslot].transpose((1, 0)))
-                return acc_ref[...]
-
-            logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), jnp.float32))
-            logits = logits * sm_scale
-            if softcap is not None:
-                logits = softcap * jnp.tanh(logits / softcap)
-            page0 = first_page + (block0 + i) * ppb
-            tok = page0 * ps + plgpu.broadcasted_iota(
-                jnp.int32, (ROWS, block_k), 1, layout=plgpu.Layout.WGMMA
-            )
-            logits = jnp.where((tok < kv_len) & (tok >= win_start), logits, MASK_VALUE)
-            m_new = jnp.maximum(m, logits.max(axis=1))
-            corr = jnp.exp2((m - m_new) * LOG2E)
-            p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * LOG2E)
-            l_new = l * corr + p.sum(axis=1)
-            p_smem[...] = p.astype(cdt)
-            plgpu.commit_smem()
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[cslot])
-                return acc_ref[...]
-
-            o = o * lax.broadcast_in_dim(corr, o.shape, [0]) + pl.run_scoped(
-                pv, plgpu.ACC((ROWS, d), jnp.float32)
+            k, v = ring.wait(slot, tile_pages(i))
+            tok0 = (first_page + (block0 + i) * ppb) * ps
+            carry = attend(
+                carry,
+                q_smem,
+                k,
+                v,
+                p_smem,
+                tok0,
+                sm_scale=sm_scale,
+                softcap=softcap,
+                visible=lambda tok: (tok < kv_len) & (tok >= win_start),
             )
 
             @pl.when(i + nbuf < n_iter)
             def _():  # the slot's products are done: refill it with tile i + nbuf
-                issue(i + nbuf)
+                ring.issue(slot, tile_pages(i + nbuf))
 
-            return o, m_new, l_new
+            return carry
 
-        init = (
-            plgpu.layout_cast(jnp.full((ROWS, d), 0, jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(
-                jnp.full((ROWS,), jnp.finfo(jnp.float32).min, jnp.float32),
-                plgpu.Layout.WGMMA.reduce(1),
-            ),
-            plgpu.layout_cast(jnp.full((ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-        )
-        return lax.fori_loop(0, n_iter, body, init)
+        return lax.fori_loop(0, n_iter, body, softmax_init(ROWS, d))
 
-    raw_scratch = None
-    if quantized:
-        kv_dt = k_ref.dtype
-        raw_scratch = (
-            tiled_smem((nbuf, block_k, d), kv_dt),
-            tiled_smem((nbuf, block_k, d), kv_dt),
-            plgpu.SMEM((nbuf, block_k), jnp.float32),
-            plgpu.SMEM((nbuf, block_k), jnp.float32),
-        )
     o, m, l = pl.run_scoped(
         loop_scope,
         tiled_smem((ROWS, d), cdt),
-        tiled_smem((1 if quantized else nbuf, block_k, d), cdt),
-        tiled_smem((1 if quantized else nbuf, block_k, d), cdt),
         tiled_smem((ROWS, block_k), cdt),
-        raw_scratch,
+        *kv_ring_scratch(nbuf, block_k, d, cdt, k_ref.dtype, ps),
         plgpu.Barrier(),
-        # one barrier per ring slot, arrived on by each of the slot's TMA copies
-        plgpu.Barrier(num_arrivals=ppb * (4 if scales_by_tma else 2), num_barriers=nbuf),
     )
 
     def store_scope(o_smem, m_smem, l_smem):
@@ -378,33 +447,36 @@ def _decode_call(
     return o[:, :, :g].reshape(b, h, d).astype(q.dtype)
 
 
-def check_mgpu_options(q, k_pages, config: MgpuDecodeConfig) -> None:
-    """Raises ValueError naming what the Mosaic GPU kernel does not support."""
+def check_mgpu_options(
+    q, k_pages, config, *, name: str = "paged_attention_mgpu", extra_smem: int = 0
+) -> None:
+    """Raises ValueError naming what the Mosaic GPU kernel `name` does not support; q is
+    [..., H, D], `config` has block_k and num_buffers, `extra_smem` the kernel's SMEM beyond the
+    ring, q and P tiles (`_smem_bytes`)."""
     if q.dtype != jnp.bfloat16:
         raise ValueError(
-            f"paged_attention_mgpu supports bf16 queries only (wgmma bf16 x bf16 -> f32), got "
+            f"{name} supports bf16 queries only (wgmma bf16 x bf16 -> f32), got "
             f"{q.dtype}; f32 models use the Triton kernel or the reference"
         )
-    b, h, d = q.shape
+    h, d = q.shape[-2:]
     kvh, ps = k_pages.shape[1], k_pages.shape[3]
     if h // kvh > ROWS:
-        raise ValueError(f"paged_attention_mgpu: a GQA group of {h // kvh} heads exceeds {ROWS}")
+        raise ValueError(f"{name}: a GQA group of {h // kvh} heads exceeds {ROWS}")
     if d not in (64, 128, 256):
-        raise ValueError(f"paged_attention_mgpu: head_dim must be 64, 128 or 256, got {d}")
+        raise ValueError(f"{name}: head_dim must be 64, 128 or 256, got {d}")
     block_k = max(config.block_k, ps)
     if ps < 8 or block_k % ps:
         raise ValueError(
-            f"paged_attention_mgpu: page_size must be a power of two >= 8 (TMA tiles of 8 "
-            f"rows), got {ps}"
+            f"{name}: page_size must be a power of two >= 8 (TMA tiles of 8 rows), got {ps}"
         )
     kv_dt = jnp.dtype(k_pages.dtype)
     quantized = kv_dt in QUANTIZED_KV_DTYPES
     if not quantized and kv_dt != jnp.bfloat16:
-        raise ValueError(f"paged_attention_mgpu: KV pages must be bf16, int8 or fp8, got {kv_dt}")
-    need = _smem_bytes(d, block_k, config.num_buffers, kv_dt.itemsize, quantized)
+        raise ValueError(f"{name}: KV pages must be bf16, int8 or fp8, got {kv_dt}")
+    need = _smem_bytes(d, block_k, config.num_buffers, kv_dt.itemsize, quantized) + extra_smem
     if need > SMEM_BYTES:
         raise ValueError(
-            f"paged_attention_mgpu: {need} bytes of SMEM (head_dim {d}, block_k {block_k}, "
+            f"{name}: {need} bytes of SMEM (head_dim {d}, block_k {block_k}, "
             f"{config.num_buffers} buffers) exceed {SMEM_BYTES}; lower num_buffers or block_k"
         )
 

@@ -49,8 +49,8 @@ copies (zero fill and clipping included), barriers and wgmma. It is laxer than t
 deviceless H100 compile in the tests is what holds the kernel to what Mosaic GPU lowers (Mosaic GPU
 has no e4m3 -> bf16 conversion for sm_90 with ptxas 12.9, for one: the kernel converts e4m3 -> f16
 (cvt.rn.f16x2.e4m3x2) -> bf16 (through f32 in the PTX); int8 -> bf16 is a prmt/and/sub trick).
-Lowering semantics: Lane (the default), one warpgroup per block, no warp specialization; each
-step waits for its wgmma before refilling the slot. At the Llama-3-8B decode shapes (8 rows, K x N
+Lowering semantics: Warpgroup (jax's default), one warpgroup per block, no warp specialization;
+each step waits for its wgmma before refilling the slot. At the Llama-3-8B decode shapes (8 rows, K x N
 4096 x 14336 and 14336 x 4096) ptxas reports 157 registers (int8) / 163 (fp8), no spills
 (sm_90a); block_n 256 spills 84 bytes.
 
