@@ -25,6 +25,7 @@ from jaxserve.model_presets import PRESETS
 __all__ = [
     "ATTENTION_IMPLS",
     "MATMUL_IMPLS",
+    "QUANT_MATMUL_IMPLS",
     "BATCHINGS",
     "DTYPES",
     "EngineConfig",
@@ -49,6 +50,7 @@ ATTENTION_IMPLS = (
     "mgpu_interpret",
 )
 MATMUL_IMPLS = ("auto", "cpu_kernel", "xla")
+QUANT_MATMUL_IMPLS = ("auto", "pallas", "pallas_interpret", "mgpu", "mgpu_interpret", "xla")
 LOAD_FORMATS = ("auto", "dummy")
 BATCHINGS = ("continuous", "static")
 
@@ -158,9 +160,10 @@ class EngineConfig:
         "tokens; prefill chunks use a CPU layout of the reference); reference = the jnp gather "
         "reference for everything; "
         "pallas = the Pallas kernels; pallas_interpret = the Pallas kernels in interpret mode "
-        "(CPU tests); mgpu = decode through the Pallas Mosaic GPU kernel for Hopper "
-        "(pallas_kernels/mgpu_paged_attention.py; bf16 activations), prefill through the "
-        "Pallas prefill kernel; mgpu_interpret = the same in interpret modes (CPU tests). "
+        "(CPU tests); mgpu = the Pallas Mosaic GPU kernels for Hopper "
+        "(pallas_kernels/mgpu_paged_attention.py for decode, mgpu_paged_prefill.py for "
+        "prefill chunks; bf16 activations, head dims 64/128/256: the Triton kernel serves what "
+        "they refuse); mgpu_interpret = the same in interpret modes (CPU tests). "
         "Default: auto.",
         ATTENTION_IMPLS,
     )
@@ -172,6 +175,17 @@ class EngineConfig:
         "first use with $CXX; AVX512-BF16, AVX2 or portable loop), which reads each layer's "
         "weight in place, for every batch size; xla = XLA's dot. Default: auto.",
         MATMUL_IMPLS,
+    )
+    quant_matmul_impl: str = _setting(
+        "auto",
+        "Matmuls of quantized (INT4, INT8, FP8) weights on a decode batch's rows: auto = pallas "
+        "on GPU, else xla; pallas = the Pallas Triton kernels (pallas_kernels/int4_matmul.py, "
+        "w8_matmul.py), which read a layer's weight in place; mgpu = the Pallas Mosaic GPU "
+        "kernels for Hopper (mgpu_w8_matmul.py, mgpu_w4_matmul.py; bf16 activations, the "
+        "Triton kernel where one refuses a shape); xla = unpack or convert + dot; "
+        "pallas_interpret / mgpu_interpret = the kernels in interpret mode (CPU tests). Prefill "
+        "chunks always take XLA's path. Default: auto.",
+        QUANT_MATMUL_IMPLS,
     )
     max_num_batched_tokens: int | None = _setting(
         None,

@@ -8,7 +8,7 @@ kernels get their implementation as static arguments (`ModelImpl`), and the runn
 get their shape buckets from here. The choices:
 
     attention      auto -> 'pallas' (Triton kernels) on GPU, until a GPU run times the Mosaic GPU
-                   decode kernel ('mgpu', Hopper) against them (issue 55); on CPU 'cpu_kernel' (decode and
+                   kernels ('mgpu', Hopper) against them (issue 55); on CPU 'cpu_kernel' (decode and
                    prefill through the C++ kernel of `cpu_kernels/`, read in place from the pool;
                    RESULTS.md sections 37 and 39) when it built here, else 'ragged' (XLA decode
                    over the step's live pages, its cost following the live tokens; prefill
@@ -18,7 +18,9 @@ get their shape buckets from here. The choices:
                    layer's weight in place, and takes every batch, decode and prefill alike (one
                    implementation, so a row's bits never depend on its batch; RESULTS.md
                    sections 38, 40 and 41); 'xla' (XLA's dot) otherwise
-    int4 matmul    'pallas' (the fused dequantize-matmul kernel) on GPU, 'xla' elsewhere
+    quant matmul   auto -> 'pallas' (the Triton W4A16 / W8A16 kernels on decode rows) on GPU,
+                   until a GPU run times the Mosaic GPU ones ('mgpu'); 'xla' elsewhere
+                   (`quant/impls.py`)
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
                    1.17-1.42x faster on decode-sized batches; RESULTS.md section 21), else 'in_out'
     moe matmul     'tiled' on CPU (a loop over row tiles of the chosen experts: XLA's CPU
@@ -126,7 +128,7 @@ class Resolved:
 
     backend: str
     model: ModelImpl
-    int4_matmul: str  # 'pallas' | 'xla'
+    quant_matmul: str  # the quantized weights' matmul impl (`quant/impls.py`)
     weight_layout: str  # 'in_out' | 'out_in'
     slot_buckets: tuple[int, ...]  # decode row buckets, increasing, the last = num_slots
     widths: tuple[int, ...]  # page-table width buckets, the last = max_pages_per_seq
@@ -306,6 +308,9 @@ def resolve(
             f"and bfloat16 weights (backend {backend!r}, kernel path: {cpu_matmul}, "
             f"dtype {c.dtype})"
         )
+    quant_matmul = c.quant_matmul_impl
+    if quant_matmul == "auto":
+        quant_matmul = "pallas" if backend == "gpu" else "xla"
     if c.slot_buckets == "auto":
         slot_buckets = cpu_slot_buckets(c.num_slots) if cpu else (c.num_slots,)
     else:
@@ -322,7 +327,7 @@ def resolve(
             moe_matmul="tiled" if cpu else "ragged_dot",
             cpu_matmul=matmul == "cpu_kernel",
         ),
-        int4_matmul="pallas" if backend == "gpu" else "xla",
+        quant_matmul=quant_matmul,
         weight_layout="out_in" if cpu else "in_out",
         slot_buckets=slot_buckets,
         widths=pow2_buckets(max_pages),

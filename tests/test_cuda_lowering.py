@@ -47,7 +47,7 @@ def abstract_model(model: str, quantization: str | None):
     params = jax.eval_shape(lambda k: llama.init_params(c, k, jnp.bfloat16), jax.random.key(0))
     if quantization:
         params = jax.eval_shape(lambda p: quantize_params(p, c, quantization, 64), params)
-    return c, with_matmul_impl(params, GPU.int4_matmul)
+    return c, with_matmul_impl(params, GPU.quant_matmul)
 
 
 def abstract_cache(c: ModelConfig, kv_cache_dtype: str):

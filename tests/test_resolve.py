@@ -25,7 +25,7 @@ def resolved(backend="cpu", cpu_kernel=False, cpu_matmul=None, **kw):
 def test_backend_choices():
     cpu, gpu = resolved("cpu"), resolved("gpu")
     assert (cpu.model.attention, gpu.model.attention) == ("ragged", "pallas")
-    assert (cpu.int4_matmul, gpu.int4_matmul) == ("xla", "pallas")
+    assert (cpu.quant_matmul, gpu.quant_matmul) == ("xla", "pallas")
     assert (cpu.weight_layout, gpu.weight_layout) == ("out_in", "in_out")
     assert (cpu.model.min_matmul_rows, gpu.model.min_matmul_rows) == (4, 2)
     assert (cpu.model.moe_matmul, gpu.model.moe_matmul) == ("tiled", "ragged_dot")
@@ -33,6 +33,9 @@ def test_backend_choices():
     assert resolved("gpu", attention_impl="reference").model.attention == "reference"
     assert resolved("cpu", attention_impl="pallas_interpret").model.attention == "pallas_interpret"
     assert resolved("gpu").max_flat == 0  # flat-page buckets are the 'ragged' path's only
+    # the quantized weights' kernels: Triton by default on GPU, Mosaic GPU when asked
+    assert resolved("gpu", quant_matmul_impl="mgpu").quant_matmul == "mgpu"
+    assert resolved("cpu", quant_matmul_impl="mgpu_interpret").quant_matmul == "mgpu_interpret"
 
 
 def test_cpu_kernel_attention():

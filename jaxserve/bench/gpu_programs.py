@@ -117,7 +117,7 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
         )
     plain = not any(map(is_quantized, params["layers"].values()))
     r = resolve(shard, c, "gpu", plain_weights=plain)
-    params = with_matmul_impl(params, r.int4_matmul)
+    params = with_matmul_impl(params, r.quant_matmul)
     rules = {}
 
     def partitioned(p):  # traced: quantized column weights are repacked for T abstractly

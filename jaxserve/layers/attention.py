@@ -17,8 +17,10 @@ from cpu_kernels import paged_decode_attention as cpu_attention
 from jaxserve.layers.kv_cache import KVCache
 from jaxserve.layers.ragged_attention import prefill_attention, ragged_decode_attention
 from pallas_kernels import mgpu_paged_attention as mgpu
+from pallas_kernels import mgpu_paged_prefill as mgpu_prefill
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_prefill as pp
+from pallas_kernels.mgpu_common import accepts
 
 
 @struct.dataclass
@@ -121,8 +123,10 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     'pallas' / 'pallas_interpret': T == 1 runs the flash-decoding kernel, T > 1 the ragged
     chunked-prefill kernel; both read the whole stacked pool at the traced `layer`, and a
     windowed layer's loop starts at its window's first page.
-    'mgpu' / 'mgpu_interpret': T == 1 runs the Mosaic GPU decode kernel (Hopper: TMA + wgmma;
-    `pallas_kernels/mgpu_paged_attention.py`), T > 1 the Pallas prefill kernel as 'pallas'.
+    'mgpu' / 'mgpu_interpret': the Mosaic GPU kernels (Hopper: TMA + wgmma): T == 1 the decode
+    kernel (`pallas_kernels/mgpu_paged_attention.py`), T > 1 the prefill kernel
+    (`mgpu_paged_prefill.py`); where one refuses the call (f32 queries, a head dim other than
+    64 / 128 / 256, pages under 8 tokens: `check_mgpu_options`), its Triton twin as 'pallas'.
     'cpu_kernel' (the CPU default where it builds): the C++ kernel of
     `cpu_kernels/paged_decode_attention.py`, which reads each row's pages of the whole pool at
     the traced `layer` in place; a prefill chunk's tokens run as decode rows at their positions
@@ -170,12 +174,20 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
                 cache.k_scale, cache.v_scale, **opts,
             )  # fmt: skip
         impl = "reference"
-    if impl in ("mgpu", "mgpu_interpret") and q.shape[1] == 1:
-        out = mgpu.paged_attention_mgpu(
-            q[:, 0], cache.k, cache.v, _decode_kv_len(meta), meta.page_table, layer,
-            cache.k_scale, cache.v_scale, **opts, interpret=impl == "mgpu_interpret",
-        )  # fmt: skip
-        return out[:, None]  # (B, 1, H, D)
+    if impl in ("mgpu", "mgpu_interpret"):
+        interpret = impl == "mgpu_interpret"
+        if q.shape[1] == 1 and accepts(mgpu.check_mgpu_options, q[:, 0], cache.k,
+                                       mgpu.H100_MGPU_DECODE):  # fmt: skip
+            out = mgpu.paged_attention_mgpu(
+                q[:, 0], cache.k, cache.v, _decode_kv_len(meta), meta.page_table, layer,
+                cache.k_scale, cache.v_scale, **opts, interpret=interpret,
+            )  # fmt: skip
+            return out[:, None]  # (B, 1, H, D)
+        if q.shape[1] > 1 and accepts(mgpu_prefill.check_mgpu_prefill, q, cache.k):
+            return mgpu_prefill.paged_prefill_mgpu(
+                q, cache.k, cache.v, meta.positions, meta.seq_lens, meta.page_table, layer,
+                cache.k_scale, cache.v_scale, **opts, interpret=interpret,
+            )  # fmt: skip
     if impl in ("pallas", "pallas_interpret", "mgpu", "mgpu_interpret"):
         interpret = impl in ("pallas_interpret", "mgpu_interpret")
         if q.shape[1] == 1:

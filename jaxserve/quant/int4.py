@@ -26,9 +26,12 @@ reads that layer in place, so the model's `lax.scan` passes the stack whole). So
 lm_head view [D, V] (it unpacks only the gathered columns).
 
 The matmul implementation is a static field, `impl`, chosen when the engine is built (the runner
-sets it with `jaxserve.quant.with_matmul_impl`: 'pallas' on GPU, 'xla' elsewhere); nothing reads
-the backend while tracing. 'pallas' runs the fused kernel for up to `PALLAS_MAX_ROWS` rows (decode)
-and XLA's unpack + dot for more (prefill), which is faster there (RESULTS.md 48).
+sets it with `jaxserve.quant.with_matmul_impl`: 'pallas' or 'mgpu' on GPU, 'xla' elsewhere;
+`quant/impls.py`); nothing reads the backend while tracing. 'pallas' runs the fused Triton kernel
+for up to `PALLAS_MAX_ROWS` rows (decode) and XLA's unpack + dot for more (prefill), which is
+faster there (RESULTS.md 48); 'mgpu' the Mosaic GPU kernel (`pallas_kernels/mgpu_w4_matmul.py`)
+in its place where it accepts the call (bf16 rows, the plain packing, its tile multiples), else
+the Triton kernel.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import numpy as np
 from flax import struct
 
 from jaxserve.quant import sharded
+from jaxserve.quant.impls import IMPLS, MGPU_IMPLS, mgpu_accepts, triton_twin
 from pallas_kernels.int4_layout import (
     GROUP_SIZES,
     PACK,
@@ -54,7 +58,8 @@ from pallas_kernels.int4_layout import (
     repack_codes,
     unpack_codes,
 )
-from pallas_kernels.int4_matmul import IMPLS, int4_matmul
+from pallas_kernels.int4_matmul import int4_matmul
+from pallas_kernels.mgpu_w4_matmul import H100_MGPU_W4, check_mgpu_w4_inputs, int4_matmul_mgpu
 
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_IMPL = "xla"  # runs on every backend; the engine picks 'pallas' on GPU
@@ -69,8 +74,8 @@ class Int4Weight:
     """Packed INT4 weight of logical shape [..., K, N] (layout: `pallas_kernels/int4_layout.py`).
 
     impl picks the matmul, statically: 'xla' (unpack + dot, the default: runs everywhere),
-    'pallas' (the fused kernel, GPU), 'pallas_interpret' (that kernel interpreted, CPU tests) or
-    'reference' (f32 jnp). The engine sets it for its backend (`quant.with_matmul_impl`).
+    'pallas' (the fused kernel, GPU), 'mgpu' (its Mosaic GPU port, Hopper), '*_interpret' (those
+    kernels interpreted, CPU tests) or 'reference' (f32 jnp). The engine sets it for its backend (`quant.with_matmul_impl`).
 
     shards: the N columns are packed as this many blocks of N/shards (1: the plain layout).
     parallel: None, 'column' or 'row': how the partition rules split it over the 'model' axis.
@@ -144,17 +149,29 @@ class Int4Weight:
             raise ValueError(f"x has shape {x.shape}; its last dim must be K={self.shape[-2]}")
         if impl is None:
             impl = self.impl
-            if impl == "pallas" and int(np.prod(x.shape[:-1])) > PALLAS_MAX_ROWS:
+            if impl in ("pallas", "mgpu") and int(np.prod(x.shape[:-1])) > PALLAS_MAX_ROWS:
                 impl = "xla"
 
         def local(w, x, layer, out_dtype):
+            args = (x, w.packed, w.scales, w.mins, w.group_size, layer, w.shards, H100_MGPU_W4)
+            if impl in MGPU_IMPLS and mgpu_accepts(check_mgpu_w4_inputs, *args):
+                return int4_matmul_mgpu(
+                    x,
+                    w.packed,
+                    w.scales,
+                    w.mins,
+                    group_size=w.group_size,
+                    layer=layer,
+                    out_dtype=out_dtype,
+                    interpret=impl == "mgpu_interpret",
+                )
             return int4_matmul(
                 x,
                 w.packed,
                 w.scales,
                 w.mins,
                 group_size=w.group_size,
-                impl=impl,
+                impl=triton_twin(impl),
                 layer=layer,
                 shards=w.shards,
                 out_dtype=out_dtype,

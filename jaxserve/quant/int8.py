@@ -15,9 +15,10 @@ Leaves may carry a leading layer axis [L, ...] (scanned like any array); `matmul
 W[:, ids].T: the lookup of an embedding table kept in the lm_head view [D, V] (GGUF's Q8_0
 token_embd imports that way, exactly). `take_columns(idx)` copies exactly the columns idx.
 
-On GPU the engine sets `impl='pallas'`: a per-channel stack is then handed to `matmul` whole with
-the layer index, and decode batches run the W8A16 kernel (`pallas_kernels/w8_matmul.py`), which
-reads the layer in place (XLA would copy it out of the stack first under the layer scan).
+On GPU the engine sets `impl='pallas'` or 'mgpu' (`quant/impls.py`): a per-channel stack is then
+handed to `matmul` whole with the layer index, and decode batches run a W8A16 kernel (Triton:
+`pallas_kernels/w8_matmul.py`; Mosaic GPU: `mgpu_w8_matmul.py`), which reads the layer in place
+(XLA would copy it out of the stack first under the layer scan).
 
 Tensor parallelism (`quant/sharded.py`): `partition_specs(role)` splits q and scales along N
 (column) or K (row; scales' group axis, or replicated scales for per-channel weights, whose one
@@ -35,7 +36,9 @@ import numpy as np
 from flax import struct
 
 from jaxserve.quant import sharded
-from pallas_kernels.w8_matmul import IMPLS, w8_matmul
+from jaxserve.quant.impls import IMPLS, KERNELS, MGPU_IMPLS, mgpu_accepts, triton_twin
+from pallas_kernels.mgpu_w8_matmul import H100_MGPU_W8, check_mgpu_w8_inputs, w8_matmul_mgpu
+from pallas_kernels.w8_matmul import w8_matmul
 
 # Rows up to which impl 'pallas' runs the W8A16 kernel on a layer of a stack (decode batches);
 # more rows (a prefill chunk: compute-bound) take XLA's convert + dot on the sliced layer.
@@ -123,9 +126,9 @@ class _ScaledWeight:
     @property
     def reads_layer_in_place(self) -> bool:
         """Whether the model hands this stack to `matmul` whole, with the layer index: the
-        W8A16 kernel (impl 'pallas', per-channel scales) reads the layer where it lies; XLA's
+        W8A16 kernels (a kernel impl, per-channel scales) read the layer where it lies; XLA's
         convert + dot would get it copied out of the stack under the layer scan anyway."""
-        return self.impl in ("pallas", "pallas_interpret") and self.per_channel
+        return self.impl in KERNELS and self.per_channel
 
     def dequantize(self) -> jax.Array:
         """-> f32[..., K, N]."""
@@ -151,7 +154,15 @@ class _ScaledWeight:
             q, scales = w.q, w.scales
             rows = int(np.prod(x.shape[:-1]))
             if layer is not None and w.reads_layer_in_place and rows <= PALLAS_MAX_ROWS:
-                return w8_matmul(x, q, scales, impl=w.impl, layer=layer, out_dtype=out_dtype)
+                if w.impl in MGPU_IMPLS and mgpu_accepts(
+                    check_mgpu_w8_inputs, x, q, scales, layer, H100_MGPU_W8
+                ):
+                    interpret = w.impl == "mgpu_interpret"
+                    return w8_matmul_mgpu(
+                        x, q, scales, layer, out_dtype=out_dtype, interpret=interpret
+                    )
+                impl = triton_twin(w.impl)
+                return w8_matmul(x, q, scales, impl=impl, layer=layer, out_dtype=out_dtype)
             if layer is not None:
                 q, scales = (
                     jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (q, scales)
@@ -233,9 +244,9 @@ class Int8Weight(_ScaledWeight):
     scales: jax.Array  # f32[..., K // group_size, N]
     group_size: int = struct.field(pytree_node=False)
     parallel: str | None = struct.field(pytree_node=False, default=None)  # see `quant/sharded.py`
-    # the matmul: 'xla' (convert + dot, every backend), 'pallas' (the W8A16 kernel on a layer of
-    # a stack, up to PALLAS_MAX_ROWS rows; GPU), 'pallas_interpret' (CPU tests); set by the
-    # engine (`quant.with_matmul_impl`)
+    # the matmul (`quant/impls.py`): 'xla' (convert + dot, every backend), 'pallas' / 'mgpu' (a
+    # W8A16 kernel on a layer of a stack, up to PALLAS_MAX_ROWS rows; GPU), '*_interpret' (CPU
+    # tests); set by the engine (`quant.with_matmul_impl`)
     impl: str = struct.field(pytree_node=False, default="xla")
 
 
@@ -249,9 +260,9 @@ class Fp8Weight(_ScaledWeight):
     scales: jax.Array  # f32[..., K // group_size, N]
     group_size: int = struct.field(pytree_node=False)
     parallel: str | None = struct.field(pytree_node=False, default=None)  # see `quant/sharded.py`
-    # the matmul: 'xla' (convert + dot, every backend), 'pallas' (the W8A16 kernel on a layer of
-    # a stack, up to PALLAS_MAX_ROWS rows; GPU), 'pallas_interpret' (CPU tests); set by the
-    # engine (`quant.with_matmul_impl`)
+    # the matmul (`quant/impls.py`): 'xla' (convert + dot, every backend), 'pallas' / 'mgpu' (a
+    # W8A16 kernel on a layer of a stack, up to PALLAS_MAX_ROWS rows; GPU), '*_interpret' (CPU
+    # tests); set by the engine (`quant.with_matmul_impl`)
     impl: str = struct.field(pytree_node=False, default="xla")
 
 

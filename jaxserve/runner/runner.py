@@ -136,7 +136,7 @@ class ModelRunner:
         )
         self.step_fns = data_parallel if d > 1 else steps  # generate / prefill (one shard or all)
         r = self.resolved
-        params = with_matmul_impl(params, r.int4_matmul)
+        params = with_matmul_impl(params, r.quant_matmul)
         if r.weight_layout == "out_in":
             kernel = r.model.cpu_matmul
             params = {**params, "layers": linear.cpu_layout(params["layers"], kernel)}

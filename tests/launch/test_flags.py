@@ -55,7 +55,7 @@ def test_set_flags_reach_the_engine(parsed):
     fv = parsed(
         "--model=tiny", "--load_format=dummy", "--dtype=float32", "--num_slots=3",
         "--max_model_len=128", "--page_size=8", "--kv_cache_memory=2GiB", "--kv_cache_dtype=int8",
-        "--attention_impl=reference", "--matmul_impl=xla", "--seed=5", "--quantization=int4-rtn", "--slot_buckets=1,3",
+        "--attention_impl=reference", "--matmul_impl=xla", "--quant_matmul_impl=xla", "--seed=5", "--quantization=int4-rtn", "--slot_buckets=1,3",
         "--prefill_chunk_size=32", "--max_num_batched_tokens=64", "--decode_steps=2",
         "--batching=static", "--noasync_scheduling", "--enable_prefix_caching", "--warmup",
         "--num_pages=40", "--tensor_parallel_size=2", "--data_parallel_size=3",
@@ -79,6 +79,7 @@ def test_set_flags_reach_the_engine(parsed):
         "kv_cache_memory": 2 * 2**30,
         "attention_impl": "reference",
         "matmul_impl": "xla",
+        "quant_matmul_impl": "xla",
         "max_num_batched_tokens": 64,
         "prefill_chunk_size": 32,
         "decode_steps": 2,

@@ -85,7 +85,7 @@ def abstract_engine(model: str, quantization: str | None, d: int, t: int):
     params = jax.eval_shape(lambda k: llama.init_params(c, k, jnp.bfloat16), jax.random.key(0))
     if quantization:
         params = jax.eval_shape(lambda p: quantize_params(p, c, quantization, 128), params)
-    params = with_matmul_impl(params, GPU.int4_matmul)
+    params = with_matmul_impl(params, GPU.quant_matmul)
     out = {}
 
     def rules(p):  # traced: INT4 column weights are repacked into T blocks abstractly

@@ -197,3 +197,31 @@ def test_default_group_size_is_the_largest_that_divides_every_input_dim():
     for config, want in ((tiny, 64), (smol, 64), (llama3, 128)):
         abstract = jax.eval_shape(lambda k, c=config: llama.init_params(c, k), jax.random.key(0))
         assert default_group_size(abstract, config) == want
+
+
+def test_mgpu_impl_runs_the_mosaic_kernel_where_it_accepts_the_call(monkeypatch):
+    """impl 'mgpu_interpret' (`quant/impls.py`): bf16 rows of a stack's traced layer run the Mosaic
+    GPU W4A16 kernel (interpreted); f32 rows, and N under its 128-column tile, the Triton kernel's
+    interpreter. Each equals XLA's unpack + dot on that layer."""
+    calls = []
+    real_mgpu, real_triton = int4.int4_matmul_mgpu, int4.int4_matmul
+    monkeypatch.setattr(
+        int4, "int4_matmul_mgpu", lambda *a, **k: calls.append("mgpu") or real_mgpu(*a, **k)
+    )
+    monkeypatch.setattr(
+        int4, "int4_matmul", lambda *a, **k: calls.append(k["impl"]) or real_triton(*a, **k)
+    )
+    rng = np.random.default_rng(4)
+    for n, dtype, want_call in ((128, jnp.bfloat16, "mgpu"), (128, jnp.float32, "pallas_interpret"),
+                                (64, jnp.bfloat16, "pallas_interpret")):  # fmt: skip
+        w = pack(*_random_weight(rng, (3,), 128, n, 64), 64)
+        x = jnp.asarray(rng.normal(size=(8, 128)), dtype)
+        calls.clear()
+        got = jax.jit(
+            lambda x, layer, w=w: w.replace(impl="mgpu_interpret").matmul(x, layer=layer)
+        )(x, jnp.int32(1))
+        assert calls == [want_call], (n, dtype, calls)
+        one = jax.tree.map(lambda a: a[1], w)
+        want = np.asarray(one.matmul(x), np.float32)
+        tol = (2e-2 if dtype == jnp.bfloat16 else 1e-4) * np.abs(want).max()
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0, atol=tol)
