@@ -57,7 +57,7 @@ run_step() {
     ;;
   kernels) step kernels 260 python3 experiments/gpu_kernels.py --out "$R/kernels" --budget_s 150 ;;
   int4) step int4 130 python3 experiments/gpu_int4.py --out "$R/int4" --no-sweep --iters 50 ;;
-  w8) step w8 200 python3 experiments/gpu_w8.py --out "$R/w8" --budget_s 150 ;;
+  w8) step w8 200 python3 experiments/gpu_quant_matmul.py --out "$R/w8" --budget_s 150 ;;
   engine) step engine 170 python3 experiments/gpu_engine_check.py --out "$R/engine" --budget_s 90 ;;
   warmup)
     step warmup 150 python3 experiments/warmup_cost.py --model=smollm2-135m --load_format=dummy \

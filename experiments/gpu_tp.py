@@ -248,7 +248,7 @@ def correctness(spec) -> list[dict]:
             mesh = make_mesh(t, 1) if t > 1 else None
             p, tc = partition.replicate_kv_heads(host, c, t) if t > 1 else (host, c)
             r = resolved(tc, b, ctx, steps_ + 1)
-            p = with_matmul_impl(p, r.int4_matmul)
+            p = with_matmul_impl(p, r.quant_matmul)
             p = partition.shard_params(p, tc, mesh) if mesh is not None else p
             cache, state = decode_inputs(tc, b, width, ctx, jnp.float32, mesh)
             # The pool is zeros: every token attends the same values, so the step's numbers are
@@ -331,7 +331,7 @@ def time_config(c, weights, t, slots, spec, hbm_gbps, trace_dir=None) -> list[di
     abstract, dtype = abstract_params(c, weights, spec["group_size"])
     # The INT4 matmul impl is pytree metadata: set it before the specs are built from the tree,
     # or jit's out_shardings ('xla') and the params ('pallas' on a GPU) differ in structure.
-    abstract = with_matmul_impl(abstract, resolved(c, 1, ctx, 1).int4_matmul)
+    abstract = with_matmul_impl(abstract, resolved(c, 1, ctx, 1).quant_matmul)
     p_abs, specs, tc = partitioned(abstract, c, t)
     mesh = make_mesh(t, 1) if t > 1 else None
     shardings = partition.named(mesh if mesh is not None else make_mesh(1, 1), specs)
@@ -347,7 +347,7 @@ def time_config(c, weights, t, slots, spec, hbm_gbps, trace_dir=None) -> list[di
     if t > 1:  # the same per-device work on one device, without collectives
         nc = narrow(c, t)
         n_abs, _ = abstract_params(nc, weights, spec["group_size"])
-        n_abs = with_matmul_impl(n_abs, resolved(nc, 1, ctx, 1).int4_matmul)
+        n_abs = with_matmul_impl(n_abs, resolved(nc, 1, ctx, 1).quant_matmul)
         one = make_mesh(1, 1)
         n_params = dummy_on_shards(n_abs, jax.tree.map(lambda _: NamedSharding(one, P()), n_abs))
         narrow_step = _steps_over_slots(n_params, nc, weights, slots, spec, None)

@@ -1,7 +1,7 @@
 """The prepared GPU scripts run end to end in their --smoke mode (tiny shapes, interpret mode).
 
 A lent H100 / H200 gives a session 15 minutes; a script that breaks there wastes them. These runs
-keep `experiments/gpu_int4.py`, `gpu_kernels.py`, `gpu_w8.py`, `gpu_tp.py` and `gpu_decode.py`
+keep `experiments/gpu_int4.py`, `gpu_kernels.py`, `gpu_quant_matmul.py`, `gpu_tp.py` and `gpu_decode.py`
 working on the CPU between loans: every step runs (checks, timings, tables, JSON), only the shapes
 and the backend differ.
 """
@@ -50,7 +50,7 @@ def smoke(script: str, tmp_path, *flags: str) -> dict:
     [
         ("gpu_int4.py", ("check", "stack")),
         ("gpu_kernels.py", ("correctness", "large_pools")),
-        ("gpu_w8.py", ("rows",)),  # the Mosaic GPU W8A16 kernel beside Triton's and bf16
+        ("gpu_quant_matmul.py", ("rows",)),  # Mosaic GPU W4A16 / W8A16 beside Triton and bf16
     ],
 )
 def test_gpu_script_smoke(tmp_path, script, checks):
