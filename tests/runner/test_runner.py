@@ -94,20 +94,24 @@ def test_sampling_compiles_once_per_row_bucket():
     logits' rows and num_top, so there is one program per row bucket however many page-table
     widths or live-page buckets the forward half has ('ragged' here; a GPU engine has ~9
     widths): the sampler is not compiled again into every width's program."""
-    # settings no other test in this file uses, so no program of theirs is in jit's cache
+    # settings no other test in this file uses, so no program of theirs is in jit's cache; the
+    # fewest programs that keep more shapes than row buckets on both halves: decode rows 1 and 4
+    # (4 on two live-page buckets), prefill rows 1 and 2 (one chunk length) x 3 widths
     llm = LLM(
         "tiny",
         load_format="dummy",
         dtype="float32",
-        num_slots=8,
+        num_slots=4,
         max_model_len=24,
         page_size=8,
+        prefill_chunk_size=8,
+        max_num_batched_tokens=16,
         attention_impl="ragged",
     )
     runner = llm.engine.runner
     shapes = runner.resolved.decode_shapes()
     rows = {s.rows for s in shapes}
-    assert runner.overlaps_grammar and len(shapes) > len(rows)
+    assert runner.overlaps_grammar and len(shapes) > len(rows) > 1
     before = steps.decode_sample._cache_size(), steps.decode_forward._cache_size()
     for shape in shapes:  # what warm-up runs for decode (every slot inactive)
         runner.generate(shape)
@@ -116,7 +120,7 @@ def test_sampling_compiles_once_per_row_bucket():
 
     shapes = runner.resolved.prefill_shapes()  # rows x widths, plus the prompt-logprobs variant
     rows = {s.rows for s in shapes}
-    assert runner.splits_prefill and len(shapes) > len(rows)
+    assert runner.splits_prefill and len(shapes) > len(rows) > 1
     before = steps.prefill_sample._cache_size(), steps.prefill_forward._cache_size()
     for shape in shapes:  # what warm-up runs for prefill (every row padding)
         runner.prefill(input_batch.padding_batch(shape.rows, 8, shape.chunk), shape)
