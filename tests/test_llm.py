@@ -428,12 +428,16 @@ def test_shared_pages_past_the_pool_size_give_the_same_tokens(num_pages):
     child equals the reference attention without caching, at a pool where nothing is preempted
     (32 pages) and where the shared pages are most of the pool (24). Greedy with n > 1 is an error
     (as in vLLM): top_k=1 at temperature 1 picks the argmax all the same."""
-    kw = dict(max_model_len=64, page_size=4, num_slots=8, num_pages=num_pages)
+    kw = dict(max_model_len=64, page_size=4, num_slots=8)
     prompt = ids([list(range(3, 43))])  # 40 tokens: 10 shared pages
     sp = SamplingParams(n=8, temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True)
-    cached = make_llm(enable_prefix_caching=True, **kw).generate(prompt, sp, use_tqdm=False)[0]
+    cached = make_llm(enable_prefix_caching=True, num_pages=num_pages, **kw)
+    cached = cached.generate(prompt, sp, use_tqdm=False)[0]
     assert cached.num_cached_tokens > 0  # the children did share the prompt's pages
-    plain = make_llm(attention_impl="reference", **kw).generate(prompt, sp, use_tqdm=False)[0]
+    # the reference without caching, on a pool that holds all 8 children (96 pages of 4: the
+    # reference engine of the test above, so both params and it share one set of programs)
+    plain = make_llm(attention_impl="reference", enable_prefix_caching=False, num_pages=96, **kw)
+    plain = plain.generate(prompt, sp, use_tqdm=False)[0]
     want = plain.outputs[0].token_ids
     assert all(c.token_ids == want for c in plain.outputs)
     assert [c.token_ids for c in cached.outputs] == [want] * 8
