@@ -58,7 +58,8 @@ def _check(got, x, q, scales, layer):
 
 # (M, K, N, config): the decode row counts 1, 8, 16, 64 (R = 8, 8, 16, 64 rows of x copied), split-K
 # (2, planned 3 and 7), 64-column tiles (N = 192: not a multiple of 128), K = 448 (not a multiple
-# of 128: 64-row K steps) and rings of two and three slots (the refill of a slot).
+# of 128: 64-row K steps), rings of two and three slots (the refill of a slot), and a 512-row
+# prefill chunk (eight 64-row blocks).
 SPLIT2 = MgpuW8Config(splits=2)
 DEEP = MgpuW8Config(num_buffers=3, splits=1, block_k=64)
 CASES = [
@@ -66,6 +67,7 @@ CASES = [
     (8, 384, 192, None),
     (16, 448, 64, MgpuW8Config(num_buffers=3)),
     (64, 384, 256, DEEP),
+    (512, 128, 64, None),
 ]
 
 
