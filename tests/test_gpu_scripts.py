@@ -58,9 +58,10 @@ def test_gpu_script_smoke(tmp_path, script, checks):
     assert out["smoke"] is True
     for part in checks:  # each check row says ok (or, for the stack timing, the same output)
         assert out[part] and all(c.get("ok", c.get("same")) for c in out[part]), part
-    if script == "gpu_kernels.py":  # the Mosaic GPU decode kernel timed beside Triton's, checked
-        mosaic = [r for r in out["decode"] if "mgpu_us" in r]
-        assert mosaic and all(r["mgpu_ok"] for r in mosaic), out["decode"]
+    if script == "gpu_kernels.py":  # the Mosaic GPU kernels timed beside Triton's, checked
+        for kind in ("decode", "prefill"):
+            mosaic = [r for r in out[kind] if "mgpu_us" in r]
+            assert mosaic and all(r["mgpu_ok"] for r in mosaic), out[kind]
 
 
 def test_gpu_tp_smoke(tmp_path):
