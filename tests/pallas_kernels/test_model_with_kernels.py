@@ -108,6 +108,28 @@ def test_smollm2_greedy_pallas_equals_reference(smollm2_f32):
     np.testing.assert_allclose(ker_logits, ref_logits, atol=2e-3, rtol=0)
 
 
+@pytest.mark.smollm2
+def test_smollm2_greedy_mosaic_gpu_equals_triton_and_the_reference():
+    """SmolLM2-135M in bf16 (the Mosaic kernels' activations; 9 query heads over 3 KV heads, head
+    dim 64) with attention_impl='mgpu' (interpret mode: decode and prefill through the Mosaic GPU
+    kernels): the Triton kernels' greedy tokens and logits, and the first step's logits within
+    bf16 rounding of the reference attention's (which computes in f32, so a near-tie can fall
+    either way later: the second prompt's first token is such a tie, 0.014 apart)."""
+    from jaxserve.loading import load_model
+    from jaxserve.loading.default_model import smollm2_gguf_path
+
+    m = load_model(str(smollm2_gguf_path()), dtype="bfloat16")
+    tok = m.tokenizer
+    prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n    ")]
+    ref = greedy(m.params, m.config, prompts, "reference", "auto", 3, "bfloat16")
+    triton = greedy(m.params, m.config, prompts, "pallas_interpret", "auto", 3, "bfloat16")
+    mosaic = greedy(m.params, m.config, prompts, "mgpu_interpret", "auto", 3, "bfloat16")
+    np.testing.assert_array_equal(mosaic[0], triton[0])
+    np.testing.assert_allclose(mosaic[1], triton[1], atol=0.05, rtol=0)
+    np.testing.assert_allclose(mosaic[1][:, 0], ref[1][:, 0], atol=0.5, rtol=0)
+    np.testing.assert_array_equal(mosaic[0][0], ref[0][0])  # no near-tie on the first prompt
+
+
 def test_mosaic_gpu_kernels_in_a_quantized_model_equal_xla():
     """attention_impl='mgpu' and quant_matmul_impl='mgpu' (interpret modes), bf16, INT4 weights:
     greedy tokens equal the reference attention over XLA's unpack + dot. Decode and prefill
