@@ -1,6 +1,6 @@
 """What the Mosaic GPU kernels share (`mgpu_paged_attention.py`, `mgpu_paged_prefill.py`,
 `mgpu_w8_matmul.py`, `mgpu_w4_matmul.py`): the SMEM layout that wgmma and TMA both read, and the
-question their callers ask of each one's input check."""
+question their callers ask of each one's input check; the row blocks and split-K of the matmuls."""
 
 from __future__ import annotations
 
@@ -24,6 +24,24 @@ def tiled_smem(shape, dtype):
             plgpu.SwizzleTransform(swizzle),
         ),
     )
+
+
+def row_blocks(m: int, rows: int = 64) -> tuple[int, int]:
+    """(R, Mp): the rows of x one program computes and the padded row count, for a wgmma M tile of
+    `rows`: m rounded up to 8 in one block (m <= rows), else to `rows` in blocks of `rows`."""
+    if m <= rows:
+        r = -(-m // 8) * 8
+        return r, r
+    return rows, -(-m // rows) * rows
+
+
+def split_k(steps: int, programs: int, splits, target_programs: int, max_splits: int) -> int:
+    """`splits` if given, else the smallest divisor of the K steps that brings `programs` to
+    `target_programs` (at most `max_splits`; else the largest divisor under it)."""
+    if splits is not None:
+        return splits
+    divisors = [d for d in range(1, min(steps, max_splits) + 1) if steps % d == 0]
+    return next((d for d in divisors if programs * d >= target_programs), divisors[-1])
 
 
 def accepts(check, *args, **kwargs) -> bool:

@@ -78,6 +78,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.int4_layout import PACK, check_arrays
 from pallas_kernels.int4_matmul import int4_matmul_reference
+from pallas_kernels.mgpu_common import row_blocks, split_k
 from pallas_kernels.w8_matmul import NUM_SMS
 
 ROWS = 64  # wgmma M tile
@@ -142,20 +143,13 @@ def plan(m: int, k: int, n: int, config: MgpuW4Config = H100_MGPU_W4) -> _Plan:
     config's, or 32 where it divides n/8, else 16. block_k: the config's if it divides k, else 64.
     Splits: the config's, or the smallest divisor of the K steps that brings the grid to
     `target_programs` (at most `max_splits`; else the largest divisor under it)."""
-    if m <= ROWS:
-        rows = padded_m = -(-m // 8) * 8
-    else:
-        rows, padded_m = ROWS, -(-m // ROWS) * ROWS
+    rows, padded_m = row_blocks(m, ROWS)
     n8 = n // PACK
     block_c = config.block_c or (32 if n8 % 32 == 0 else 16)
     block_k = config.block_k if k % config.block_k == 0 else 64
     steps = max(1, k // block_k)
-    splits = config.splits
-    if splits is None:
-        programs = padded_m // rows * -(-n8 // block_c)
-        cap = min(steps, config.max_splits)
-        divisors = [d for d in range(1, cap + 1) if steps % d == 0]
-        splits = next((d for d in divisors if programs * d >= config.target_programs), divisors[-1])
+    programs = padded_m // rows * -(-n8 // block_c)
+    splits = split_k(steps, programs, config.splits, config.target_programs, config.max_splits)
     return _Plan(rows, padded_m, block_c, block_k, splits, config.num_buffers)
 
 

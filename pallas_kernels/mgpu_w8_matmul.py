@@ -69,7 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_common import tiled_smem
+from pallas_kernels.mgpu_common import row_blocks, split_k, tiled_smem
 from pallas_kernels.w8_matmul import NUM_SMS, WEIGHT_DTYPES, w8_matmul_reference
 
 ROWS = 64  # wgmma M tile
@@ -129,19 +129,12 @@ def plan(m: int, k: int, n: int, config: MgpuW8Config = H100_MGPU_W8) -> _Plan:
     config's, or 128 where it divides n, else 64. block_k: the config's if it divides k, else 64.
     Splits: the config's, or the smallest divisor of the K steps that brings the grid to
     `target_programs` (at most `max_splits`; else the largest divisor under it)."""
-    if m <= ROWS:
-        rows = padded_m = -(-m // 8) * 8
-    else:
-        rows, padded_m = ROWS, -(-m // ROWS) * ROWS
+    rows, padded_m = row_blocks(m, ROWS)
     block_n = config.block_n or (128 if n % 128 == 0 else 64)
     block_k = config.block_k if k % config.block_k == 0 else 64
     steps = k // block_k
-    splits = config.splits
-    if splits is None:
-        programs = padded_m // rows * -(-n // block_n)
-        cap = min(steps, config.max_splits)
-        divisors = [d for d in range(1, cap + 1) if steps % d == 0]
-        splits = next((d for d in divisors if programs * d >= config.target_programs), divisors[-1])
+    programs = padded_m // rows * -(-n // block_n)
+    splits = split_k(steps, programs, config.splits, config.target_programs, config.max_splits)
     return _Plan(rows, padded_m, block_n, block_k, splits, config.num_buffers)
 
 
