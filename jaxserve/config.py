@@ -55,6 +55,7 @@ LOAD_FORMATS = ("auto", "dummy")
 BATCHINGS = ("continuous", "static")
 
 
+MAX_LOGPROBS = 20  # max_logprobs' default: most top-n logprobs per token (vLLM's default)
 DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len None -> min(max_position_embeddings, this)
 DEFAULT_PREFILL_CHUNK_SIZE = 64  # capped at the smallest power of two >= max_model_len
 DEFAULT_PREFILL_CHUNKS_PER_STEP = 8  # max_num_batched_tokens None -> this * prefill_chunk_size
@@ -311,7 +312,7 @@ class EngineConfig:
         "repeat. Default: 0.",
     )
     max_logprobs: int = _setting(
-        20,
+        MAX_LOGPROBS,
         "Most log-probs per position a request may ask for (SamplingParams.logprobs and "
         "prompt_logprobs; their -1 asks for the whole vocabulary), vLLM's max_logprobs; -1 = the "
         "whole vocabulary. It sizes the device's top-k, computed only in steps where some request "

@@ -1,4 +1,12 @@
-"""How `LLM(...)`'s keyword arguments become an engine: vLLM's spellings, the KV budget, the mesh.
+"""How `LLM(...)`'s keyword arguments become an engine, the one build path of every front door
+(`LLM`, `AsyncLLM`, the launchers and benchmarks through them):
+
+build_engine(model, mesh=None, **settings) -> BuiltEngine
+    settings (EngineConfig's fields, vLLM's spellings) -> EngineConfig, checked before anything
+    loads -> the mesh (made here, once, unless the caller holds one) -> the weights, straight
+    onto their shards -> the config filled for the model (once) -> the KV budget ->
+    ModelRunner -> LLMEngine. The runner and the engine take these finished objects and derive
+    no config or mesh of their own.
 
 vllm_settings(settings) -> (settings, VllmOptions)   max_num_seqs, block_size, dtype aliases,
                                                      speculative_config; gpu_memory_utilization,
@@ -15,11 +23,108 @@ import dataclasses
 import logging
 import os
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.engine import LLMEngine
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.layers import kv_cache
 from jaxserve.speculative_config import merge_speculative_config
 
 logger = logging.getLogger(__name__)
+_SETTINGS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltEngine:
+    """What `build_engine` made: the engine, and what a front door reports of it."""
+
+    engine: LLMEngine
+    engine_config: EngineConfig  # filled for the model; the parallel sizes are the mesh's
+    model_config: ModelConfig  # with generation_config.json's eos ids added
+    tokenizer: object | None  # None for dummy weights without one
+    source: str  # what was loaded
+    num_pages: int  # the KV pool's pages (fewer where the GPU kernels need it)
+    default_sampling_params: SamplingParams | None  # generation_config.json's, or None
+    warmup_seconds: float | None  # None unless built with warmup=True
+
+
+def build_engine(model: str | ModelConfig | None = None, *, mesh=None, **settings) -> BuiltEngine:
+    """The engine of `LLM(model, mesh=mesh, **settings)` (see the module docstring). TypeError
+    for an unknown setting, ValueError naming a bad value (before the model loads, except a
+    max_model_len beyond the model's)."""
+    from jaxserve.loading import load_model  # lazy: loading pulls in transformers and jax
+    from jaxserve.runner.runner import ModelRunner
+
+    settings, vllm = vllm_settings(settings)  # vLLM's names -> EngineConfig's
+    for name in settings:
+        if name not in _SETTINGS:
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+    if mesh is not None:
+        settings = mesh_settings(mesh, settings)
+    requested = EngineConfig(model=model, **settings)  # fails here, before the model loads
+    t, d = requested.tensor_parallel_size, requested.data_parallel_size
+    if mesh is None and t * d > 1:
+        from jaxserve.parallel.mesh import make_mesh
+
+        mesh = make_mesh(t, d)  # before loading: tensors go straight onto their shards
+    loaded = load_model(
+        requested.model,
+        dtype=requested.dtype,
+        load_format=requested.load_format,
+        quantization=requested.quantization,
+        tensor_parallel_size=t,
+        mesh=mesh,
+        revision=requested.revision,
+        token=vllm.hf_token,
+    )
+    config = loaded.config
+    gen = generation_defaults(loaded.source, vllm.generation_config)  # a Hub id's snapshot
+    if gen.get("eos_token_ids"):  # vLLM adds generation_config's eos ids as stop ids
+        eos = tuple(sorted(set(config.eos_token_ids) | set(gen.pop("eos_token_ids"))))
+        config = dataclasses.replace(config, eos_token_ids=eos)
+    gen.pop("eos_token_ids", None)
+    engine_config = requested.for_model(config)  # the one place the config is filled
+    if vllm.gpu_memory_utilization is not None:
+        engine_config = apply_memory_utilization(
+            engine_config, config, loaded.params, vllm.gpu_memory_utilization
+        )
+    tokenizer = loaded.tokenizer
+    if vllm.tokenizer is not None:
+        tokenizer = _tokenizer(vllm.tokenizer, vllm.hf_token)
+    runner = ModelRunner(
+        loaded.params, config, engine_config, resolve_num_pages(engine_config, config), mesh=mesh
+    )
+    engine = LLMEngine(
+        runner,
+        config,
+        engine_config,
+        runner.num_pages,
+        tokenizer=tokenizer,
+        seed=engine_config.seed,
+    )
+    return BuiltEngine(
+        engine=engine,
+        engine_config=engine_config,
+        model_config=config,
+        tokenizer=tokenizer,
+        source=loaded.source,
+        num_pages=runner.num_pages,
+        default_sampling_params=SamplingParams(**gen) if gen else None,
+        warmup_seconds=runner.warmup() if engine_config.warmup else None,
+    )
+
+
+def _tokenizer(source: str, token):
+    """The tokenizer of `tokenizer=`: a folder, or a Hub id's tokenizer files only."""
+    from jaxserve.loading import hub
+    from jaxserve.loading.tokenizer import load_tokenizer
+
+    path = (
+        hub.resolve(source, token=token, tokenizer_only=True) if hub.is_repo_id(source) else source
+    )
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(f"tokenizer: no tokenizer files in {source}")
+    return tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,25 +299,25 @@ def kv_budget_bytes(utilization: float, device_bytes: int, param_bytes: int, sta
     return budget
 
 
-def apply_memory_utilization(requested: EngineConfig, config, params, utilization: float):
-    """kv_cache_memory from gpu_memory_utilization on an accelerator. On the CPU vLLM sizes the
-    KV cache by VLLM_CPU_KVCACHE_SPACE instead and ignores it; so does jaxserve (the default
-    num_pages apply)."""
+def apply_memory_utilization(engine_config: EngineConfig, config, params, utilization: float):
+    """kv_cache_memory from gpu_memory_utilization on an accelerator (`engine_config` filled for
+    the model). On the CPU vLLM sizes the KV cache by VLLM_CPU_KVCACHE_SPACE instead and ignores
+    it; so does jaxserve (the default num_pages apply)."""
     import jax
 
     from jaxserve.runner.memory import device_memory_bytes, state_bytes
 
-    if jax.local_devices()[0].platform == "cpu" or requested.num_pages is not None:
+    if jax.local_devices()[0].platform == "cpu" or engine_config.num_pages is not None:
         logger.info("gpu_memory_utilization ignored (CPU, or num_pages given)")
-        return requested
+        return engine_config
     from jaxserve.runner.memory import bytes_on_device
 
     # per device: the params are already on their shards; the pool is split over every device
-    devices = requested.tensor_parallel_size * requested.data_parallel_size
+    devices = engine_config.tensor_parallel_size * engine_config.data_parallel_size
     param_bytes = bytes_on_device(params, jax.local_devices()[0])
-    slot_state = state_bytes(config, requested.for_model(config), 0)["slot_state"]
+    slot_state = state_bytes(config, engine_config, 0)["slot_state"]
     budget = kv_budget_bytes(utilization, device_memory_bytes(), param_bytes, slot_state)
-    return dataclasses.replace(requested, kv_cache_memory=budget * devices)
+    return dataclasses.replace(engine_config, kv_cache_memory=budget * devices)
 
 
 def resolve_num_pages(engine_config: EngineConfig, model_config) -> int:

@@ -35,30 +35,21 @@ naming the field (before the model loads, except a max_model_len beyond the mode
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.engine import LLMEngine
+from jaxserve.config import ModelConfig
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine_args import (
-    apply_memory_utilization,
-    generation_defaults,
-    mesh_settings,
-    resolve_num_pages,
-    vllm_settings,
-)
-from jaxserve.entrypoints.chat_utils import render_chat
+from jaxserve.engine_args import build_engine
+from jaxserve.inputs.chat import render_chat
+from jaxserve.inputs.prompts import PromptError, parse_prompt, prompt_list
 from jaxserve.lora import LoRARequest
-from jaxserve.runner.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-_SETTINGS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 
 class LLM:
@@ -72,71 +63,22 @@ class LLM:
     def __init__(self, model: str | ModelConfig | None = None, *, mesh=None, **settings):
         """mesh: a `jax.sharding.Mesh` with axes ('data', 'model') to run on, for users who
         already hold one; it sets data_parallel_size and tensor_parallel_size (jaxserve.parallel)."""
-        from jaxserve.loading import load_model  # lazy: loading pulls in transformers
-
-        settings, vllm = vllm_settings(settings)  # vLLM's names -> EngineConfig's
-        for name in settings:
-            if name not in _SETTINGS:
-                raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
-        if mesh is not None:
-            settings = mesh_settings(mesh, settings)
-        requested = EngineConfig(model=model, **settings)  # fails here, before the model loads
-        t, d = requested.tensor_parallel_size, requested.data_parallel_size
-        if mesh is None and t * d > 1:
-            from jaxserve.parallel.mesh import make_mesh
-
-            mesh = make_mesh(t, d)  # before loading: tensors go straight onto their shards
-        loaded = load_model(
-            requested.model,
-            dtype=requested.dtype,
-            load_format=requested.load_format,
-            quantization=requested.quantization,
-            tensor_parallel_size=requested.tensor_parallel_size,
-            mesh=mesh,
-            revision=requested.revision,
-            token=vllm.hf_token,
-        )
-        config = loaded.config
-        gen = generation_defaults(loaded.source, vllm.generation_config)  # a Hub id's snapshot
-        if gen.get("eos_token_ids"):  # vLLM adds generation_config's eos ids as stop ids
-            eos = tuple(sorted(set(config.eos_token_ids) | set(gen.pop("eos_token_ids"))))
-            config = dataclasses.replace(config, eos_token_ids=eos)
-        gen.pop("eos_token_ids", None)
-        self.default_sampling_params = SamplingParams(**gen) if gen else None
-        if vllm.gpu_memory_utilization is not None:
-            requested = apply_memory_utilization(
-                requested, config, loaded.params, vllm.gpu_memory_utilization
-            )
-        engine_config = requested.for_model(config)
-        self.model_config = config
-        self.engine_config = engine_config
-        self.tokenizer = loaded.tokenizer
-        if vllm.tokenizer is not None:
-            from jaxserve.loading import hub
-            from jaxserve.loading.tokenizer import load_tokenizer
-
-            source = vllm.tokenizer
-            if hub.is_repo_id(source):  # a tokenizer repository: its tokenizer files only
-                source = hub.resolve(source, token=vllm.hf_token, tokenizer_only=True)
-            self.tokenizer = load_tokenizer(source)
-            if self.tokenizer is None:
-                raise ValueError(f"tokenizer: no tokenizer files in {vllm.tokenizer}")
-        self.source = loaded.source
-        num_pages = resolve_num_pages(engine_config, config)
-        seed = engine_config.seed
-        runner = ModelRunner(loaded.params, config, engine_config, num_pages, mesh=mesh)
-        self.num_pages = runner.num_pages  # fewer where the GPU kernels need it (RESULTS.md 48)
-        self.engine = LLMEngine(
-            runner, config, engine_config, self.num_pages, tokenizer=self.tokenizer, seed=seed
-        )
+        built = build_engine(model, mesh=mesh, **settings)
+        self.engine = built.engine
+        self.engine_config = built.engine_config
+        self.model_config = built.model_config
+        self.tokenizer = built.tokenizer
+        self.source = built.source
+        self.num_pages = built.num_pages
+        self.default_sampling_params = built.default_sampling_params
+        self.warmup_seconds = built.warmup_seconds
         self._outbox: dict[str, list[RequestOutput]] = {}
-        self.warmup_seconds = runner.warmup() if engine_config.warmup else None
         logger.info(
             "LLM ready: %s, %d slots, %d KV pages of %d tokens",
             self.source,
-            engine_config.num_slots,
+            self.engine_config.num_slots,
             self.num_pages,
-            engine_config.page_size,
+            self.engine_config.page_size,
         )
 
     # -- public API -------------------------------------------------------------------------------
@@ -164,7 +106,7 @@ class LLM:
         every prompt, or a list of one (or None) per prompt (enable_lora=True); priority: one int
         per prompt, lower first, with scheduling_policy="priority" (vLLM's; any other is a
         ValueError under fcfs)."""
-        prompts = _as_list(prompts)
+        prompts = prompt_list(prompts)
         results: list[RequestOutput | None] = [None] * len(prompts)
         it = self.iter_generate(
             prompts,
@@ -234,7 +176,7 @@ class LLM:
         already finished are yielded and the iterator ends without stepping again (the rest are
         aborted) -- how a batch job drains on SIGTERM without redoing finished rows.
         """
-        prompts = _as_list(prompts)
+        prompts = prompt_list(prompts)
         params = self._per_prompt_params(sampling_params, len(prompts))
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
@@ -402,51 +344,19 @@ class LLM:
         return rid
 
     def _parse_prompt(self, prompt) -> tuple[str | None, list[int] | None, str | None]:
-        """(text, token ids, error) of one prompt."""
+        """(text, token ids, error) of one prompt (`inputs.prompts.parse_prompt`'s rules)."""
         if isinstance(prompt, _BadPrompt):
             return None, None, prompt.error
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown:
-                return None, None, f"unknown prompt field(s) {sorted(unknown)}"
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, list | tuple):
-                    return None, None, "prompt_token_ids must be a list of ints"
-                return prompt.get("prompt"), list(ids), None
-            if "prompt" not in prompt:
-                return None, None, "prompt dict needs 'prompt' or 'prompt_token_ids'"
-            prompt = prompt["prompt"]
-        if not isinstance(prompt, str):
-            return None, None, f"a prompt must be a str or a dict, got {type(prompt).__name__}"
-        if self.tokenizer is None:
-            return prompt, None, "text prompts need a tokenizer; pass prompt_token_ids"
-        if prompt == "":
-            return prompt, [], "prompt is empty"
         try:
-            return prompt, list(self.tokenizer(prompt)["input_ids"]), None
-        except (TypeError, ValueError, UnicodeError) as e:  # e.g. a lone UTF-16 surrogate
-            return None, None, f"cannot tokenize the prompt: {type(e).__name__}: {e}"
+            text, ids = parse_prompt(prompt, self.tokenizer)
+        except PromptError as e:
+            return e.text, None, str(e)
+        return text, ids, None
 
 
 class _BadPrompt:
     def __init__(self, error: str):
         self.error = error
-
-
-def _as_list(prompts) -> list:
-    if isinstance(prompts, bytes | bytearray | memoryview):  # iterating would give one per byte
-        raise ValueError(
-            f"prompts is {type(prompts).__name__}: decode it to a str first (e.g. "
-            "prompts.decode('utf-8')); a prompt is a str, a dict, or a list of them"
-        )
-    if isinstance(prompts, str | dict):
-        return [prompts]
-    if isinstance(prompts, Iterable):
-        return list(prompts)
-    raise ValueError(
-        f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}"
-    )
 
 
 def _delta(out: RequestOutput, seen: dict[int, tuple[int, int]]) -> RequestOutput:

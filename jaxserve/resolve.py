@@ -57,8 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.sampling_params import MAX_LOGPROBS
+from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +114,23 @@ def cpu_slot_buckets(num_slots: int) -> tuple[int, ...]:
         out += [b, b * 3 // 2]
         b *= 2
     return (*(x for x in out if x < num_slots), num_slots)
+
+
+def data_shard_config(engine_config: EngineConfig) -> EngineConfig:
+    """One data shard's config, whose slots the step programs hold: num_slots / D, data parallel
+    1, the decode row buckets over its slots (each user bucket / D). The config itself at D 1."""
+    d = engine_config.data_parallel_size
+    if d == 1:
+        return engine_config
+    buckets = engine_config.slot_buckets
+    if buckets != "auto":
+        buckets = tuple(sorted({max(1, b // d) for b in buckets}))
+    return dataclasses.replace(
+        engine_config,
+        num_slots=engine_config.num_slots // d,
+        data_parallel_size=1,
+        slot_buckets=buckets,
+    )
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:

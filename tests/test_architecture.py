@@ -181,3 +181,68 @@ def test_kernels_import_jax_only():
                 if name.split(".")[0] in ("jaxserve", "tests", "experiments"):
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+# The layers, bottom first: a module may import its own package's modules and those of the layers
+# below its own, never above (`test_imports_run_down_the_layers`). A module belongs to the longest
+# entry that prefixes its name; a new package must be placed here.
+LAYERS = (
+    # the kernels: jax only (`test_kernels_import_jax_only`); the CPU kernels' references borrow
+    # the GPU ones'
+    "pallas_kernels",
+    "cpu_kernels",
+    # the settings, host only: a model's fields, its config, the engine's config, the choices
+    # made from them
+    "jaxserve.model_fields",
+    "jaxserve.hf_config",
+    "jaxserve.model_config",
+    "jaxserve.model_presets",
+    "jaxserve.speculative_config",
+    "jaxserve.config",
+    "jaxserve.resolve",
+    # the host side of requests (no jax: tests/core/test_host_only.py)
+    "jaxserve.lora",
+    "jaxserve.inputs",
+    "jaxserve.core",
+    "jaxserve.testing",
+    # the model on the device, its weights, and the steps that run it
+    "jaxserve.layers",
+    "jaxserve.models",
+    "jaxserve.quant",
+    "jaxserve.parallel",
+    "jaxserve.loading",
+    "jaxserve.eval",
+    "jaxserve.runner",
+    # the front doors, and what is built on them
+    "jaxserve.engine_args",
+    "jaxserve.llm",
+    "jaxserve.entrypoints",
+    "jaxserve.batch",
+    "jaxserve.bench",
+    "jaxserve.launch",
+    "jaxserve",  # the package itself: its public names
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest entry prefixing `module`."""
+    best = None
+    for i, name in enumerate(LAYERS):
+        if module == name or module.startswith(name + "."):
+            if best is None or len(name) > len(LAYERS[best]):
+                best = i
+    assert best is not None, f"{module} is in no layer: place its package in LAYERS"
+    return best
+
+
+def test_imports_run_down_the_layers():
+    graph = import_graph()
+    files = module_files()
+    up = [
+        f"{files[a].relative_to(ROOT)}:{line} {a} imports {b} ({LAYERS[layer_of(b)]} is above "
+        f"{LAYERS[layer_of(a)]})"
+        for a, edges in sorted(graph.items())
+        for b, line in sorted(edges.items())
+        if layer_of(b) > layer_of(a)
+    ]
+    assert not up, "imports running up the layers:\n" + "\n".join(up)

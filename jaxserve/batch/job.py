@@ -41,7 +41,7 @@ from tqdm import tqdm
 from jaxserve.batch.errors import OutputError
 from jaxserve.batch.reader import InputRow
 from jaxserve.batch.summary import JobStats
-from jaxserve.entrypoints.chat_utils import render_chat
+from jaxserve.inputs.chat import render_chat
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ runs. Every failure of one row (bad UTF-8, malformed or too deeply nested JSON, 
 for its field, a lone UTF-16 surrogate, an invalid sampling parameter) is caught here, for that row.
 Blank lines are skipped (they are not rows). A JSONL row is an object with `id` (a string of at
 most MAX_ID_CHARS characters, or an integer in [-2**63, 2**63)), exactly one of `prompt` (str),
-`messages` (chat list; each content a string or OpenAI's content parts, see chat_utils) or
+`messages` (chat list; each content a string or OpenAI's content parts, see inputs/chat.py) or
 `prompt_token_ids` (list of int), optional per-row `SamplingParams` fields overriding the
 job's defaults, and an optional `lora` (the name of a LoRA adapter the job was given with
 --lora_modules); any other field is an error.
@@ -44,7 +44,7 @@ from typing import Any
 
 from jaxserve.batch.sharding import derived_seed
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.entrypoints.chat_utils import message_text
+from jaxserve.inputs.chat import message_text
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 INPUT_FORMATS = ("auto", "jsonl", "text")

@@ -331,7 +331,7 @@ def _pcts_ms(p: dict) -> str:
 
 def make_llm(**kwargs):
     """Builds the engine (a seam for tests); returns (llm, load seconds)."""
-    from jaxserve import LLM
+    from jaxserve.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(**kwargs)

@@ -93,9 +93,8 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
     from jaxserve.models import llama
     from jaxserve.parallel import partition
     from jaxserve.quant import quantize_params, with_matmul_impl
-    from jaxserve.resolve import resolve
+    from jaxserve.resolve import data_shard_config, resolve
     from jaxserve.runner import data_parallel, memory, steps
-    from jaxserve.runner import runner as runner_lib
 
     c = model_config_for(engine_config)
     e = engine_config.for_model(c)
@@ -106,15 +105,7 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
         params = jax.eval_shape(
             lambda p: quantize_params(p, c, e.quantization, row_shards=t), params
         )
-    shard = e
-    if d > 1:  # the step shapes are one data shard's, as ModelRunner makes them
-        buckets = e.slot_buckets
-        shard = dataclasses.replace(
-            e,
-            num_slots=e.num_slots // d,
-            data_parallel_size=1,
-            slot_buckets="auto" if buckets == "auto" else runner_lib._shard_buckets(buckets, d),
-        )
+    shard = data_shard_config(e)  # the step shapes are one data shard's, as ModelRunner's
     plain = not any(map(is_quantized, params["layers"].values()))
     r = resolve(shard, c, "gpu", plain_weights=plain)
     params = with_matmul_impl(params, r.quant_matmul)

@@ -64,7 +64,12 @@ class LLMEngine:
     ):
         self.runner = runner
         self.model_config = model_config
-        self.config = config = config.for_model(model_config)  # a filled config comes back equal
+        if not config.is_filled:
+            raise ValueError(
+                "LLMEngine needs an EngineConfig filled for the model: "
+                "config.for_model(model_config) (engine_args.build_engine does it)"
+            )
+        self.config = config
         self.num_pages = num_pages
         self.tokenizer = tokenizer
         self.loras = None

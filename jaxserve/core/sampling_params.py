@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.config import MAX_LOGPROBS
 from jaxserve.core.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20  # most top-n logprobs per token (vLLM's default max_logprobs)
 MAX_N = 128  # most samples per request (OpenAI's limit for `n`)
 MAX_INT32 = 2**31 - 1  # token counts and ids live in int32 arrays on the device
 MAX_STOP_IDS = 16  # stop/eos ids per slot suppressed while fewer than min_tokens were generated

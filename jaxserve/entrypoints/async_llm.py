@@ -33,6 +33,7 @@ from typing import Any
 
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.inputs.prompts import parse_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +45,18 @@ class EngineDeadError(RuntimeError):
 class AsyncLLM:
     """An `LLMEngine` driven by one background thread; `generate` is an async iterator.
 
-    `AsyncLLM(**settings)` builds an `LLM` (the settings are `EngineConfig`'s fields);
+    `AsyncLLM(model, **settings)` builds its engine as `LLM` does (`engine_args.build_engine`: the
+    same arguments, vLLM's spellings and defaults);
     `AsyncLLM.from_llm(llm)` wraps one already built; `AsyncLLM.from_engine(engine)` wraps any
     `LLMEngine` (e.g. over the fake runner in tests).
     """
 
     def __init__(self, model=None, **settings):
-        from jaxserve.llm import LLM  # lazy: building an LLM loads jax
+        from jaxserve.engine_args import build_engine  # lazy: building an engine loads jax
 
-        llm = LLM(model, **settings)
-        self._init(llm.engine, llm.tokenizer)
-        self.default_sampling_params = llm.default_sampling_params
+        built = build_engine(model, **settings)  # LLM's build path, its arguments and defaults
+        self._init(built.engine, built.tokenizer)
+        self.default_sampling_params = built.default_sampling_params
 
     @classmethod
     def from_llm(cls, llm) -> AsyncLLM:
@@ -105,16 +107,9 @@ class AsyncLLM:
         return dict(self._stats)
 
     def parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a str, {"prompt_token_ids": [...]} or {"prompt": str}; ValueError."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            prompt = prompt.get("prompt")
-        if not isinstance(prompt, str):
-            raise ValueError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("text prompts need a tokenizer; this model has none")
-        return prompt, list(self.tokenizer(prompt)["input_ids"])
+        """(text, token ids) of one prompt, by `LLM`'s rules (`inputs.prompts.parse_prompt`);
+        ValueError (`PromptError`) naming the problem."""
+        return parse_prompt(prompt, self.tokenizer)
 
     def check(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> str | None:
         """The reason the engine would refuse this request, or None, found now in the caller's

@@ -47,15 +47,22 @@ _SUMMARY_JSON = flags.DEFINE_string("summary_json", None, "Write the JSON summar
 flags.adopt_module_key_flags(engine_flags)  # --help lists the engine flags too
 
 
+def engine_kwargs(fv: flags.FlagValues, workload: str) -> dict:
+    """`LLM(**engine_kwargs(...))`: the engine flags as every launcher takes them, and the
+    benchmark's one default of its own: the workload's slot count (--num_slots overrides it).
+    --warmup is the benchmark's warm-up (step 3: on unless --nowarmup), not the engine's."""
+    kwargs = engine_flags.llm_kwargs(fv)
+    kwargs.pop("warmup", None)
+    return {"num_slots": SPECS[workload].num_slots, **kwargs}
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    kwargs = engine_flags.llm_kwargs()
+    kwargs = engine_kwargs(flags.FLAGS, _WORKLOAD.value)
     distributed.initialize()  # a multi-host run: every process benchmarks the same workload
-    do_warmup = kwargs.pop("warmup", True)  # the benchmark's own warm-up (step 3), on by default
-    spec = SPECS[_WORKLOAD.value]
-    kwargs.setdefault("num_slots", spec.num_slots)  # --num_slots overrides the workload's
+    do_warmup = flags.FLAGS.warmup is not False  # the benchmark's own warm-up (step 3)
     llm, load_s = make_llm(**kwargs)
     workload = make_workload(
         _WORKLOAD.value,

@@ -86,7 +86,6 @@ flags.DEFINE_bool(
     "Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints). Default: "
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING.",
 )
-flags.DEFINE_bool("warmup_model", True, "Compile every step shape before the port opens.")
 flags.DEFINE_float(
     "graceful_shutdown_s", 60.0, "On SIGTERM, how long to wait for requests in flight."
 )
@@ -116,12 +115,19 @@ def read_chat_template(value: str | None) -> str | None:
     return value
 
 
+def engine_kwargs(fv: flags.FlagValues = FLAGS) -> dict:
+    """`LLM(**engine_kwargs())`: the engine flags as every launcher takes them, and the server's
+    one default of its own: warmup (every step shape compiled before the port opens, so no
+    request waits for a compilation; --nowarmup skips it)."""
+    return {"warmup": True, **engine_flags.llm_kwargs(fv)}
+
+
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         print(f"serve: error: unexpected arguments {argv[1:]}", file=sys.stderr)
         return 2
     try:
-        kwargs = engine_flags.llm_kwargs()
+        kwargs = engine_kwargs()
         if distributed.wanted():
             raise ValueError(
                 "serving over many processes is not supported (one HTTP front end would have to "
@@ -136,8 +142,6 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
-    if FLAGS.warmup_model:
-        kwargs["warmup"] = True
     import uvicorn
 
     from jaxserve.entrypoints.async_llm import AsyncLLM

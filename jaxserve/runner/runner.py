@@ -27,7 +27,6 @@ Every host->device and device->host transfer is counted.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -46,9 +45,16 @@ from jaxserve.core.slot_row import make_slot_row
 from jaxserve.layers import linear
 from jaxserve.layers.embedding import is_quantized
 from jaxserve.parallel import partition
-from jaxserve.parallel.mesh import make_mesh, mesh_sizes
+from jaxserve.parallel.mesh import mesh_sizes
 from jaxserve.quant import with_matmul_impl
-from jaxserve.resolve import DecodeShape, PrefillShape, Resolved, bucket_for, resolve
+from jaxserve.resolve import (
+    DecodeShape,
+    PrefillShape,
+    Resolved,
+    bucket_for,
+    data_shard_config,
+    resolve,
+)
 from jaxserve.runner import (
     compile_cache,
     cpu_backend,
@@ -65,9 +71,25 @@ from jaxserve.runner.step_handle import StepHandle, fetch_outputs
 logger = logging.getLogger(__name__)
 
 
-def _shard_buckets(buckets: tuple[int, ...], d: int) -> tuple[int, ...]:
-    """The user's decode row buckets (over all slots) as one data shard's: each divided by D."""
-    return tuple(sorted({max(1, b // d) for b in buckets}))
+def check_built(engine_config: EngineConfig, mesh) -> None:
+    """ValueError unless `engine_config` is filled for the model and `mesh` (None for one
+    device) has its parallel sizes: the runner derives neither (`engine_args.build_engine`
+    makes both)."""
+    if not engine_config.is_filled:
+        raise ValueError(
+            "the runner needs an EngineConfig filled for the model: "
+            "engine_config.for_model(model_config) (engine_args.build_engine does it)"
+        )
+    t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
+    if mesh is None and t * d > 1:
+        raise ValueError(
+            f"tensor_parallel_size={t} x data_parallel_size={d} needs a mesh of {t * d} "
+            "devices: jaxserve.parallel.mesh.make_mesh(t, d) (engine_args.build_engine makes it)"
+        )
+    if mesh is not None and mesh_sizes(mesh) != (d, t):
+        raise ValueError(
+            f"the mesh's (data, model) sizes {mesh_sizes(mesh)} are not the config's {(d, t)}"
+        )
 
 
 class ModelRunner:
@@ -76,8 +98,10 @@ class ModelRunner:
     backend: the backend whose choices to make (`jaxserve.resolve`); default the one jax runs
     on, read once here. A test lowering a GPU engine's steps on the CPU passes "gpu".
     mesh: a ('data', 'model') `jax.sharding.Mesh` to run on (`jaxserve.parallel`); default one
-    of engine_config.data_parallel_size x tensor_parallel_size devices when either exceeds 1,
-    else none (one device, nothing sharded).
+    of engine_config.data_parallel_size x tensor_parallel_size devices, needed when either
+    exceeds 1 (`engine_args.build_engine` makes it), else none (one device, nothing sharded).
+    engine_config: filled for the model (`EngineConfig.for_model`); the runner derives no config
+    of its own but one data shard's (`resolve.data_shard_config`).
     """
 
     def __init__(
@@ -89,16 +113,10 @@ class ModelRunner:
         backend: str | None = None,
         mesh=None,
     ):
-        engine_config = engine_config.for_model(model_config)  # a filled config comes back equal
+        check_built(engine_config, mesh)
         t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
         kv_cols = None
-        if mesh is None and t * d > 1:
-            mesh = make_mesh(t, d)
         if mesh is not None:
-            d, t = mesh_sizes(mesh)
-            engine_config = dataclasses.replace(
-                engine_config, tensor_parallel_size=t, data_parallel_size=d
-            )
             # the KV heads copied up to T where T exceeds them; an adapter's wk / wv columns
             # follow the same map (`lora_stacks.LoRAStacks`)
             kv_cols = lora_stacks.kv_columns(model_config, t)
@@ -110,16 +128,7 @@ class ModelRunner:
             raise ValueError(
                 f"num_pages ({num_pages}) must be a multiple of data_parallel_size ({d})"
             )
-        # The step shapes are one shard's: its slots (buckets count from its first slot).
-        shard_config = engine_config
-        if d > 1:
-            buckets = engine_config.slot_buckets
-            shard_config = dataclasses.replace(
-                engine_config,
-                num_slots=self.slots_per_shard,
-                data_parallel_size=1,
-                slot_buckets="auto" if buckets == "auto" else _shard_buckets(buckets, d),
-            )
+        shard_config = data_shard_config(engine_config)  # the step shapes are one shard's
         backend = backend or jax.default_backend()
         self.compilation_cache_dir = compile_cache.enable(engine_config.compilation_cache)
         autotune = (

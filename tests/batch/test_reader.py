@@ -92,7 +92,7 @@ def test_ids_keys_and_prompt_kinds(tmp_path):
     keys = ["7", '"7"', '"chat"', '"parts"', '"tok"', "raw:" + content_hash(lines[6])]
     assert [r.key for r in rows] == keys
     assert rows[2].messages == [{"role": "user", "content": "hi"}]
-    assert rows[3].error is None  # OpenAI content parts (rendered by chat_utils.render_chat)
+    assert rows[3].error is None  # OpenAI content parts (rendered by inputs.chat.render_chat)
     assert rows[4].prompt_token_ids == [5, 6, 7]
     assert rows[4].sampling.max_tokens == 3 and rows[4].sampling.stop == ["x"]
     assert row_key(None, 6) == "line:6"  # the key of an older jaxserve's output row

@@ -1,5 +1,5 @@
-"""jaxserve/core/ is host only: importing all of it (and the host-side config and resolve modules
-it uses) loads neither jax nor flax. Runs in a fresh interpreter so no other test's imports count."""
+"""jaxserve/core/ and jaxserve/inputs/ are host only: importing all of them (and the host-side
+config and resolve modules core uses) loads neither jax nor flax. Runs in a fresh interpreter so no other test's imports count."""
 
 from __future__ import annotations
 
@@ -9,16 +9,18 @@ import sys
 from pathlib import Path
 
 import jaxserve.core
+import jaxserve.inputs
 
 CORE_MODULES = sorted(
-    f"jaxserve.core.{m.name}" for m in pkgutil.iter_modules(jaxserve.core.__path__)
+    f"{pkg.__name__}.{m.name}"
+    for pkg in (jaxserve.core, jaxserve.inputs)
+    for m in pkgutil.iter_modules(pkg.__path__)
 )
 
 
 def test_core_imports_no_jax():
-    assert {"jaxserve.core.engine", "jaxserve.core.scheduler", "jaxserve.core.request"} <= set(
-        CORE_MODULES
-    )
+    for m in ("core.engine", "core.scheduler", "core.request", "inputs.prompts", "inputs.chat"):
+        assert f"jaxserve.{m}" in CORE_MODULES, m
     modules = [*CORE_MODULES, "jaxserve.config", "jaxserve.resolve", "jaxserve.testing.fake_runner"]
     code = (
         "import sys\n"

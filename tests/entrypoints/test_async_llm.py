@@ -12,6 +12,7 @@ from serving_testing import fake_engine, wait_idle
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from jaxserve.inputs.prompts import PromptError, parse_prompt
 from jaxserve.testing.fake_runner import FakeRunner, reference
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -126,3 +127,28 @@ def test_idle_thread_sleeps(allm):
     time.sleep(0.3)
     assert allm.engine.num_steps == steps
     assert time.process_time() - t0 < 0.1  # no busy spin in the engine thread
+
+
+def test_async_llm_refuses_what_llm_refuses():
+    """The parser LLM uses (`inputs.prompts.parse_prompt`): AsyncLLM, and so the server, used to
+    accept unknown keys, ids given as a string and an empty text."""
+
+    def tokenizer(text):
+        return {"input_ids": [ord(c) % 50 for c in text]}
+
+    allm = AsyncLLM.from_engine(fake_engine(), tokenizer)
+    try:
+
+        async def error_of(prompt):
+            sp = SamplingParams(max_tokens=2)
+            outs = [o async for o in allm.generate(prompt, sp, stream=False)]
+            assert len(outs) == 1 and outs[0].finished
+            return outs[0].error
+
+        for prompt in ({"prompt": "a", "n": 2}, {"prompt_token_ids": "1 2"}, "", {}, 7):
+            with pytest.raises(PromptError) as e:
+                parse_prompt(prompt, tokenizer)
+            assert asyncio.run(error_of(prompt)) == str(e.value), prompt
+        assert asyncio.run(error_of({"prompt_token_ids": [3, 4]})) is None
+    finally:
+        allm.shutdown()

@@ -234,7 +234,7 @@ def test_runner_stores_plain_layer_weights_transposed_on_cpu():
     A GPU engine (resolved for "gpu", built here without running) keeps them as loaded."""
     cfg = ModelConfig.preset("tiny")
     params = dummy_params(cfg, "float32")
-    ec = EngineConfig(num_slots=4, max_model_len=64, page_size=32, dtype="float32")
+    ec = EngineConfig(num_slots=4, max_model_len=64, page_size=32, dtype="float32").for_model(cfg)
     gpu = ModelRunner(params, cfg, ec, num_pages=8, backend="gpu")
     assert all(isinstance(w, jax.Array) for w in gpu.params["layers"].values())
     runner = ModelRunner(params, cfg, ec, num_pages=8, backend="cpu")
@@ -429,7 +429,7 @@ def test_gpu_runner_keeps_one_byte_pools_where_the_kernels_read_them(
     cfg = ModelConfig.preset("tiny")
     ec = EngineConfig(
         num_slots=2, max_model_len=64, page_size=16, dtype="float32", kv_cache_dtype=kv
-    )
+    ).for_model(cfg)
     runner = ModelRunner(dummy_params(cfg, "float32"), cfg, ec, num_pages=num_pages, backend="gpu")
     assert runner.num_pages == runner.cache.num_pages == want
     cpu = ModelRunner(dummy_params(cfg, "float32"), cfg, ec, num_pages=num_pages, backend="cpu")

@@ -12,7 +12,6 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from jaxserve.core.outputs import CompletionOutput
-from jaxserve.entrypoints.chat_utils import message_text, normalize_conversation, render_chat
 from jaxserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -47,6 +46,7 @@ from jaxserve.entrypoints.openai.serving import (
     truncate,
 )
 from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, ToolError, ToolUse
+from jaxserve.inputs.chat import message_text, normalize_conversation, render_chat
 
 
 def apply_template(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.entrypoints.chat_utils import render_chat
+from jaxserve.inputs.chat import render_chat
 
 pytestmark = pytest.mark.smollm2
 
