@@ -226,6 +226,25 @@ class Resolved:
             return [DecodeShape(b, self.max_pages, 0, self.num_top) for b in self.slot_buckets]
         return [DecodeShape(b, w, 0, self.num_top) for b in self.slot_buckets for w in self.widths]
 
+    def speculative_shapes(self, engine_config: EngineConfig) -> list[tuple[DecodeShape, int]]:
+        """The (decode shape, drafts a row) pairs a speculative step may run: the scheduler picks
+        the drafts by the number of requests holding a slot (`EngineConfig.draft_tokens`), and
+        the step runs over the row bucket of its decoding rows, at most that number's bucket.
+        None without speculation (`engine_config` is the one this was resolved from)."""
+        c = engine_config
+        if not c.num_speculative_tokens:
+            return []
+        held = range(1, c.num_slots + 1)
+        return [
+            (s, k)
+            for s in self.decode_shapes()
+            for k in sorted(
+                {c.draft_tokens(n) for n in held if bucket_for(n, self.slot_buckets) >= s.rows}
+                - {0},
+                reverse=True,
+            )
+        ]
+
     def prefill_shapes(self) -> list[PrefillShape]:
         """Every shape `prefill_shape` can return."""
         out = []

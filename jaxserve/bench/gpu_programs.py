@@ -94,7 +94,7 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
     from jaxserve.parallel import partition
     from jaxserve.quant import quantize_params, with_matmul_impl
     from jaxserve.resolve import data_shard_config, resolve
-    from jaxserve.runner import data_parallel, memory, steps
+    from jaxserve.runner import device_state, memory
 
     c = model_config_for(engine_config)
     e = engine_config.for_model(c)
@@ -127,16 +127,9 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
     if r.model.attention in ("pallas", "mgpu"):
         num_pages = memory.pallas_pool_pages(num_pages, c, e)
 
-    def init_cache():
-        return steps.init_cache(c, num_pages, e.page_size, e.kv_cache_dtype, dtype)
-
-    history = e.max_model_len if e.num_speculative_tokens else 0
-    cache = jax.eval_shape(init_cache)
-    state = jax.eval_shape(
-        lambda: steps.init_slot_state(e.num_slots, r.max_pages, c.vocab_size, history)
-    )
-    cache_specs = partition.cache_specs(cache, data_axis=d > 1)
-    state_specs = data_parallel.state_specs(state) if d > 1 else partition.replicated(state)
+    init_cache, init_state = device_state.state_fns(c, e, r, num_pages)  # as ModelRunner's
+    cache, state = jax.eval_shape(init_cache), jax.eval_shape(init_state)
+    cache_specs, state_specs = device_state.state_specs(cache, state, d)
 
     def placed(tree, spec_tree):
         return jax.tree.map(
@@ -247,24 +240,23 @@ def warmup_programs(engine: AbstractEngine, kinds=KINDS) -> list[StepProgram]:
             )
     if "speculative" in kinds and e.num_speculative_tokens:
         limit = _spec(engine, (e.num_slots,), jnp.int32)
-        for s in decode:
-            for k in sorted({e.draft_tokens(n) for n in range(1, e.num_slots + 1)} - {0}):
-                static = {
-                    **common,
-                    "shape": s,
-                    "num_spec": k,
-                    "min_n": e.prompt_lookup_min,
-                    "max_n": e.prompt_lookup_max,
-                }
-                out.append(
-                    StepProgram(
-                        f"speculate rows={s.rows} width={s.width} k={k}",
-                        "speculative",
-                        spec_decode.speculate,
-                        (p, cache, state, limit),
-                        static,
-                    )
+        for s, k in r.speculative_shapes(e):  # the runner's warm-up set
+            static = {
+                **common,
+                "shape": s,
+                "num_spec": k,
+                "min_n": e.prompt_lookup_min,
+                "max_n": e.prompt_lookup_max,
+            }
+            out.append(
+                StepProgram(
+                    f"speculate rows={s.rows} width={s.width} k={k}",
+                    "speculative",
+                    spec_decode.speculate,
+                    (p, cache, state, limit),
+                    static,
                 )
+            )
     if "prefill" in kinds:
         for s in r.prefill_shapes():
             name = f"rows={s.rows} chunk={s.chunk} width={s.width}" + (

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import time
 
 import jax
 import numpy as np
@@ -39,19 +38,15 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.request import Request
 from jaxserve.core.runner_api import StepResult
-from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import SchedulerOutput
 from jaxserve.core.slot_row import make_slot_row
-from jaxserve.layers import linear
 from jaxserve.layers.embedding import is_quantized
 from jaxserve.parallel import partition
 from jaxserve.parallel.mesh import mesh_sizes
-from jaxserve.quant import with_matmul_impl
 from jaxserve.resolve import (
     DecodeShape,
     PrefillShape,
     Resolved,
-    bucket_for,
     data_shard_config,
     resolve,
 )
@@ -59,11 +54,13 @@ from jaxserve.runner import (
     compile_cache,
     cpu_backend,
     data_parallel,
+    device_state,
     input_batch,
     lora_stacks,
     memory,
     spec_decode,
     steps,
+    warmup,
 )
 from jaxserve.runner.memory import check_memory, device_memory_bytes, state_bytes  # noqa: F401
 from jaxserve.runner.step_handle import StepHandle, fetch_outputs
@@ -145,15 +142,7 @@ class ModelRunner:
         )
         self.step_fns = data_parallel if d > 1 else steps  # generate / prefill (one shard or all)
         r = self.resolved
-        params = with_matmul_impl(params, r.quant_matmul)
-        if r.weight_layout == "out_in":
-            kernel = r.model.cpu_matmul
-            params = {**params, "layers": linear.cpu_layout(params["layers"], kernel)}
-            head = params.get("lm_head")
-            if kernel and isinstance(head, jax.Array):  # untied logits: the C++ matmul too
-                params = {**params, "lm_head": linear.transposed(head, kernel)}
-        if mesh is not None:
-            params = partition.shard_params(params, model_config, mesh)
+        params = device_state.layout_params(params, model_config, r, mesh)
         self.lora = None
         if engine_config.enable_lora:
             self.lora = lora_stacks.LoRAStacks(params, model_config, engine_config, mesh, kv_cols)
@@ -178,31 +167,8 @@ class ModelRunner:
         self.num_pages = num_pages  # the pool's pages (the engine's allocator takes this count)
         check_memory(model_config, engine_config, num_pages)  # before anything is allocated
 
-        def init_cache():
-            return steps.init_cache(
-                model_config,
-                num_pages,
-                engine_config.page_size,
-                engine_config.kv_cache_dtype,
-                engine_config.dtype,
-            )
-
-        def init_state():
-            return steps.init_slot_state(
-                self.num_slots, r.max_pages, model_config.vocab_size, history_len
-            )
-
-        # the n-gram proposer's token history (`spec_decode.py`): only when speculating
-        history_len = engine_config.max_model_len if engine_config.num_speculative_tokens else 0
-
-        if mesh is None:
-            self.cache, self.state = init_cache(), init_state()
-        else:  # each device allocates only its share of the pool and of the slots
-            pool = partition.cache_specs(jax.eval_shape(init_cache), data_axis=d > 1)
-            self.cache = jax.jit(init_cache, out_shardings=partition.named(mesh, pool))()
-            slots = jax.eval_shape(init_state)
-            slots = data_parallel.state_specs(slots) if d > 1 else partition.replicated(slots)
-            self.state = jax.jit(init_state, out_shardings=partition.named(mesh, slots))()
+        init = device_state.state_fns(model_config, engine_config, r, num_pages)
+        self.cache, self.state = device_state.allocate(*init, mesh, d)
         self._page_table = np.zeros((self.num_slots, r.max_pages), np.int32)  # host mirror
         self._active = np.zeros((self.num_slots,), bool)  # host mirror of state.active
         self._dirty = False
@@ -277,23 +243,8 @@ class ModelRunner:
         return out
 
     def speculative_shapes(self) -> list[tuple[DecodeShape, int]]:
-        """The (decode shape, drafts a row) pairs a speculative step may run: the scheduler picks
-        the drafts by the number of requests holding a slot (`EngineConfig.draft_tokens`), and
-        the step runs over the row bucket of its decoding rows, at most that number's bucket.
-        None without speculation."""
-        c = self.config
-        if not c.num_speculative_tokens:
-            return []
-        held = range(1, self.num_slots + 1)
-        return [
-            (s, k)
-            for s in self.resolved.decode_shapes()
-            for k in sorted(
-                {c.draft_tokens(n) for n in held if bucket_for(n, self.slot_buckets) >= s.rows}
-                - {0},
-                reverse=True,
-            )
-        ]
+        """`Resolved.speculative_shapes`: what a speculative step may run (none without)."""
+        return self.resolved.speculative_shapes(self.config)
 
     def _decode_forward(self, shape: DecodeShape):
         self.cache, logits = self._jit(steps.decode_forward)(
@@ -481,49 +432,4 @@ class ModelRunner:
         updates; returns the seconds it took. All rows are padding (nothing active, no valid
         chunk), so the state is left as it was."""
         with self._on_mesh():
-            return self._warmup()
-
-    def _warmup(self) -> float:
-        t0 = time.perf_counter()
-        r, s = self.resolved, self.num_slots
-        saved = self._active.copy()
-        self._active[:] = False
-        self._dirty = True
-        self._flush()
-        row = make_slot_row(SamplingParams(), [0], [], (), 0, self.config.max_model_len)
-        self.state = self._jit(steps.insert)(
-            self.state, np.int32(0), row, np.int32(0), np.int32(0), np.int32(-1)
-        )
-        if self.lora is not None:  # slot 0's weights rewritten as they are (compiles the load)
-            self.params = {**self.params, "lora": self.lora.rewrite(self.params["lora"], 0)}
-        pad = np.full((s,), s, np.int32)
-        self.state = self._jit(steps.move)(self.state, pad, pad)  # every row padding: no move
-        words = -(-self.model_config.vocab_size // 32)
-        no_grammar = np.zeros((s,), bool)
-        self.state = self._jit(steps.set_grammar)(
-            self.state, np.full((s, words), -1, np.int32), no_grammar
-        )
-        decode, prefill = r.decode_shapes(), r.prefill_shapes()
-        for shape in decode:
-            self.generate(shape)
-        speculative = self.speculative_shapes()
-        for shape, drafts in speculative:
-            self.speculate(shape, np.zeros((s,), np.int32), drafts)
-        for shape in prefill:
-            rows, local = shape.rows * self.data_shards, self.slots_per_shard
-            self.prefill(input_batch.padding_batch(rows, local, shape.chunk), shape)
-        self._active[:] = saved
-        self._dirty = True
-        self._flush()
-        jax.block_until_ready(self.state)
-        self.workspace_bytes = memory.workspace_bytes(self, decode[-1], prefill[-1])
-        dt = time.perf_counter() - t0
-        logger.info(
-            "warm-up: %d decode, %d speculative and %d prefill programs in %.1f s",
-            len(decode),
-            len(speculative),
-            len(prefill),
-            dt,
-        )
-        logger.info(memory.describe(self.memory_plan()))
-        return dt
+            return warmup.warmup(self)

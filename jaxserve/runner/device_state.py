@@ -1,0 +1,74 @@
+"""What the runner holds on the device, laid out and allocated once when it is built; the GPU
+program inspector (`bench/gpu_programs.py`) builds the same pool and slot state abstractly.
+
+    layout_params(params, model_config, resolved, mesh) -> params
+        the quantized weights' matmul impl, the CPU kernels' [out, in] layout, each device's shards
+    state_fns(model_config, engine_config, resolved, num_pages) -> (init_cache, init_state)
+        the KV pool and the slot state, as functions (to allocate, or to `jax.eval_shape`)
+    state_specs(cache, state, data_shards) -> (cache specs, state specs)
+        how they split over the mesh: the pool by pages over 'data', the slots per data shard
+    allocate(init_cache, init_state, mesh, data_shards) -> (cache, state)
+        each device allocates only its share
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxserve.layers import linear
+from jaxserve.parallel import partition
+from jaxserve.quant import with_matmul_impl
+from jaxserve.runner import data_parallel, steps
+
+
+def layout_params(params, model_config, resolved, mesh):
+    """The loaded params as the resolved kernels read them, on their shards (mesh None: one
+    device). `model_config` has the KV heads the params have (`partition.replicate_kv_heads`)."""
+    params = with_matmul_impl(params, resolved.quant_matmul)
+    if resolved.weight_layout == "out_in":
+        kernel = resolved.model.cpu_matmul
+        params = {**params, "layers": linear.cpu_layout(params["layers"], kernel)}
+        head = params.get("lm_head")
+        if kernel and isinstance(head, jax.Array):  # untied logits: the C++ matmul too
+            params = {**params, "lm_head": linear.transposed(head, kernel)}
+    if mesh is not None:
+        params = partition.shard_params(params, model_config, mesh)
+    return params
+
+
+def state_fns(model_config, engine_config, resolved, num_pages):
+    """(init_cache, init_state): the paged KV pool of `num_pages` and the slot state of every
+    slot (its page table `resolved.max_pages` wide; the n-gram proposer's token history only
+    when speculating, `spec_decode.py`)."""
+    e = engine_config
+    history_len = e.max_model_len if e.num_speculative_tokens else 0
+
+    def init_cache():
+        return steps.init_cache(model_config, num_pages, e.page_size, e.kv_cache_dtype, e.dtype)
+
+    def init_state():
+        return steps.init_slot_state(
+            e.num_slots, resolved.max_pages, model_config.vocab_size, history_len
+        )
+
+    return init_cache, init_state
+
+
+def state_specs(cache, state, data_shards: int):
+    """The PartitionSpecs of the pool and the slot state (arrays or their shapes)."""
+    cache_specs = partition.cache_specs(cache, data_axis=data_shards > 1)
+    if data_shards > 1:
+        return cache_specs, data_parallel.state_specs(state)
+    return cache_specs, partition.replicated(state)
+
+
+def allocate(init_cache, init_state, mesh, data_shards: int):
+    """(cache, state) on the device, or each device's share of them on a mesh."""
+    if mesh is None:
+        return init_cache(), init_state()
+    cache_specs, slot_specs = state_specs(
+        jax.eval_shape(init_cache), jax.eval_shape(init_state), data_shards
+    )
+    cache = jax.jit(init_cache, out_shardings=partition.named(mesh, cache_specs))()
+    state = jax.jit(init_state, out_shardings=partition.named(mesh, slot_specs))()
+    return cache, state
