@@ -18,21 +18,27 @@ Steps, each printed and written to DIR/gpu_kernels.json and DIR/gpu_kernels.md:
 4. Decode timings at Llama-3-8B attention shapes (32 q heads, 8 KV heads, head_dim 128): batch
    8/64/256 x context 512/4096/8192 x page 16/32 x bf16/int8/fp8 KV, one layer of the pool; the
    Triton kernel, the Mosaic GPU kernel (`mgpu_paged_attention.py`, issue 55: its output checked
-   against the reference too) and the XLA reference (gather + einsum), timed in turn in this
-   process; achieved GB/s of KV read beside the copy bandwidth.
+   against the reference too), the XLA reference (gather + einsum) and cuDNN's paged attention
+   (jax's `cudnn.fused_attention_stablehlo.paged_attention`, bf16 KV only: its output checked
+   against the reference, then timed), timed in turn in this process; achieved GB/s of KV read
+   beside the copy bandwidth.
 5. Prefill timings: batch 8 x 256-token chunks at the end of 512/4096-token contexts; the Triton
    kernel, the Mosaic GPU kernel (`mgpu_paged_prefill.py`, its output checked against the
-   reference) and the XLA reference.
+   reference), the XLA reference and cuDNN (bf16 KV; the chunk's causal mask as a bias, below).
 6. Targets from the issue: decode at batch 64 x 4096 >= 70% of copy bandwidth and >= 3x the XLA
    reference; int8/fp8 KV >= 1.6x faster than bf16 KV at the same shape.
 
-A wall-clock budget (--budget_s, default 420 s) skips the remaining timing configurations rather
-than overrun; skipped rows are marked.
+Every time is per call on the device: the op runs N times inside one jitted fori_loop
+(`jaxserve.bench.device_loop`, N from one host-timed call so a loop lasts ~0.1 s), so the host's
+dispatch and launch are not in it. A wall-clock budget (--budget_s, default 420 s) skips the
+remaining timing configurations rather than overrun; skipped rows are marked, and so is a candidate
+that cannot run (cuDNN on a CPU or with int8/fp8 KV: `cudnn_skipped` says why).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -41,7 +47,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax._src.cudnn.fused_attention_stablehlo import MaskType
+from jax._src.cudnn.fused_attention_stablehlo import paged_attention as cudnn_paged_attention
 
+from jaxserve.bench.device_loop import seconds_per_call
 from jaxserve.layers import kv_cache as kvc
 from pallas_kernels.mgpu_paged_attention import paged_attention_mgpu
 from pallas_kernels.mgpu_paged_prefill import paged_prefill_mgpu
@@ -54,19 +63,16 @@ KV_DTYPES = ("bf16", "int8", "fp8")
 KV_CACHE_DTYPE = {"bf16": "auto", "int8": "int8", "fp8": "fp8"}
 
 
-def timeit(fn, *args, min_time=0.2, max_reps=200):
-    """Seconds per call: warm up, then time back-to-back calls (one sync at the end)."""
-    jax.block_until_ready(fn(*args))
+def timeit(fn, *args, min_time=0.1, max_iters=200):
+    """Seconds per call on the device: fn(*args) N times inside one jitted fori_loop
+    (`device_loop`: nothing hoisted out of it, no host launch per call), best of 2 runs. N comes
+    from one host-timed call (which overstates a short kernel's time, so N errs low: at least 2)."""
+    jax.block_until_ready(fn(*args))  # compiled, warm
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     once = time.perf_counter() - t0
-    reps = int(min(max_reps, max(3, min_time / max(once, 1e-6))))
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / reps
+    iters = int(min(max_iters, max(2, min_time / max(once, 1e-6))))
+    return seconds_per_call(fn, args, iters, repeats=2)
 
 
 def random_pool(key, layers, pages, ps, kv, kvh=KVH, d=D):
@@ -96,6 +102,112 @@ def page_table(key, batch, width, pages):
     return (
         jax.random.permutation(key, pages)[: batch * width].reshape(batch, width).astype(jnp.int32)
     )
+
+
+# cuDNN's paged attention (jax 0.11.2: `jax._src.cudnn.fused_attention_stablehlo.paged_attention`,
+# an XLA `__cudnn$fmhaSoftmax` custom call whose cuDNN graph XLA builds when it compiles for a
+# device). What it takes, and so what the rows below convert outside the timed region:
+# - K and V as [num_blocks, block_size, KVH, D] (qkv_layout "BTNH"; or [num_blocks, KVH,
+#   block_size, D] for "BNTH"): one layer's pages, page-major. The engine's pool is
+#   [L, KVH, P, ps, D] (head-major, the layout its kernels read), so each row transposes layer 0 to
+#   [P, ps, KVH, D]. The engine could hold its pool that way (vLLM's flash-attention layout) only
+#   by changing every kernel's indexing and the K/V scatter, and jax's wrapper also requires
+#   num_blocks == B * pages-per-row (its `check_layout`): a pool shared by all slots, larger than
+#   the batch's tables, is refused, so the bench's pools hold exactly B * W pages.
+# - page tables i32[B, 1, W, 1], one for K and one for V (the same here); q_seqlen and kv_seqlen
+#   i32[B]; f16/bf16 K/V only ("Paged attention doesn't support fp8 for now"; no int8, no scales).
+# - masks: padding (the seq lens) and top-left causal only. Decode (T = 1) needs only the padding
+#   mask. A prefill chunk at the end of its context needs bottom-right causal alignment, which
+#   jax's wrapper does not offer: its mask goes in as a bf16 bias [B, 1, T, W*ps] (0 / -2^41),
+#   built outside the timed region and read by cuDNN on every call, a cost the kernels do not pay.
+# XLA builds the cuDNN graph only with a device (its cuDNN compiler passes need a StreamExecutor),
+# so this cannot run on a CPU, in interpret mode or deviceless: those rows say so.
+CUDNN_NO_GPU = (
+    "no CUDA GPU: cuDNN paged attention has no interpret mode, and XLA builds its cuDNN graph "
+    "only when compiling for a device"
+)
+CUDNN_KV_DTYPE = "cuDNN paged attention takes f16/bf16 K/V only (no int8, no fp8 with scales)"
+
+
+def cudnn_pool(k, v):
+    """The engine pool's layer 0, [1, KVH, P, ps, D] -> cuDNN's [P, ps, KVH, D] ("BTNH")."""
+    return k[0].transpose(1, 2, 0, 3), v[0].transpose(1, 2, 0, 3)
+
+
+def cudnn_attention(q, k, v, q_lens, kv_lens, pt, bias=None):
+    """q [B, T, H, D] bf16, k/v [P, ps, KVH, D] bf16, q_lens/kv_lens i32[B], pt i32[B, W], bias
+    bf16[B, 1, T, W*ps] | None -> [B, T, H, D]: cuDNN's paged attention, scale 1/sqrt(D)."""
+    pt4 = pt[:, None, :, None]  # (B, 1, W, 1)
+    return cudnn_paged_attention(
+        q,
+        k,
+        v,
+        q_lens,
+        kv_lens,
+        pt4,
+        pt4,
+        bias,
+        scale=q.shape[-1] ** -0.5,
+        mask_type=MaskType.PADDING,
+        qkv_layout="BTNH",
+    )
+
+
+def cudnn_emulated(q, k, v, q_lens, kv_lens, pt, bias=None):
+    """cuDNN's paged attention by its documented contract, in jnp (f32), on cudnn_attention's
+    arguments: key s of row b is k[pt[b, s // ps], s % ps]; keys s >= kv_lens[b] and queries
+    t >= q_lens[b] are padding; the bias is added to the scaled logits. The CPU check that the
+    rows hand cuDNN the pool, table and mask the reference sees (cuDNN itself needs the GPU)."""
+    b, t, h, d = q.shape
+    _, ps, kvh, _ = k.shape
+    s_len = pt.shape[1] * ps
+    keys = k[pt].reshape(b, s_len, kvh, d).astype(jnp.float32)  # (B, S, KVH, D)
+    values = v[pt].reshape(b, s_len, kvh, d).astype(jnp.float32)
+    qf = q.astype(jnp.float32).reshape(b, t, kvh, h // kvh, d)  # (B, T, KVH, G, D)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qf, keys) * d**-0.5
+    if bias is not None:  # (B, 1, T, S) over every head
+        logits = logits + bias[:, :, None].astype(jnp.float32)
+    valid = (jnp.arange(t)[:, None] < q_lens[:, None, None]) & (
+        jnp.arange(s_len)[None, :] < kv_lens[:, None, None]
+    )  # (B, T, S)
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    probs = jnp.nan_to_num(jax.nn.softmax(logits, axis=-1))  # a fully padded query gives zeros
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def cudnn_row(row, op, args, ref_out, t_triton, rate, interpret, kv) -> str:
+    """Checks cuDNN's output (op(*args)) against the reference's, then times it; fills the row's
+    cudnn_* fields (or cudnn_skipped) and returns the printed fragment. rate(t) -> the row's
+    {"gbs": ...} or {"tflops": ...} at t seconds. Without a GPU it checks the converted inputs
+    (`cudnn_emulated`) instead: cudnn_inputs_max_abs_err / cudnn_inputs_ok."""
+    if kv != "bf16":
+        row["cudnn_skipped"] = CUDNN_KV_DTYPE
+        return ""
+    if interpret:
+        row["cudnn_skipped"] = CUDNN_NO_GPU
+        q, *rest = args
+        if q.shape[1] == 1:  # decode: cudnn_decode's [B, H, D] output
+            emulated = cudnn_emulated(q, *rest)[:, 0]
+        else:
+            emulated = cudnn_emulated(q, *rest)
+        err = float(jnp.max(jnp.abs(emulated.astype(jnp.float32) - ref_out.astype(jnp.float32))))
+        row.update(cudnn_inputs_max_abs_err=err, cudnn_inputs_ok=err < 0.05)
+        return f"  cudnn skipped (no GPU; its inputs emulated: err {err:.1e})"
+    try:  # a graph cuDNN rejects is a finding, not a reason to lose the run
+        out = jax.block_until_ready(op(*args))
+    except Exception as e:  # noqa: BLE001 - XLA / cuDNN raise XlaRuntimeError, ValueError, ...
+        row["cudnn_skipped"] = f"failed: {type(e).__name__}: {str(e)[:400]}"
+        log.warning("cuDNN paged attention failed: %s", row["cudnn_skipped"])
+        return "  cudnn FAILED"
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32))))
+    row.update(cudnn_max_abs_err=err, cudnn_ok=err < 0.05)  # bf16 products, f32 softmax
+    if not row["cudnn_ok"]:  # a wrong answer is not timed
+        return f"  cudnn WRONG (err {err:.1e})"
+    t_c = timeit(op, *args)
+    row.update(cudnn_us=t_c * 1e6, cudnn_vs_triton=t_triton / t_c)
+    row.update({f"cudnn_{key}": value for key, value in rate(t_c).items()})
+    return f"  cudnn {t_c * 1e6:9.1f} us (x{t_triton / t_c:5.2f} vs triton, err {err:.1e})"
 
 
 def kv_bytes_per_token() -> dict:
@@ -266,6 +378,27 @@ def decode_bytes(batch, ctx, kv) -> int:
     return 2 * batch * ctx * KVH * (D * elem + scale)
 
 
+@jax.jit
+def cudnn_decode(q, k, v, q_lens, kv_lens, pt):
+    """The decode row's cuDNN op: q [B, 1, H, D] -> [B, H, D]."""
+    return cudnn_attention(q, k, v, q_lens, kv_lens, pt)[:, 0]
+
+
+@jax.jit
+def cudnn_prefill(q, k, v, q_lens, kv_lens, pt, bias):
+    """The prefill row's cuDNN op: q [B, T, H, D] -> [B, T, H, D], the causal mask in `bias`."""
+    return cudnn_attention(q, k, v, q_lens, kv_lens, pt, bias)
+
+
+def _decode_rate(batch, ctx, kv, copy_gbs, t) -> dict:
+    gbs = decode_bytes(batch, ctx, kv) / t / 1e9
+    return dict(gbs=gbs, pct_of_copy_bw=100 * gbs / copy_gbs)
+
+
+def _prefill_rate(flops, t) -> dict:
+    return dict(tflops=flops / t / 1e12)
+
+
 def bench_decode(batches, contexts, page_sizes, interpret, deadline, copy_gbs) -> list[dict]:
     rows = []
     key = jax.random.key(1)
@@ -301,6 +434,7 @@ def bench_decode(batches, contexts, page_sizes, interpret, deadline, copy_gbs) -
                     q = jax.random.normal(k3, (batch, H, D), jnp.bfloat16)
                     lens = jnp.full((batch,), ctx, jnp.int32)
                     args = (q, k, v, lens, pt, ks, vs)
+                    ref_out = ref(*args)
                     t_k = timeit(kernel, *args)
                     t_r = timeit(ref, *args)
                     gbs = decode_bytes(batch, ctx, kv) / t_k / 1e9
@@ -316,7 +450,7 @@ def bench_decode(batches, contexts, page_sizes, interpret, deadline, copy_gbs) -
                         t0 = time.perf_counter()
                         out = jax.block_until_ready(mgpu(*args))
                         t_m = time.perf_counter() - t0  # the smoke run's figure: one call
-                        err = float(jnp.max(jnp.abs(out - ref(*args)).astype(jnp.float32)))
+                        err = float(jnp.max(jnp.abs(out - ref_out).astype(jnp.float32)))
                         if not interpret:
                             t_m = timeit(mgpu, *args)
                         mgbs = decode_bytes(batch, ctx, kv) / t_m / 1e9
@@ -332,12 +466,25 @@ def bench_decode(batches, contexts, page_sizes, interpret, deadline, copy_gbs) -
                             f"  mosaic {t_m * 1e6:9.1f} us ({mgbs:7.1f} GB/s, x{t_k / t_m:5.2f} "
                             f"vs triton, err {err:.1e})"
                         )
+                    cudnn_args = None
+                    if kv == "bf16":  # cuDNN's layouts, made before timing
+                        cudnn_args = (q[:, None], *cudnn_pool(k, v), jnp.ones_like(lens), lens, pt)
+                    cudnn = cudnn_row(
+                        row,
+                        cudnn_decode,
+                        cudnn_args,
+                        ref_out,
+                        t_k,
+                        functools.partial(_decode_rate, batch, ctx, kv, copy_gbs),
+                        interpret,
+                        kv,
+                    )
                     print(
                         f"  decode B={batch:3d} ctx={ctx:5d} ps={ps} kv={kv:4s}: {t_k * 1e6:9.1f} us "
                         f"({gbs:7.1f} GB/s, {100 * gbs / copy_gbs:5.1f}% of copy) "
-                        f"xla {t_r * 1e6:9.1f} us  x{t_r / t_k:5.2f}{mosaic}"
+                        f"xla {t_r * 1e6:9.1f} us  x{t_r / t_k:5.2f}{mosaic}{cudnn}"
                     )
-                    del k, v, ks, vs, args
+                    del k, v, ks, vs, args, cudnn_args
     for row in rows:  # quantized KV speedup over bf16 KV at the same shape
         if row.get("kv") != "bf16" and "kernel_us" in row:
             base = next(
@@ -391,6 +538,7 @@ def bench_prefill(batch, chunk, contexts, interpret, deadline) -> list[dict]:
             pos = jnp.broadcast_to(jnp.arange(ctx - chunk, ctx, dtype=jnp.int32), (batch, chunk))
             lens = jnp.full((batch,), ctx, jnp.int32)
             args = (q, k, v, pos, lens, pt, ks, vs)
+            ref_out = ref(*args)
             t_k = timeit(kernel, *args)
             t_r = timeit(ref, *args)
             flops = (
@@ -407,7 +555,7 @@ def bench_prefill(batch, chunk, contexts, interpret, deadline) -> list[dict]:
                 t0 = time.perf_counter()
                 out = jax.block_until_ready(mgpu(*args))
                 t_m = time.perf_counter() - t0  # the smoke run's figure: one call
-                err = float(jnp.max(jnp.abs(out - ref(*args)).astype(jnp.float32)))
+                err = float(jnp.max(jnp.abs(out - ref_out).astype(jnp.float32)))
                 if not interpret:
                     t_m = timeit(mgpu, *args)
                 row.update(
@@ -420,10 +568,29 @@ def bench_prefill(batch, chunk, contexts, interpret, deadline) -> list[dict]:
                 mosaic = (
                     f"  mosaic {t_m * 1e6:9.1f} us (x{t_k / t_m:5.2f} vs triton, err {err:.1e})"
                 )
+            cudnn_args = None
+            if kv == "bf16":  # cuDNN's layouts and mask, made before timing
+                s_idx = jnp.arange(w * ps, dtype=jnp.int32)
+                visible = (s_idx[None, None, :] <= pos[:, :, None]) & (
+                    s_idx[None, None, :] < lens[:, None, None]
+                )  # (B, T, S): the reference's mask
+                bias = jnp.where(visible, 0.0, -(2.0**41)).astype(jnp.bfloat16)[:, None]
+                q_lens = jnp.full((batch,), chunk, jnp.int32)
+                cudnn_args = (q, *cudnn_pool(k, v), q_lens, lens, pt, bias)
+            cudnn = cudnn_row(
+                row,
+                cudnn_prefill,
+                cudnn_args,
+                ref_out,
+                t_k,
+                functools.partial(_prefill_rate, flops),
+                interpret,
+                kv,
+            )
             print(
                 f"  prefill B={batch} T={chunk} ctx={ctx:5d} kv={kv:4s}: {t_k * 1e6:9.1f} us "
                 f"({flops / t_k / 1e12:6.1f} TFLOP/s) xla {t_r * 1e6:9.1f} us  x{t_r / t_k:5.2f}"
-                f"{mosaic}"
+                f"{mosaic}{cudnn}"
             )
     return rows
 
@@ -503,6 +670,34 @@ def markdown(res: dict) -> str:
             f"| {r['mgpu_us']:.1f} | {rate} | {pct} | {r['mgpu_vs_triton']:.2f} "
             f"| {r['mgpu_max_abs_err']:.1e} | {'yes' if r['mgpu_ok'] else 'NO'} |"
         )
+    cudnn = [r for r in res["decode"] + res["prefill"] if "cudnn_us" in r or "cudnn_ok" in r]
+    if cudnn:
+        lines += [
+            "",
+            "| cuDNN | batch | context | page | KV | us | GB/s or TFLOP/s | % copy | x Triton "
+            "| max abs err | ok |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    for r in cudnn:  # a wrong output is not timed
+        us = f"{r['cudnn_us']:.1f}" if "cudnn_us" in r else "not timed"
+        rate = (
+            f"{r['cudnn_gbs']:.0f}"
+            if "cudnn_gbs" in r
+            else f"{r['cudnn_tflops']:.1f} TFLOP/s"
+            if "cudnn_tflops" in r
+            else ""
+        )
+        pct = f"{r['cudnn_pct_of_copy_bw']:.1f}" if "cudnn_pct_of_copy_bw" in r else ""
+        vs = f"{r['cudnn_vs_triton']:.2f}" if "cudnn_vs_triton" in r else ""
+        lines.append(
+            f"| {r['kernel']} | {r['batch']} | {r['context']} | {r['page_size']} | {r['kv']} "
+            f"| {us} | {rate} | {pct} | {vs} | {r['cudnn_max_abs_err']:.1e} "
+            f"| {'yes' if r['cudnn_ok'] else 'NO'} |"
+        )
+    reasons = sorted(
+        {r["cudnn_skipped"] for r in res["decode"] + res["prefill"] if "cudnn_skipped" in r}
+    )
+    lines += [""] + [f"cuDNN skipped: {why}" for why in reasons]
     lines += ["", "| target | value | met |", "|---|---|---|"]
     lines += [
         f"| {t['target']} | {t['value']:.2f} | {'yes' if t['ok'] else 'NO'} |"
@@ -592,8 +787,12 @@ def main(argv=None) -> int:
     print(
         f"wrote {out / 'gpu_kernels.json'} and {out / 'gpu_kernels.md'} in {res['seconds']:.0f} s"
     )
-    mosaic_ok = all(r.get("mgpu_ok", True) for r in res["decode"] + res["prefill"])
-    return 0 if mosaic_ok and all(r["ok"] for r in res["correctness"] + res["large_pools"]) else 1
+    candidates_ok = all(
+        r.get("mgpu_ok", True) and r.get("cudnn_ok", True) for r in res["decode"] + res["prefill"]
+    )
+    return (
+        0 if candidates_ok and all(r["ok"] for r in res["correctness"] + res["large_pools"]) else 1
+    )
 
 
 if __name__ == "__main__":

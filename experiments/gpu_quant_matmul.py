@@ -14,10 +14,18 @@ traced index:
     bf16     XLA's dot with a bf16 weight of the same shape (one layer, no stack): what the
              quantized kernels must beat (issue 55's targets at 1-16 rows: INT4 >= 2.5x, INT8
              and FP8 >= 1.7x)
+    xla_int4 (INT4 rows only) XLA itself: `pallas_kernels/xla_int4_matmul.py`, a jnp.int4
+             weight (the same RTN codes as the kernels' last layer, minus 8) with bf16 group
+             scales, `x @ (w.astype(bf16) * scale)`, one layer, no stack, compiled with
+             `xla_gpu_experimental_enable_subchannel_dequantisation_fusion` (the dequantize fused
+             into XLA's Triton GEMM: no bf16 weight written); `xla_int4_noflag` the same without
+             the flag (XLA's default: a fusion writes the whole bf16 weight, then the GEMM).
 
-Every row first checks both kernels against the kernels' f32 reference on its inputs. Each op
-runs `--iters` times inside one jitted fori_loop (the input perturbed by the carry), so a row's
-time excludes dispatch; it prints us per call, weight GB/s and the speedups over bf16 and Triton.
+Every row first checks each candidate against its f32 reference on its inputs (the kernels against
+the kernels' reference, xla_int4 against `xla_int4_matmul_reference`). Each op runs `--iters`
+times inside one jitted fori_loop (`jaxserve.bench.device_loop`: inputs tied to the carry, output
+behind a barrier, so nothing is hoisted or narrowed), so a row's time excludes dispatch; it prints
+us per call, weight GB/s and the speedups over bf16 and Triton.
 Results: DIR/gpu_quant_matmul.json (rewritten after every row) and gpu_quant_matmul.md; DIR defaults to $OUT. A
 wall-clock budget skips the rows it cannot reach, marked as skipped.
 """
@@ -34,13 +42,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.bench.device_loop import seconds_per_call
 from jaxserve.quant.int8 import quantize_fp8, quantize_int8
-from jaxserve.quant.rtn import quantize_int4_rtn
+from jaxserve.quant.rtn import quantize_int4_rtn, quantize_rtn
 from pallas_kernels.int4_layout import dequantize_arrays
 from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
 from pallas_kernels.mgpu_w4_matmul import int4_matmul_mgpu
 from pallas_kernels.mgpu_w8_matmul import w8_matmul_mgpu
 from pallas_kernels.w8_matmul import w8_matmul, w8_matmul_reference
+from pallas_kernels.xla_int4_matmul import (
+    SUBCHANNEL_FLAG,
+    from_rtn,
+    xla_int4_matmul,
+    xla_int4_matmul_reference,
+)
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
 ROWS = (1, 8, 16, 64)
@@ -49,15 +64,17 @@ KINDS = ("int4", "int8", "fp8")
 GROUP = 128  # INT4's group size (RTN, symmetric)
 
 
-def stack(kind: str, layers: int, k: int, n: int, seed: int = 0) -> tuple:
+def stack(kind: str, layers: int, k: int, n: int, seed: int = 0) -> tuple[tuple, tuple | None]:
     """A [layers, K, N] weight stack's arrays: int8 / e4m3 codes and per-column scales f32[L, 1,
-    N], or INT4's packed u32[L, K, N/8], scales and mins f16[L, K/g, N]."""
+    N], or INT4's packed u32[L, K, N/8], scales and mins f16[L, K/g, N]; and for INT4 the last
+    layer as the XLA-native candidate's arrays (s4[K, N], bf16[K/g, N]: the same RTN codes)."""
     w = jax.random.normal(jax.random.key(seed), (layers, k, n), jnp.float32) * k**-0.5
     if kind == "int4":
         q = quantize_int4_rtn(w, GROUP)
-        return q.packed, q.scales, q.mins
+        codes, scales, _ = quantize_rtn(w[-1], GROUP)  # symmetric, as quantize_int4_rtn
+        return (q.packed, q.scales, q.mins), from_rtn(codes, scales)
     quantize = quantize_int8 if kind == "int8" else quantize_fp8
-    return jax.vmap(lambda a: (lambda q: (q.q, q.scales))(quantize(a)))(w)
+    return jax.vmap(lambda a: (lambda q: (q.q, q.scales))(quantize(a)))(w), None
 
 
 def kernels(kind: str, interpret: bool) -> tuple:
@@ -87,29 +104,9 @@ def dense(kind: str, one: tuple) -> jax.Array:
     return (one[0].astype(jnp.float32) * one[1]).astype(jnp.bfloat16)
 
 
-def looped(op, iters: int):
-    """op(x, *rest) `iters` times in one program, x perturbed by the carry (nothing hoisted)."""
-
-    @jax.jit
-    def run(x, *rest):
-        def body(_, carry):
-            y = op(x + carry[..., :1].astype(x.dtype) * 0, *rest)
-            return carry + y[..., :1].astype(carry.dtype)
-
-        return jax.lax.fori_loop(0, iters, body, jnp.zeros((x.shape[0], 1), jnp.float32))
-
-    return run
-
-
-def per_call(op, args, iters: int) -> float:
-    run = looped(op, iters)
-    jax.block_until_ready(run(*args))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return best
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
 
 
 def main() -> int:
@@ -136,10 +133,11 @@ def main() -> int:
         (out / "gpu_quant_matmul.json").write_text(json.dumps(res, indent=1))
 
     layer = jnp.int32(layers - 1)
+    flag = {"compiler_options": {SUBCHANNEL_FLAG: True}}  # XLA:CPU keeps it too, unused
     for kind in KINDS:
         mosaic, triton, reference = kernels(kind, interpret)
         for k, n in shapes:
-            w = stack(kind, layers, k, n)
+            w, w_xla = stack(kind, layers, k, n)
             one = tuple(a[-1] for a in w)
             w_bf16 = dense(kind, one)
             for m in rows:
@@ -151,23 +149,37 @@ def main() -> int:
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
                 want = np.asarray(reference(x, *one), np.float32)
                 for name, op in (("mosaic", mosaic), ("triton", triton)):
-                    got = np.asarray(jax.jit(op)(x, *w, layer), np.float32)
-                    err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
-                    row[f"{name}_rel_err"] = err
-                row["ok"] = max(row["mosaic_rel_err"], row["triton_rel_err"]) < 2e-2
+                    row[f"{name}_rel_err"] = rel_err(jax.jit(op)(x, *w, layer), want)
+                if w_xla is not None:  # checked with the flag it is timed with
+                    got = jax.jit(xla_int4_matmul, **flag)(x, *w_xla)
+                    row["xla_int4_rel_err"] = rel_err(got, xla_int4_matmul_reference(x, *w_xla))
+                errs = [v for key, v in row.items() if key.endswith("_rel_err")]
+                row["ok"] = max(errs) < 2e-2
                 t = {
-                    "mosaic": per_call(mosaic, (x, *w, layer), iters),
-                    "triton": per_call(triton, (x, *w, layer), iters),
-                    "bf16": per_call(lambda x, w: x @ w, (x, w_bf16), iters),
+                    "mosaic": seconds_per_call(mosaic, (x, *w, layer), iters),
+                    "triton": seconds_per_call(triton, (x, *w, layer), iters),
+                    "bf16": seconds_per_call(lambda x, w: x @ w, (x, w_bf16), iters),
                 }
+                if w_xla is not None:
+                    t["xla_int4"] = seconds_per_call(xla_int4_matmul, (x, *w_xla), iters, **flag)
+                    t["xla_int4_noflag"] = seconds_per_call(xla_int4_matmul, (x, *w_xla), iters)
                 row.update({f"{name}_us": s * 1e6 for name, s in t.items()})
                 row["mosaic_gbs"] = sum(a[-1].nbytes for a in w) / t["mosaic"] / 1e9
                 row["mosaic_vs_bf16"] = t["bf16"] / t["mosaic"]
                 row["mosaic_vs_triton"] = t["triton"] / t["mosaic"]
                 row["triton_vs_bf16"] = t["bf16"] / t["triton"]
+                xla = ""
+                if w_xla is not None:
+                    row["xla_int4_gbs"] = sum(a.nbytes for a in w_xla) / t["xla_int4"] / 1e9
+                    row["xla_int4_vs_bf16"] = t["bf16"] / t["xla_int4"]
+                    row["mosaic_vs_xla_int4"] = t["xla_int4"] / t["mosaic"]
+                    xla = (
+                        f"  xla int4 {t['xla_int4'] * 1e6:8.1f} us (no flag "
+                        f"{t['xla_int4_noflag'] * 1e6:8.1f} us)"
+                    )
                 print(
                     f"  {kind} M={m:3d} {k}x{n}: mosaic {t['mosaic'] * 1e6:8.1f} us  triton "
-                    f"{t['triton'] * 1e6:8.1f} us  bf16 {t['bf16'] * 1e6:8.1f} us  mosaic x"
+                    f"{t['triton'] * 1e6:8.1f} us  bf16 {t['bf16'] * 1e6:8.1f} us{xla}  mosaic x"
                     f"{row['mosaic_vs_bf16']:.2f} vs bf16, x{row['mosaic_vs_triton']:.2f} vs "
                     f"triton  (err {row['mosaic_rel_err']:.1e}, ok {row['ok']})"
                 )
@@ -175,19 +187,21 @@ def main() -> int:
     lines = [
         f"# Quantized-weight matmuls on {res['device']} (jax {res['jax']}{', smoke' if opts.smoke else ''})",
         "",
-        "| weight | M | K x N | mosaic us | triton us | bf16 us | mosaic x bf16 | mosaic x triton "
-        "| triton x bf16 | mosaic GB/s | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| weight | M | K x N | mosaic us | triton us | bf16 us | xla int4 us | xla int4 no-flag us "
+        "| mosaic x bf16 | mosaic x triton | triton x bf16 | mosaic x xla int4 | mosaic GB/s | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         if "skipped" in r:
-            lines.append(f"| {r['kind']} | {r['m']} | {r['k']}x{r['n']} | skipped |||||||")
+            lines.append(f"| {r['kind']} | {r['m']} | {r['k']}x{r['n']} | skipped ||||||||||")
             continue
+        xla = [f"{r[key]:.1f}" if key in r else "" for key in ("xla_int4_us", "xla_int4_noflag_us")]
+        vs_xla = f"{r['mosaic_vs_xla_int4']:.2f}" if "mosaic_vs_xla_int4" in r else ""
         lines.append(
             f"| {r['kind']} | {r['m']} | {r['k']}x{r['n']} | {r['mosaic_us']:.1f} "
-            f"| {r['triton_us']:.1f} | {r['bf16_us']:.1f} | {r['mosaic_vs_bf16']:.2f} "
-            f"| {r['mosaic_vs_triton']:.2f} | {r['triton_vs_bf16']:.2f} | {r['mosaic_gbs']:.0f} "
-            f"| {'yes' if r['ok'] else 'NO'} |"
+            f"| {r['triton_us']:.1f} | {r['bf16_us']:.1f} | {xla[0]} | {xla[1]} "
+            f"| {r['mosaic_vs_bf16']:.2f} | {r['mosaic_vs_triton']:.2f} | {r['triton_vs_bf16']:.2f} "
+            f"| {vs_xla} | {r['mosaic_gbs']:.0f} | {'yes' if r['ok'] else 'NO'} |"
         )
     (out / "gpu_quant_matmul.md").write_text("\n".join(lines) + "\n")
     write()

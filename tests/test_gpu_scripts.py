@@ -50,7 +50,8 @@ def smoke(script: str, tmp_path, *flags: str) -> dict:
     [
         ("gpu_int4.py", ("check", "stack")),
         ("gpu_kernels.py", ("correctness", "large_pools")),
-        ("gpu_quant_matmul.py", ("rows",)),  # Mosaic GPU W4A16 / W8A16 beside Triton and bf16
+        # Mosaic GPU W4A16 / W8A16 beside Triton, bf16 and (INT4) XLA's own int4 dot
+        ("gpu_quant_matmul.py", ("rows",)),
     ],
 )
 def test_gpu_script_smoke(tmp_path, script, checks):
@@ -62,6 +63,23 @@ def test_gpu_script_smoke(tmp_path, script, checks):
         for kind in ("decode", "prefill"):
             mosaic = [r for r in out[kind] if "mgpu_us" in r]
             assert mosaic and all(r["mgpu_ok"] for r in mosaic), out[kind]
+            # cuDNN's row: skipped with its reason on the CPU (never timed there); for bf16 KV
+            # the pool, page table and mask converted to cuDNN's layout give the reference's
+            # output under cuDNN's documented semantics (emulated in jnp)
+            for r in out[kind]:
+                assert "cudnn_us" not in r and "cudnn_ok" not in r, r
+                if r["kv"] == "bf16":
+                    assert r["cudnn_skipped"].startswith("no CUDA GPU"), r
+                    assert r["cudnn_inputs_ok"], r["cudnn_inputs_max_abs_err"]
+                else:
+                    assert "f16/bf16 K/V only" in r["cudnn_skipped"], r
+    if script == "gpu_quant_matmul.py":  # XLA-native INT4 beside the INT4 kernels, checked
+        for r in out["rows"]:
+            if r["kind"] == "int4":
+                assert r["xla_int4_rel_err"] < 2e-2, r
+                assert r["xla_int4_us"] > 0 and r["xla_int4_noflag_us"] > 0, r
+            else:
+                assert "xla_int4_us" not in r, r
 
 
 def test_gpu_tp_smoke(tmp_path):
