@@ -67,7 +67,7 @@ def test_unmeasured_options_say_not_measured(options):
 
 
 def test_every_figure_and_section_is_in_results():
-    results = (ROOT / "experiments" / "RESULTS.md").read_text()
+    results = (ROOT / "experiments" / "JOURNAL.md").read_text()
     headings = set(re.findall(r"^##+ (\d+[a-z]?)\.", results, flags=re.M))
     for m in ex.MEASURED:
         for sec in re.findall(r"§(\d+[a-z]?)", m.section):
