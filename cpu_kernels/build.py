@@ -143,7 +143,8 @@ class FfiTarget:
 def source_at_revision(rev: str, name: str) -> Path:
     """The kernel source `name` (a file beside this module) as of git revision `rev`, written to
     a temporary directory, so that an experiment can build it beside this tree's as its own
-    FFI target (`experiments/cpu_matmul.py --baseline`, `experiments/cpu_attention_ab.py`)."""
+    FFI target (as the retired `cpu_matmul.py --baseline` and `cpu_attention_ab.py` did:
+    JOURNAL.md 38b, 50c)."""
     here = Path(__file__).resolve().parent
     src = subprocess.run(
         ["git", "show", f"{rev}:{here.name}/{name}"], cwd=here.parent, check=True,

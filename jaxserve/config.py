@@ -200,7 +200,7 @@ class EngineConfig:
         "this fixed, padded length, interleaved with decode steps. Default: None = 64, capped at "
         "the smallest power of two >= max_model_len. Short chunks waste little padding on short "
         "chat prompts and admit more of them per step (a 96-prompt chat job ran 1.9x faster on "
-        "the CPU than with 2 chunks of 256, experiments/prefill_chunk_ab.py); a long prompt takes "
+        "the CPU than with 2 chunks of 256, experiments/JOURNAL.md 6); a long prompt takes "
         "one chunk per step, so raise it for long-prompt time to first token. On CPU a step "
         "whose chunks are all short (max(page_size, chunk / 4) tokens or fewer: a prompt's tail "
         "after a prefix-cache hit, a short prompt) runs a program of that length instead.",

@@ -60,7 +60,8 @@ class CompileCounter:
 
 def median_ms(fn, *args, reps: int) -> float:
     """Median wall ms of `reps` calls of fn(*args), each waited for, after one untimed call (the
-    compile): the micro-benchmarks' timer (experiments/one_row_dot.py, cpu_layer_loop.py)."""
+    compile): the micro-benchmarks' timer (one_row_dot.py, cpu_layer_loop.py, since retired:
+    JOURNAL.md 17, 35)."""
     import jax
 
     jax.block_until_ready(fn(*args))
@@ -75,7 +76,8 @@ def median_ms(fn, *args, reps: int) -> float:
 def alternating_medians_ms(fns: dict, *args, reps: int) -> dict:
     """{name: median wall ms} of `reps` rounds that call every fn(*args) in turn, each waited for,
     after one untimed call each (the compile): the A/B timer of the kernel experiments
-    (cpu_matmul.py, cpu_prefill_attention.py), so that this VM's drift hits every side alike.
+    (cpu_matmul.py, cpu_prefill_attention.py, since retired: JOURNAL.md 38b, 39b), so that this
+    VM's drift hits every side alike.
     Each round starts one side later than the last, so that no side always runs after the same
     one (whose caches and clocks it would inherit)."""
     import jax

@@ -45,7 +45,7 @@ class TransposedWeight:
 
     PyTorch's nn.Linear layout. XLA's CPU GEMM multiplies SmolLM2's 30-layer projection stack
     1.17x faster at 32 rows (1.42x at 4) with the weights stored this way
-    (`experiments/cpu_weight_layout.py`, RESULTS section 21), so `ModelRunner` stores plain layer
+    (RESULTS section 21), so `ModelRunner` stores plain layer
     weights like this on CPU (`cpu_layout`, chosen by `jaxserve.resolve`). Slicing a stack
     (`lax.scan`, `linear(layer=)`) slices `t` on its leading axes: the layer axis stays first.
 

@@ -14,7 +14,7 @@ per-adapter loop; a row's result depends on its own slot only. Its cost is every
 read once per step, N * R * (in + out) per weight: with N = 4, R = 16 on Llama-3-8B about 3% of
 the base weights' bytes. A grouped form (rows sorted by slot, `lax.ragged_dot`: Punica's SGMV)
 reads only the batch's adapters; which is faster per backend is measured, not assumed
-(`experiments/lora_step.py`).
+(experiments/JOURNAL.md 56a-56b).
 
 A rank below R is zero-padded, scale = alpha / r (rsLoRA: alpha / sqrt(r)) is folded into b, and a
 weight the adapter leaves alone is zeros (`lora/peft.py`). The layer axis comes first: the

@@ -44,7 +44,7 @@ multiplies each tile by its own expert's matrices:
 
 Weights read per step: the chosen experts' (each once per tile; one tile per expert at decode
 sizes), FLOPs: (P + padding) * 3 * D * I with padding < b per used expert. Measured against
-`ragged_dot` at Qwen3-30B-A3B's and Mixtral's layer shapes in `experiments/moe_decode_step.py`
+`ragged_dot` at Qwen3-30B-A3B's and Mixtral's layer shapes by a benchmark since retired
 (RESULTS.md section 33).
 
 Expert parallelism (tensor_parallel_size T > 1 dividing E): the expert stacks are split over E on

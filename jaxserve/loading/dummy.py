@@ -6,7 +6,7 @@ Performance can then be measured at e.g. llama3-8b or qwen2-7b shapes without th
 Each weight is one jitted program (compiled once per shape) that draws it in f32 and writes it
 straight in `dtype`, so the peak memory is the params plus one weight's f32 draw. (One program
 for the whole init, as before the seventeenth session, left 18.8 GB resident for the 3.2 GB of
-3 Llama-3-8B layers on the CPU, and OOM-killed experiments/family_decode_step.py.)
+3 Llama-3-8B layers on the CPU, and OOM-killed the family decode-step benchmark, JOURNAL.md 28.)
 
 This format allocates from the config alone, so it first refuses a config whose params would not
 fit in memory (`memory_limit_bytes`: the device's limit where it reports one, else the host's
