@@ -1,4 +1,5 @@
-"""What perplexity to expect from a quantization recipe: the measured SmolLM2 figures, in one place.
+"""What perplexity to expect from a quantization recipe: the measured SmolLM2 figures, matched to
+convert's options. The figures themselves are data, in expectations.toml beside this module.
 
 `convert` prints `describe(...)` for the options it was given before it quantizes: the measured
 change in perplexity over bf16 on text outside the calibration sources, for the closest measured
@@ -18,7 +19,9 @@ No other model and no GPU run was measured.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
+from importlib import resources
 
 TARGET_PCT = 5.0  # issue 5's target: within +5% of bf16 perplexity
 
@@ -27,13 +30,6 @@ RECIPE_FLAGS = (
     "--quantization int4-gptq --group_size 64 --act_order --refine_steps 128 "
     "--calib_tokens 65536 --calib_sources pydoc,gnu-info"
 )
-RECIPE_RESULT = (
-    "+3.7% on GPL-3, median +4.5% over six held-out texts (5 of 6 within +5%, worst +5.6%); "
-    "~70 minutes on a quiet 2-core CPU (RESULTS §8d; not measured on a GPU). The calibration "
-    "sample moves it: 96k tokens of the same mix gave a median of +5.3%, 80k +4.7%"
-)
-
-_MIX = ("pydoc", "gnu-info")
 
 
 def pct(x: float) -> str:
@@ -79,170 +75,25 @@ class Measurement:
         return ", ".join(parts)
 
 
-# Each entry cites its experiments/RESULTS.md section. Times are of the 2-core CPU dev VM.
-MEASURED: tuple[Measurement, ...] = (
-    Measurement("int4-rtn", "g128/64", 43.4, "§8b, §8c", vim=50.3, calib_tokens=None),
-    Measurement(
-        "int4-rtn",
-        "g32",
-        22.9,
-        "§8b",
-        calib_tokens=None,
-        note="the source GGUF is already Q4_1 g32",
-    ),
-    Measurement(
-        "int4-awq",
-        "g128/64",
-        13.2,
-        "§8b, §8a, §8c",
-        vim=12.8,
-        cost="113 s of quantizing, calibration statistics from a cache (§8a)",
-    ),
-    Measurement(
-        "int4-awq",
-        "g32",
-        0.08,
-        "§8b",
-        note="the source GGUF is already Q4_1 g32, so g32 reproduces it: this says nothing about "
-        "AWQ on float weights",
-    ),
-    # int4-gptq: AWQ scales + GPTQ, sequential, as `convert` runs it.
-    Measurement(
-        "int4-gptq",
-        "g128/64",
-        9.7,
-        "§8a, §8c",
-        vim=10.4,
-        cost="435 s, niced at load 3-4 (§8a)",
-    ),
-    Measurement(
-        "int4-gptq",
-        "g128/64",
-        7.0,
-        "§8c",
-        refine_steps=64,
-        cost="1,382 s (a few unit tests beside it)",
-    ),
-    Measurement(
-        "int4-gptq",
-        "g128/64",
-        6.8,
-        "§8c",
-        act_order=True,
-        refine_steps=64,
-        cost="1,265 s (quiet machine)",
-    ),
-    Measurement(
-        "int4-gptq",
-        "g128/64",
-        5.7,
-        "§8c",
-        act_order=True,
-        refine_steps=128,
-        cost="2,621 s (the test suite beside it for its first 7 minutes)",
-    ),
-    Measurement(
-        "int4-gptq",
-        "g128/64",
-        7.0,
-        "§8c",
-        act_order=True,
-        refine_steps=256,
-        cost="5,217 s (other work shared the CPU ~35 minutes)",
-        note="more steps fit the calibration text, not other text",
-    ),
-    Measurement(
-        "int4-gptq",
-        "g128/64",
-        4.5,
-        "§8c",
-        act_order=True,
-        refine_steps=128,
-        calib_tokens=65536,
-        vim=7.2,
-        cost="79 minutes with benchmarks beside it, 58 in a quieter rerun",
-    ),
-    Measurement(
-        "int4-gptq",
-        "g128/64",
-        4.9,
-        "§8c",
-        act_order=True,
-        refine_steps=128,
-        calib_tokens=65536,
-        calib_sources=_MIX,
-        vim=5.7,
-        cost="67 minutes (another run shared the CPU for 26 of them)",
-    ),
-    Measurement(
-        "int4-gptq",
-        "g128/64",
-        6.8,
-        "§8c",
-        act_order=True,
-        refine_steps=128,
-        calib_tokens=98304,
-        calib_sources=_MIX,
-        vim=6.8,
-        cost="70 minutes (a CI run shared the CPU for 11 of them)",
-    ),
-    # §8d: made by `convert` itself (g64 everywhere, INT8 tied table), scored on six texts.
-    Measurement(
-        "int4-gptq",
-        "g64",
-        3.7,
-        "§8d",
-        act_order=True,
-        refine_steps=128,
-        calib_tokens=65536,
-        calib_sources=_MIX,
-        median6=4.5,
-        six_text_note="5 of 6 within +5%, worst +5.6%",
-        cost="~70 minutes on a quiet 2-core machine (89 with other work beside it)",
-    ),
-    Measurement(
-        "int4-gptq",
-        "g64",
-        3.2,
-        "§8d",
-        act_order=True,
-        refine_steps=128,
-        calib_tokens=81920,
-        calib_sources=_MIX,
-        median6=4.7,
-        six_text_note="5 of 6 within +5%, worst +5.2%",
-        cost="58 minutes at nice 19, a CI run beside it for 14 of them",
-    ),
-    Measurement(
-        "int4-gptq",
-        "g64",
-        4.4,
-        "§8d",
-        act_order=True,
-        refine_steps=128,
-        calib_tokens=98304,
-        calib_sources=_MIX,
-        median6=5.3,
-        six_text_note="3 of 6 within +5%, worst +6.7%",
-        cost="70 minutes, benchmarks beside it for 17 of them",
-    ),
-    Measurement(
-        "int8",
-        "per-channel",
-        0.5,
-        "§8b",
-        calib_tokens=None,
-        note="measured with a float embedding table; convert makes a tied one INT8",
-    ),
-    Measurement(
-        "fp8",
-        "per-channel",
-        0.9,
-        "§8b",
-        calib_tokens=None,
-        note="measured with a float embedding table; convert makes a tied one INT8",
-    ),
-)
+def _load() -> tuple[str, tuple[Measurement, ...]]:
+    """(RECIPE_RESULT, MEASURED) from expectations.toml beside this module: the measured figures
+    are data, kept apart from the code that matches options to them."""
+    text = resources.files(__package__).joinpath("expectations.toml").read_text(encoding="utf-8")
+    data = tomllib.loads(text)
+    measured = []
+    for entry in data["measured"]:
+        entry = dict(entry)
+        if entry.pop("uncalibrated", False):
+            entry["calib_tokens"] = None
+        if "calib_sources" in entry:
+            entry["calib_sources"] = tuple(entry["calib_sources"])
+        measured.append(Measurement(**entry))
+    return data["recipe_result"], tuple(measured)
+
+
+# What the recipe measured, and every measured configuration; each entry cites its
+# experiments/RESULTS.md section. Times are of the 2-core CPU dev VM.
+RECIPE_RESULT, MEASURED = _load()
 
 _RECIPE = next(m for m in MEASURED if m.section == "§8d" and m.calib_tokens == 65536)
 CALIBRATED = ("int4-awq", "int4-gptq")
