@@ -3,7 +3,7 @@ convert's options. The figures themselves are data, in expectations.toml beside 
 
 `convert` prints `describe(...)` for the options it was given before it quantizes: the measured
 change in perplexity over bf16 on text outside the calibration sources, for the closest measured
-configuration, with the experiments/RESULTS.md section it comes from and how long it took on the
+configuration, with the experiments/JOURNAL.md section it comes from and how long it took on the
 2-core CPU dev VM. When the options are known to miss +5%, or were never measured, it also names
 the recipe that did measure within +5% (RECIPE_FLAGS) and its cost. It never makes a number up:
 options that match no entry of MEASURED say "not measured".
@@ -33,7 +33,7 @@ RECIPE_FLAGS = (
 
 
 def pct(x: float) -> str:
-    """A change in percent as RESULTS writes it: +9.7%, +7.0%, +0.08%."""
+    """A change in percent as the journal writes it: +9.7%, +7.0%, +0.08%."""
     return f"{x:+.2f}%" if abs(x) < 0.1 else f"{x:+.1f}%"
 
 
@@ -48,7 +48,7 @@ class Measurement:
     groups: str
     gpl3: float
     section: str
-    cost: str | None = None  # as RESULTS records it; None: RESULTS gives no time
+    cost: str | None = None  # as the journal records it; None: it gives no time
     act_order: bool = False
     refine_steps: int = 0
     calib_tokens: int | None = 16384
@@ -92,7 +92,7 @@ def _load() -> tuple[str, tuple[Measurement, ...]]:
 
 
 # What the recipe measured, and every measured configuration; each entry cites its
-# experiments/RESULTS.md section. Times are of the 2-core CPU dev VM.
+# experiments/JOURNAL.md section. Times are of the 2-core CPU dev VM.
 RECIPE_RESULT, MEASURED = _load()
 
 _RECIPE = next(m for m in MEASURED if m.section == "§8d" and m.calib_tokens == 65536)
