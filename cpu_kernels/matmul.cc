@@ -4,7 +4,7 @@
 // Why: XLA's CPU backend copies each layer's weights out of a `lax.scan`'s stacked [L, ...]
 // arrays (a dot's operand must be a buffer at a static offset) and its GEMM reaches about half of
 // what these cores do with AVX512-BF16 dot products on decode-sized batches (experiments/
-// RESULTS.md section 38). This reads the layer where it lies, streams it from memory once per
+// JOURNAL.md section 38). This reads the layer where it lies, streams it from memory once per
 // call (prefetching the next rows), and multiplies it with the CPU's fastest bf16 dot product.
 // The Python wrapper, its pure-jnp reference and the build live in matmul.py beside this file.
 //
@@ -57,7 +57,7 @@ constexpr int kMr = 4;          // rows of x per register block
 constexpr int kNr = 4;          // rows of w (output columns) per register block
 // register blocks of w prefetched ahead, into L2 (_MM_HINT_T1): prefetching into L1 capped a core
 // at about 11 GB/s on the Zen 4 VM (the L1's few outstanding misses), and evicted x's rows there;
-// into L2, an 8-row decode matmul streams w at 26-28 GB/s (experiments/RESULTS.md 49c)
+// into L2, an 8-row decode matmul streams w at 26-28 GB/s (experiments/JOURNAL.md 49c)
 constexpr int kPrefetch = 2;
 constexpr int64_t kMTile = 64;  // rows of x per work tile (kept in L2 while w streams past)
 

@@ -10,7 +10,7 @@ Why a kernel:
 inside `lax.scan`, XLA's CPU backend copies every layer's weights out of the stack before its
 GEMM, and on decode-sized batches that GEMM reaches about half of what AVX512-BF16's dot product
 instruction does here. The kernel (`matmul.cc` beside this file) reads the layer where it lies,
-prefetching into L2, on XLA's intra-op thread pool (RESULTS.md sections 38, 40, 41 and 49c-d).
+prefetching into L2, on XLA's intra-op thread pool (JOURNAL.md sections 38, 40, 41 and 49c-d).
 Each output is summed in one fixed order whatever the number of rows, so a row's result never
 depends on the batch.
 

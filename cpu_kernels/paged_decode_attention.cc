@@ -2,7 +2,7 @@
 //
 // One query token per row reads its row's pages of the stacked pool in place: no gather, no f32
 // copy of the live K/V, no per-page batched dots (what the XLA 'ragged' path spends its time on,
-// experiments/RESULTS.md section 37). A second handler, below the decode one, runs prefill chunks
+// experiments/JOURNAL.md section 37). A second handler, below the decode one, runs prefill chunks
 // (T query tokens per row, blocks of them sharing each K/V load). The Python wrappers, their
 // pure-jnp references and the build live in paged_decode_attention.py beside this file.
 //
@@ -203,7 +203,7 @@ struct Problem : Common {
 // 16 f32 lanes (GCC lowers this to one zmm register with AVX-512, two ymm with AVX2). Loads and
 // stores go through the may_alias, 4-byte-aligned forms (one unaligned vector move each): a memcpy
 // into a vector variable made GCC stage AVX2 loads through the stack, in 16-byte halves read back
-// as 32, a store-forwarding stall on every load (RESULTS.md section 42).
+// as 32, a store-forwarding stall on every load (JOURNAL.md section 42).
 typedef float F16v __attribute__((vector_size(64), aligned(4)));
 typedef float F16u __attribute__((vector_size(64), aligned(4), may_alias));
 typedef float F8v __attribute__((vector_size(32), aligned(4)));
@@ -362,7 +362,7 @@ void Item(const Problem& p, int64_t item, std::vector<float>& buf) {
       float* ag = acc + gi * d;
       int64_t e = 0;
       // Two 8-lane halves, not one 16-lane vector: on AVX2 GCC keeps a 16-lane accumulator in
-      // memory, moving it through general registers on every step of this loop (RESULTS.md 42).
+      // memory, moving it through general registers on every step of this loop (JOURNAL.md 42).
       // Each element gets the same operations in the same order either way.
       for (; e + 16 <= d; e += 16) {
         F8v a0 = Load8(ag + e) * alpha, a1 = Load8(ag + e + 8) * alpha;

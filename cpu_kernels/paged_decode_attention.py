@@ -17,7 +17,7 @@ over each query's own visible keys, so a token's result does not depend on its c
 page-table width (no padded [W * ps] block, no mask over invisible keys).
 Why C++ on CPU: XLA's CPU backend has no fast form of this computation. Its best plain-XLA forms
 (`jaxserve/layers/ragged_attention.py`) gather and convert every live page to f32 and run tiny
-batched dots; these read each K/V row once per item (RESULTS.md sections 37 and 39).
+batched dots; these read each K/V row once per item (JOURNAL.md sections 37 and 39).
 
 `paged_decode_attention_reference` and `paged_prefill_attention_reference` at the end of this
 file are the pure-jnp definitions (the Pallas kernels' reference, which the engine's every path is

@@ -19,7 +19,7 @@ the 2-core CPU), so a budget skips what it cannot reach, marked as skipped.
 Per configuration and target it records: programs compiled, those that did not compile (name and
 error), Mosaic GPU calls and Pallas Triton kernels in the set, weight bytes copied (INT4 prefill
 chunks above the kernels' 16 rows take XLA's unpack + dot, which writes each layer's bf16 weight:
-the open item of RESULTS.md 54d), and host round trips outside the prompt-logprob programs (one
+the open item of JOURNAL.md 54d), and host round trips outside the prompt-logprob programs (one
 per scoring row by design, tests/bench/test_gpu_programs.py). A configuration passes when every
 program compiles, a mosaic configuration holds no Pallas Triton kernel and a triton one no Mosaic
 call, and no program but a prompt-logprob one waits on the host. Results: DIR/gpu_config_sweep.json (rewritten

@@ -226,7 +226,7 @@ def kv_bytes_per_token() -> dict:
 
 def copy_bandwidth(nbytes: int) -> float:
     """GB/s of a jitted elementwise `x + 1` over nbytes of u32 (counts read + write). u8 read
-    1,696 GB/s on the H200 (RESULTS.md 48b), far under its ~4.3 TB/s copy: too narrow a word."""
+    1,696 GB/s on the H200 (JOURNAL.md 48b), far under its ~4.3 TB/s copy: too narrow a word."""
     x = jnp.zeros((nbytes // 4,), jnp.uint32)
     f = jax.jit(lambda x: x + jnp.uint32(1))
     t = timeit(f, x, min_time=0.5)
@@ -254,7 +254,7 @@ def check_correctness(interpret: bool, small: bool) -> list[dict]:
                 pt = page_table(ks_[1], b, w, pages)
                 q = jax.random.normal(ks_[2], (b, kvh * g, d), jnp.float32).astype(q_dt)
                 out = paged_attention(q, k, v, lens, pt, 1, ksc, vsc, interpret=interpret)
-                # The reference at full f32 ("highest": no TF32 on the GPU; RESULTS.md 48b), so
+                # The reference at full f32 ("highest": no TF32 on the GPU; JOURNAL.md 48b), so
                 # an f32 error left is the kernel's own rounding.
                 with jax.default_matmul_precision("highest"):
                     ref = paged_attention_reference(

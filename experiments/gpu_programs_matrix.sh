@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU inspector over issue 54's matrix (RESULTS.md 54): Llama-3-8B decode at 1, 8 and 64 slots
+# The GPU inspector over issue 54's matrix (JOURNAL.md 54): Llama-3-8B decode at 1, 8 and 64 slots
 # (4,096 positions) with bf16, INT4, INT8 and FP8 weights; its sampler; a prefill chunk; Llama-3-70B
 # decode at TP 8. One JSON line per program in OUT/programs.jsonl, a markdown table in OUT/table.md.
 #

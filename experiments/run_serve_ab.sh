@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # jaxserve's OpenAI server at two commits, alternating: the before/after A/B of one change under
-# `experiments/serve_bench.py` (RESULTS.md 39f). Each side runs from its own checkout with this
+# `experiments/serve_bench.py` (JOURNAL.md 39f). Each side runs from its own checkout with this
 # checkout's .venv (the checkout's directory comes first on sys.path), pinned to cores 0-1, with
 # the server command of run_serve_comparison.sh; sides alternate after, before, before, after.
 #

@@ -6,7 +6,7 @@
 #
 #   [RATES=4,8,12,16,inf] [NUM_REQUESTS=48] [ENGINES="vllm jaxserve"] [JAXSERVE_FLAGS=...] \
 #     experiments/run_serve_comparison.sh [OUT_DIR]
-# (the default rates bracket where vLLM-CPU's TTFT p99 reaches 2 s on the Zen 5 VM: RESULTS.md 39e;
+# (the default rates bracket where vLLM-CPU's TTFT p99 reaches 2 s on the Zen 5 VM: JOURNAL.md 39e;
 # on the Zen 3 VM it is above 2 s from 0.2 req/s, section 40d). ENGINES=jaxserve runs one side
 # only (the table and plot need both JSON files in OUT_DIR). JAXSERVE_FLAGS: more flags for the
 # jaxserve server (an A/B of one setting: run ENGINES=jaxserve twice into two OUT_DIRs).

@@ -10,41 +10,41 @@ get their shape buckets from here. The choices:
     attention      auto -> 'pallas' (Triton kernels) on GPU, until a GPU run times the Mosaic GPU
                    kernels ('mgpu', Hopper) against them (issue 55); on CPU 'cpu_kernel' (decode and
                    prefill through the C++ kernel of `cpu_kernels/`, read in place from the pool;
-                   RESULTS.md sections 37 and 39) when it built here, else 'ragged' (XLA decode
+                   JOURNAL.md sections 37 and 39) when it built here, else 'ragged' (XLA decode
                    over the step's live pages, its cost following the live tokens; prefill
                    chunks through `ragged_attention.prefill_attention`)
     dense matmul   auto -> 'cpu_kernel' on CPU for bf16 weights on one device when the C++ matmul
                    of `cpu_kernels/` built here with a loop in AUTO_CPU_MATMUL: it reads each
                    layer's weight in place, and takes every batch, decode and prefill alike (one
-                   implementation, so a row's bits never depend on its batch; RESULTS.md
+                   implementation, so a row's bits never depend on its batch; JOURNAL.md
                    sections 38, 40 and 41); 'xla' (XLA's dot) otherwise
     quant matmul   auto -> 'pallas' (the Triton W4A16 / W8A16 kernels on decode rows) on GPU,
                    until a GPU run times the Mosaic GPU ones ('mgpu'); 'xla' elsewhere
                    (`quant/impls.py`)
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
-                   1.17-1.42x faster on decode-sized batches; RESULTS.md section 21), else 'in_out'
+                   1.17-1.42x faster on decode-sized batches; JOURNAL.md section 21), else 'in_out'
     moe matmul     'tiled' on CPU (a loop over row tiles of the chosen experts: XLA's CPU
-                   `ragged_dot` does E times the work; RESULTS.md section 33), 'ragged_dot' else
+                   `ragged_dot` does E times the work; JOURNAL.md section 33), 'ragged_dot' else
     min rows       4 on CPU: smaller matmuls are padded (a one-row bf16 dot converts the whole
-                   weight to f32 there; RESULTS.md section 17); 2 on GPU, where XLA rewrites a
+                   weight to f32 there; JOURNAL.md section 17); 2 on GPU, where XLA rewrites a
                    one-row dot with an f32 result (the tied logits) as a multiply-reduce over
                    the whole weight converted to f32 (a 113 MB copy a step for SmolLM2's
-                   table; RESULTS.md 54)
+                   table; JOURNAL.md 54)
     slot buckets   decode row buckets: on CPU 1, 4, then 8, 12, 16, 24, 32, 48, ... (the powers
                    of two from 8 and the halfway points between them) up to num_slots
                    (`cpu_slot_buckets`): a step's matmuls cost in proportion to its rows from
                    about 8 rows up, and a served run's last requests decode a few at a time
-                   (RESULTS.md 51a); one bucket of all slots elsewhere
+                   (JOURNAL.md 51a); one bucket of all slots elsewhere
     widths         page-table width buckets (powers of two of pages, capped at max_pages_per_seq)
     prefill rows   prefill row buckets (powers of two of chunks up to the step's chunk budget)
     chunk lengths  prefill chunk length buckets T: on CPU max(page_size, chunk / 4) and the
                    chunk (prefill_chunk_size), so that a step whose chunks are all short (a prompt
                    tail after a prefix-cache hit, a short prompt) pays for 16 tokens a row, not
-                   64 (a 1-row chunk: 22 vs 57 ms for SmolLM2 on a Zen 4 VM, RESULTS.md 50a);
+                   64 (a 1-row chunk: 22 vs 57 ms for SmolLM2 on a Zen 4 VM, JOURNAL.md 50a);
                    the chunk alone elsewhere. Prompt log-prob programs take the chunk only.
     XLA options    on GPU (`gpu_compiler_options`): CUDA graphs that hold while loops and
                    conditionals; for float weights cuBLAS GEMMs reading each layer in place and no
-                   dot merging (RESULTS.md 54); none on CPU
+                   dot merging (JOURNAL.md 54); none on CPU
     flat buckets   'ragged' decode: live-page buckets per slot bucket (powers of two from 8)
                    ('cpu_kernel': one decode program per slot bucket and one prefill program per
                    row bucket, over the whole page table, since the kernel's cost follows each
@@ -284,7 +284,7 @@ def gpu_compiler_options(
     plain_weights (every layer weight a float array, none quantized): GEMMs through cuBLAS, which
     reads each layer's weight in place from its [L, K, N] stack (XLA's dynamic-slice fusion), where
     a Triton GEMM under the layer scan gets the layer copied out of the stack first (84-87% of a
-    decode step's weight bytes written and read again: experiments/RESULTS.md 54); and no dot
+    decode step's weight bytes written and read again: experiments/JOURNAL.md 54); and no dot
     merging, which concatenates q/k/v (gate/up) weights into a new buffer to run one GEMM.
     Quantized weights keep XLA's default (Triton GEMMs that dequantize in their prologue; the INT4
     kernel reads its stack in place).

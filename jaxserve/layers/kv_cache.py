@@ -63,7 +63,7 @@ def storage_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
 
 # Pallas' Triton lowering indexes an array under 4 GiB with 32-bit signed offsets, so a one-byte
 # (int8 / fp8) pool array of 2^31 or more elements that is still under 4 GiB reads the wrong pages
-# (seen on the H200: experiments/RESULTS.md 48). Wider dtypes cannot fall in that range.
+# (seen on the H200: experiments/JOURNAL.md 48). Wider dtypes cannot fall in that range.
 TRITON_OFFSET_LIMIT = 2**31
 
 

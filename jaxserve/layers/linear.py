@@ -25,7 +25,7 @@ def matmul(
     (zero rows, sliced off after). Why on CPU:
     - XLA's CPU backend sends a one-row bf16 dot to a generic emitter that first converts the
       whole weight to f32; SmolLM2's tied logits for one prefill chunk took 43 ms as one row and
-      4 ms as two (`experiments/RESULTS.md` section 17);
+      4 ms as two (`experiments/JOURNAL.md` section 17);
     - from 4 rows up its GEMM gives a row the same bits whatever the other rows (section 16), so
       a one-chunk prefill samples its first token from the same logits as a chunk among others.
     A padded dot costs what the unpadded one does: these shapes are bound by reading the weight.
@@ -45,7 +45,7 @@ class TransposedWeight:
 
     PyTorch's nn.Linear layout. XLA's CPU GEMM multiplies SmolLM2's 30-layer projection stack
     1.17x faster at 32 rows (1.42x at 4) with the weights stored this way
-    (RESULTS section 21), so `ModelRunner` stores plain layer
+    (JOURNAL.md section 21), so `ModelRunner` stores plain layer
     weights like this on CPU (`cpu_layout`, chosen by `jaxserve.resolve`). Slicing a stack
     (`lax.scan`, `linear(layer=)`) slices `t` on its leading axes: the layer axis stays first.
 

@@ -45,7 +45,7 @@ multiplies each tile by its own expert's matrices:
 Weights read per step: the chosen experts' (each once per tile; one tile per expert at decode
 sizes), FLOPs: (P + padding) * 3 * D * I with padding < b per used expert. Measured against
 `ragged_dot` at Qwen3-30B-A3B's and Mixtral's layer shapes by a benchmark since retired
-(RESULTS.md section 33).
+(JOURNAL.md section 33).
 
 Expert parallelism (tensor_parallel_size T > 1 dividing E): the expert stacks are split over E on
 the mesh's 'model' axis, so each device holds E/T experts (`parallel/partition.py`, role
@@ -177,7 +177,7 @@ GROUPED = ("ragged_dot", "tiled")
 def tile_rows(num_pairs: int, num_experts: int) -> int:
     """The 'tiled' path's rows per tile b (static): 8 while experts average under 16 pairs
     (decode: one tile per chosen expert, and no bf16 dot of under 4 rows, which XLA's CPU runs by
-    converting the whole weight to f32, RESULTS.md section 17), else the power of two <= P / E,
+    converting the whole weight to f32, JOURNAL.md section 17), else the power of two <= P / E,
     at most 128 (prefill chunks: the padding, < b rows per expert, stays under the P real rows)."""
     per = num_pairs // num_experts
     if per < 16:

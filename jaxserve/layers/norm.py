@@ -4,7 +4,7 @@ The mean of squares is summed in one fixed order (`row_sum`), not by XLA's reduc
 XLA's f32 reduce over a row of 576 gives other bits for the same row when the call holds 8 or more
 rows than when it holds fewer (its vectorization changes), so a lone request's decode steps (1-row
 bucket) and the same request's in an 8-row step differed, and greedy SmolLM2 bf16 tokens changed
-with the batch (experiments/RESULTS.md 52c). Elementwise adds in a written order are not
+with the batch (experiments/JOURNAL.md 52c). Elementwise adds in a written order are not
 reassociated, so a row's norm never depends on the other rows.
 """
 

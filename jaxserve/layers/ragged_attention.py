@@ -33,8 +33,8 @@ its result the same bits whatever the other rows, but not a column. So the score
 with the keys as rows, [B, KVH, S, G*T] = K [S, D] . q [G*T, D], the softmax runs along S, and
 the PV dot contracts S from the front of both operands; keys past a row's end add exact zeros.
 The division by the softmax sum happens after the PV dot, on [.., D] instead of [.., S]. (Until
-RESULTS section 38 the scores were [.., G*T, S], which a prefix-cache hit's narrower step summed
-into other bits; about 2x faster per call than this, RESULTS section 38.)
+JOURNAL.md section 38 the scores were [.., G*T, S], which a prefix-cache hit's narrower step summed
+into other bits; about 2x faster per call than this, JOURNAL.md section 38.)
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def ragged_decode_attention(
     v = gather(v_pages, v_scale)
     # The barrier keeps XLA from fusing q's producers (the RoPE, with its sin/cos) into this
     # gather, which would recompute them for each of the F flat pages instead of the B rows: on
-    # the CPU that fusion cost a fifth of a decode step (RESULTS section 36).
+    # the CPU that fusion cost a fifth of a decode step (JOURNAL.md section 36).
     q = jax.lax.optimization_barrier(q)
     qf = q.astype(jnp.float32).reshape(b, kvh, g, d)[row]  # (F, KVH, G, D)
     s = jnp.einsum("fkgd,kfsd->fkgs", qf, k)  # (F, KVH, G, ps)

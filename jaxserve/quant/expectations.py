@@ -10,7 +10,7 @@ options that match no entry of MEASURED say "not measured".
 
 Every figure is SmolLM2-135M-Instruct (the default model, from its Q4_1 GGUF), perplexity change
 vs the same model in bf16, on the first 4,096 tokens of held-out texts (none is in the calibration
-sources): GPL-3 is the reference text (RESULTS §8b), Vim's usr_02 the second text (§8c), and §8d
+sources): GPL-3 is the reference text (JOURNAL.md §8b), Vim's usr_02 the second text (§8c), and §8d
 scores six texts (GPL-3, MPL-2.0, Vim usr_02/03/10, perldiag). "g128/64" is how §8a-8c ran:
 g64 where SmolLM2's 576-wide inputs forbid g128, g128 on `w_down`, with a float embedding table;
 `convert` uses one group size on every linear (SmolLM2 needs 64 or 32) and an INT8 tied table.
@@ -25,7 +25,7 @@ from importlib import resources
 
 TARGET_PCT = 5.0  # issue 5's target: within +5% of bf16 perplexity
 
-# The recipe measured within +5% on held-out text, exactly as BUILD.md documents it (RESULTS §8d).
+# The recipe measured within +5% on held-out text, exactly as BUILD.md documents it (JOURNAL.md §8d).
 RECIPE_FLAGS = (
     "--quantization int4-gptq --group_size 64 --act_order --refine_steps 128 "
     "--calib_tokens 65536 --calib_sources pydoc,gnu-info"
@@ -167,7 +167,7 @@ def describe(
     if method is None:
         return (
             "what to expect: no quantization; the weights stay float (bf16 is the baseline of the "
-            "measured quantization figures, f32 scored +0.08% over it; experiments/RESULTS.md §8b)"
+            "measured quantization figures, f32 scored +0.08% over it; experiments/JOURNAL.md §8b)"
         )
     calib_sources = tuple(calib_sources)
     opts = _options_text(method, group_size, act_order, refine_steps, calib_tokens, calib_sources)
@@ -180,12 +180,12 @@ def describe(
     if m is None:
         lines.append(
             "  not measured: no SmolLM2 perplexity was measured with these options "
-            "(experiments/RESULTS.md §8 lists what was)."
+            "(experiments/JOURNAL.md §8 lists what was)."
         )
     else:
         where = "measured" if exact else f"closest measured ({m.groups}, not g{group_size})"
         lines.append(
-            f"  {where} (experiments/RESULTS.md {m.section}), perplexity vs bf16 on held-out "
+            f"  {where} (experiments/JOURNAL.md {m.section}), perplexity vs bf16 on held-out "
             f"text: {m.figures()}."
         )
         if m.note:

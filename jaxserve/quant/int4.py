@@ -29,7 +29,7 @@ The matmul implementation is a static field, `impl`, chosen when the engine is b
 sets it with `jaxserve.quant.with_matmul_impl`: 'pallas' or 'mgpu' on GPU, 'xla' elsewhere;
 `quant/impls.py`); nothing reads the backend while tracing. 'pallas' runs the fused Triton kernel
 for up to `PALLAS_MAX_ROWS` rows (decode) and XLA's unpack + dot for more (prefill), which is
-faster there (RESULTS.md 48); 'mgpu' the Mosaic GPU kernel (`pallas_kernels/mgpu_w4_matmul.py`)
+faster there (JOURNAL.md 48); 'mgpu' the Mosaic GPU kernel (`pallas_kernels/mgpu_w4_matmul.py`)
 in its place where it accepts the call (bf16 rows, the plain packing, its tile multiples), else
 the Triton kernel.
 """
@@ -65,7 +65,7 @@ DEFAULT_GROUP_SIZE = 128
 DEFAULT_IMPL = "xla"  # runs on every backend; the engine picks 'pallas' on GPU
 # Rows up to which impl 'pallas' runs the fused kernel; more rows (a prefill chunk, a decode
 # batch of 32+) take the XLA unpack + dot. On the H200 the kernel took 0.35-0.5x XLA's time at
-# 1 and 8 rows and 1.2-3.4x at 32 to 512 rows (Llama-3-8B projections, bf16; RESULTS.md 48).
+# 1 and 8 rows and 1.2-3.4x at 32 to 512 rows (Llama-3-8B projections, bf16; JOURNAL.md 48).
 PALLAS_MAX_ROWS = 16
 
 

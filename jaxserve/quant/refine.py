@@ -25,7 +25,7 @@ through a straight-through round either moved no code or, at larger rates, made 
 model's layer loss 2.7x worse, so it was not kept).
 
 Cost per layer: `steps` forward + backward passes of one layer over `batch` windows (~40 s per 64
-steps for a SmolLM2 layer on the 2-core CPU). Measured on SmolLM2 at g128/64 (experiments/RESULTS.md
+steps for a SmolLM2 layer on the 2-core CPU). Measured on SmolLM2 at g128/64 (experiments/JOURNAL.md
 section 8c, perplexity on GPL-3 vs bf16): sequential GPTQ +9.7%; with 64 steps +7.0%; with act-order
 and 128 steps +5.7% on 16k calibration tokens and +4.5% on 64k (+7.2% on a second text, the Vim
 manual); on 64k of pydoc + GNU info manuals +4.9% (+5.7% on the Vim manual), on 96k of that mix

@@ -3,9 +3,9 @@
     directory(setting) -> str | None     where the cache goes ('auto', a path, or 'off' -> None)
     enable(setting) -> str | None        turns it on for this process (unless jax has one already)
 
-A GPU engine's warm-up compiles tens of programs (65 in 97 s for SmolLM2 on the H200, RESULTS.md
+A GPU engine's warm-up compiles tens of programs (65 in 97 s for SmolLM2 on the H200, JOURNAL.md
 48d); the cache makes every later start load them (on this CPU: 31 s of compiling became 1.4 s,
-RESULTS.md 48g). jax keeps it off unless told a directory, so the engine tells it one: a
+JOURNAL.md 48g). jax keeps it off unless told a directory, so the engine tells it one: a
 `jaxserve/xla` folder in the user's cache directory. A directory the user set (the
 JAX_COMPILATION_CACHE_DIR variable, `jax.config.update`) is kept, and so is the cache turned off
 (JAX_ENABLE_COMPILATION_CACHE=false). jax decides whether to use the

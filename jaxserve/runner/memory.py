@@ -65,7 +65,7 @@ def pallas_pool_pages(num_pages: int, model_config: ModelConfig, engine_config: 
         logger.warning(
             "KV pool lowered from %d to %d pages: an %s pool array of 2^31 or more elements "
             "under 4 GiB is misread by the Pallas Triton kernels (32-bit offsets; "
-            "experiments/RESULTS.md 48). A pool of 4 GiB or more per array is read right.",
+            "experiments/JOURNAL.md 48). A pool of 4 GiB or more per array is read right.",
             num_pages,
             safe,
             e.kv_cache_dtype,

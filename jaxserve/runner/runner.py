@@ -158,7 +158,7 @@ class ModelRunner:
         self.overlaps_grammar = d == 1 and engine_config.decode_steps == 1
         # Prefill likewise (steps.prefill_forward / prefill_sample, equal to prefill) where it
         # saves compiling: with page-table width buckets (a GPU's 8-10) the sampler is compiled
-        # once per row bucket instead of into every width's program (RESULTS.md 45: 'ragged' on
+        # once per row bucket instead of into every width's program (JOURNAL.md 45: 'ragged' on
         # CPU warms up in 0.53-0.55x the time). With one width (the C++ CPU kernel) it would
         # save nothing and cost a program launch per step, so that prefill stays one program.
         self.splits_prefill = d == 1 and len({s.width for s in r.prefill_shapes()}) > 1

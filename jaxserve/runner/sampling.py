@@ -293,7 +293,7 @@ def sample(
 
     # The commonest step of all (every slot greedy, plain, no log-probs) is the argmax alone: the
     # identity branch above would still copy the logits twice, and the copies into fresh pages of
-    # the step's temporaries cost a CPU step 1-15 ms at [32, 49152] (RESULTS.md 51c).
+    # the step's temporaries cost a CPU step 1-15 ms at [32, 49152] (JOURNAL.md 51c).
     s = logits.shape[0]
     quick = plain & jnp.all(state.temperature <= 0) & ~jnp.asarray(want_top)
     return jax.lax.cond(
@@ -322,7 +322,7 @@ def _sample_from(masked, penalized, state, num_generated, k: int, want_top) -> S
     )
 
     # The log-probs only when a request asked for them: their log-sum-exp is an exp over the
-    # whole [S, V] (~7% of a CPU decode step at [32, 49152]; RESULTS section 37).
+    # whole [S, V] (~7% of a CPU decode step at [32, 49152]; JOURNAL.md section 37).
     def logprobs():
         lse = jax.nn.logsumexp(masked, axis=-1)  # (S,)
         chosen = jnp.take_along_axis(masked, tokens[:, None], axis=-1)[:, 0] - lse

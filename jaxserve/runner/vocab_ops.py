@@ -14,7 +14,7 @@ def blocked_argmax(x: jax.Array) -> jax.Array:
     columns holding the row's max, then the first max within it. The same index as jnp.argmax
     (first of ties; a NaN counts as the max). XLA's CPU argmax over the vocabulary is one
     sequential variadic reduce, a few ms at [32, 49152]; two plain reductions and a small
-    argmax are a fraction of that (the greedy sampler: 0.8x, RESULTS section 36). b is
+    argmax are a fraction of that (the greedy sampler: 0.8x, JOURNAL.md section 36). b is
     the largest divisor of V in [64, 512]; without one, plain jnp.argmax."""
     s, v = x.shape
     b = next((b for b in range(512, 63, -1) if v % b == 0), None)

@@ -91,7 +91,7 @@ DECODE_CASES = [
         marks=pytest.mark.xfail(
             strict=True,
             reason="from 17 rows INT4 runs XLA's unpack + dot (the fused kernel measured "
-            "1.2-3.4x slower there on the H200, RESULTS.md 48c), which writes each layer's "
+            "1.2-3.4x slower there on the H200, JOURNAL.md 48c), which writes each layer's "
             "dequantized bf16 weight: the kernels issue (55) owns a kernel that beats it",
         ),
     ),

@@ -28,7 +28,7 @@ def test_gptq_defaults_name_the_measured_delta_and_the_recipe():
 
 def test_the_recipe_itself_is_measured_within_5_percent():
     msg = ex.describe("int4-gptq", 64, True, 128, 65536, 512, MIX)
-    assert msg.splitlines()[1].lstrip().startswith("measured (experiments/RESULTS.md §8d)")
+    assert msg.splitlines()[1].lstrip().startswith("measured (experiments/JOURNAL.md §8d)")
     assert "+3.7% on GPL-3" in msg and "median +4.5% over six held-out texts" in msg
     assert "misses" not in msg and ex.RECIPE_FLAGS not in msg
     m, exact = ex.find("int4-gptq", 64, True, 128, 65536, 512, MIX)

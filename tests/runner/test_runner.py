@@ -230,7 +230,7 @@ def test_multistep_decode_equals_single_step():
 
 def test_runner_stores_plain_layer_weights_transposed_on_cpu():
     """On CPU the runner keeps each plain [L, in, out] linear weight as [L, out, in]
-    (`linear.TransposedWeight`, RESULTS section 21); the model computes the same logits with it.
+    (`linear.TransposedWeight`, JOURNAL.md section 21); the model computes the same logits with it.
     A GPU engine (resolved for "gpu", built here without running) keeps them as loaded."""
     cfg = ModelConfig.preset("tiny")
     params = dummy_params(cfg, "float32")
@@ -302,7 +302,7 @@ def test_the_cpu_matmul_gives_a_prompt_its_bits_alone_and_in_a_512_row_prefill()
     """matmul_impl='cpu_kernel' takes every batch: a prompt prefilled alone (a 64-row step) and
     among seven others (one 512-row step) gets the same log-probs to the bit. When the kernel
     took batches of up to 256 rows and XLA's dot the larger ones, these differed at bf16
-    rounding (RESULTS.md 40e). SmolLM2's layer widths, so that rounding shows."""
+    rounding (JOURNAL.md 40e). SmolLM2's layer widths, so that rounding shows."""
     import dataclasses
 
     config = dataclasses.replace(
@@ -420,7 +420,7 @@ def test_gpu_runner_keeps_one_byte_pools_where_the_kernels_read_them(
     monkeypatch, kv, num_pages, want
 ):
     """A Pallas (GPU) engine lowers an int8 / fp8 pool whose array would hold 2^31 elements or
-    more but under 4 GiB, which the Triton kernels misread (RESULTS.md 48), and allocates and
+    more but under 4 GiB, which the Triton kernels misread (JOURNAL.md 48), and allocates and
     reports the lowered count. Here the limit is scaled down to the tiny model's 1,024-element
     pages: 8-15 pages are in the range, 16 are past it."""
     from jaxserve.layers import kv_cache
