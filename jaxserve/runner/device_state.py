@@ -1,6 +1,9 @@
 """What the runner holds on the device, laid out and allocated once when it is built; the GPU
 program inspector (`bench/gpu_programs.py`) builds the same pool and slot state abstractly.
 
+    check_built(engine_config, mesh)
+        what the runner is given is finished: the config filled for the model, the mesh of its
+        parallel sizes (the runner derives neither: `engine_args.build_engine` makes both)
     layout_params(params, model_config, resolved, mesh) -> params
         the quantized weights' matmul impl, the CPU kernels' [out, in] layout, each device's shards
     state_fns(model_config, engine_config, resolved, num_pages) -> (init_cache, init_state)
@@ -15,10 +18,33 @@ from __future__ import annotations
 
 import jax
 
+from jaxserve.config import EngineConfig
 from jaxserve.layers import linear
 from jaxserve.parallel import partition
+from jaxserve.parallel.mesh import mesh_sizes
 from jaxserve.quant import with_matmul_impl
 from jaxserve.runner import data_parallel, steps
+
+
+def check_built(engine_config: EngineConfig, mesh) -> None:
+    """ValueError unless `engine_config` is filled for the model and `mesh` (None for one
+    device) has its parallel sizes: the runner derives neither (`engine_args.build_engine`
+    makes both)."""
+    if not engine_config.is_filled:
+        raise ValueError(
+            "the runner needs an EngineConfig filled for the model: "
+            "engine_config.for_model(model_config) (engine_args.build_engine does it)"
+        )
+    t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
+    if mesh is None and t * d > 1:
+        raise ValueError(
+            f"tensor_parallel_size={t} x data_parallel_size={d} needs a mesh of {t * d} "
+            "devices: jaxserve.parallel.mesh.make_mesh(t, d) (engine_args.build_engine makes it)"
+        )
+    if mesh is not None and mesh_sizes(mesh) != (d, t):
+        raise ValueError(
+            f"the mesh's (data, model) sizes {mesh_sizes(mesh)} are not the config's {(d, t)}"
+        )
 
 
 def layout_params(params, model_config, resolved, mesh):

@@ -42,7 +42,6 @@ from jaxserve.core.scheduler import SchedulerOutput
 from jaxserve.core.slot_row import make_slot_row
 from jaxserve.layers.embedding import is_quantized
 from jaxserve.parallel import partition
-from jaxserve.parallel.mesh import mesh_sizes
 from jaxserve.resolve import (
     DecodeShape,
     PrefillShape,
@@ -68,27 +67,6 @@ from jaxserve.runner.step_handle import StepHandle, fetch_outputs
 logger = logging.getLogger(__name__)
 
 
-def check_built(engine_config: EngineConfig, mesh) -> None:
-    """ValueError unless `engine_config` is filled for the model and `mesh` (None for one
-    device) has its parallel sizes: the runner derives neither (`engine_args.build_engine`
-    makes both)."""
-    if not engine_config.is_filled:
-        raise ValueError(
-            "the runner needs an EngineConfig filled for the model: "
-            "engine_config.for_model(model_config) (engine_args.build_engine does it)"
-        )
-    t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
-    if mesh is None and t * d > 1:
-        raise ValueError(
-            f"tensor_parallel_size={t} x data_parallel_size={d} needs a mesh of {t * d} "
-            "devices: jaxserve.parallel.mesh.make_mesh(t, d) (engine_args.build_engine makes it)"
-        )
-    if mesh is not None and mesh_sizes(mesh) != (d, t):
-        raise ValueError(
-            f"the mesh's (data, model) sizes {mesh_sizes(mesh)} are not the config's {(d, t)}"
-        )
-
-
 class ModelRunner:
     """Implements `jaxserve.core.runner_api.Runner` on the device.
 
@@ -110,7 +88,7 @@ class ModelRunner:
         backend: str | None = None,
         mesh=None,
     ):
-        check_built(engine_config, mesh)
+        device_state.check_built(engine_config, mesh)
         t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
         kv_cols = None
         if mesh is not None:
