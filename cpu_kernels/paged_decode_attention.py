@@ -16,7 +16,7 @@ register blocks; decode items run the same routines on their pages) and run the 
 over each query's own visible keys, so a token's result does not depend on its chunk, the other rows or the
 page-table width (no padded [W * ps] block, no mask over invisible keys).
 Why C++ on CPU: XLA's CPU backend has no fast form of this computation. Its best plain-XLA forms
-(`jaxserve/layers/ragged_attention.py`) gather and convert every live page to f32 and run tiny
+(`pallas_kernels/ragged_attention.py`) gather and convert every live page to f32 and run tiny
 batched dots; these read each K/V row once per item (JOURNAL.md sections 37 and 39).
 
 `paged_decode_attention_reference` and `paged_prefill_attention_reference` at the end of this

@@ -15,12 +15,12 @@ from flax import struct
 
 from cpu_kernels import paged_decode_attention as cpu_attention
 from jaxserve.layers.kv_cache import KVCache
-from jaxserve.layers.ragged_attention import prefill_attention, ragged_decode_attention
 from pallas_kernels import mgpu_paged_attention as mgpu
 from pallas_kernels import mgpu_paged_prefill as mgpu_prefill
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_prefill as pp
 from pallas_kernels.mgpu_common import accepts
+from pallas_kernels.ragged_attention import prefill_attention, ragged_decode_attention
 
 
 @struct.dataclass
@@ -132,7 +132,7 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     the traced `layer` in place; a prefill chunk's tokens run as decode rows at their positions
     (only the keys each one sees, the bits a decode step would give it).
     'ragged' (XLA): decode over the step's live pages laid end to end
-    (`ragged_attention.py`, needs meta.num_flat_pages); prefill chunks take its
+    (`pallas_kernels/ragged_attention.py`, needs meta.num_flat_pages); prefill chunks take its
     `prefill_attention`, the reference laid out for the CPU's dots.
 
     window / softcap / scale go to every path unchanged (see `attention`). Decode paths take the

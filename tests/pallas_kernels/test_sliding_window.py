@@ -18,9 +18,9 @@ from paged_kv_testing import naive_attention, np_seed, paged_from_dense, toleran
 
 from jaxserve.layers import attention as attn
 from jaxserve.layers.kv_cache import KVCache
-from jaxserve.layers.ragged_attention import ragged_decode_attention
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.paged_prefill import paged_prefill_attention
+from pallas_kernels.ragged_attention import ragged_decode_attention
 from pallas_kernels.tuning import DecodeConfig, PrefillConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
