@@ -246,3 +246,38 @@ def test_imports_run_down_the_layers():
         if layer_of(b) > layer_of(a)
     ]
     assert not up, "imports running up the layers:\n" + "\n".join(up)
+
+
+def summary(root: Path = ROOT) -> str:
+    """The import graph in numbers: modules, lines, imports, floors (the longest chain of
+    imports), cycles, imports running up LAYERS, files over 400 lines."""
+    global ROOT
+    saved, ROOT = ROOT, Path(root)
+    try:
+        graph, files = import_graph(), module_files()
+    finally:
+        ROOT = saved
+    sizes = {m: len(p.read_text().splitlines()) for m, p in files.items()}
+    depth: dict[str, int] = {}
+
+    def floor(m: str) -> int:  # acyclic (test_no_import_cycles)
+        if m not in depth:
+            depth[m] = 1 + max((floor(t) for t in graph[m]), default=0)
+        return depth[m]
+
+    cycles = strongly_connected(graph)
+    up = sum(layer_of(b) > layer_of(a) for a, edges in graph.items() for b in edges)
+    big = sorted(((n, m) for m, n in sizes.items() if n > 400), reverse=True)
+    return (
+        f"{len(graph)} modules, {sum(sizes.values())} lines, "
+        f"{sum(map(len, graph.values()))} imports, "
+        f"{'-' if cycles else max(map(floor, graph))} floors, {len(cycles)} cycles, "
+        f"{up} imports up the layers, {len(big)} files over 400 lines: "
+        + ", ".join(f"{m} {n}" for n, m in big)
+    )
+
+
+if __name__ == "__main__":  # python tests/test_architecture.py [ROOT of another checkout]
+    import sys
+
+    print(summary(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT))
