@@ -1,6 +1,6 @@
 """Frozen configuration dataclasses: the model's architecture and the engine's sizes.
 
-`ModelConfig` (defined in model_config.py, re-exported here) describes a Llama-family network; it
+`ModelConfig` (defined in model.py, re-exported by the package) describes a Llama-family network; it
 is hashable, so jitted functions take it as a static argument. Named presets give real-scale shapes
 for the `dummy` load format.
 
@@ -18,24 +18,8 @@ import dataclasses
 import os
 from typing import Any
 
-from jaxserve import speculative_config
-from jaxserve.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
-from jaxserve.model_presets import PRESETS
-
-__all__ = [
-    "ATTENTION_IMPLS",
-    "MATMUL_IMPLS",
-    "QUANT_MATMUL_IMPLS",
-    "BATCHINGS",
-    "DTYPES",
-    "EngineConfig",
-    "KV_CACHE_DTYPES",
-    "LOAD_FORMATS",
-    "PRESETS",
-    "SUPPORTED_ARCHITECTURES",
-    "ModelConfig",
-    "RopeScaling",
-]
+from jaxserve.config import speculative
+from jaxserve.config.model import ModelConfig
 
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -413,7 +397,7 @@ class EngineConfig:
         check_int("num_speculative_tokens", minimum=0)
         for f in ("prompt_lookup_max", "prompt_lookup_min", "speculative_disable_by_batch_size"):
             check_int(f, optional=True)
-        for name, value in speculative_config.checked_fields(self).items():
+        for name, value in speculative.checked_fields(self).items():
             object.__setattr__(self, name, value)
         if self.num_speculative_tokens and (self.decode_steps > 1 or self.data_parallel_size > 1):
             raise ValueError(
@@ -523,6 +507,6 @@ class EngineConfig:
         if cap is not None and batch_size > cap:
             return 0
         k = self.num_speculative_tokens
-        return speculative_config.schedule_drafts(
+        return speculative.schedule_drafts(
             self.num_speculative_tokens_per_batch_size, k, batch_size
         )

@@ -1,6 +1,7 @@
-"""A Hugging Face `config.json` -> `ModelConfig` (`ModelConfig.from_hf` calls `config_from_hf`).
+"""A Hugging Face `config.json` -> `ModelConfig`'s fields (`ModelConfig.from_hf(hf)` is
+`ModelConfig(**fields_from_hf(hf))`).
 
-One function per concern: the shared Llama fields (`config_from_hf`), RoPE scaling (llama3,
+One function per concern: the shared Llama fields (`fields_from_hf`), RoPE scaling (llama3,
 linear, longrope), the dense families' switches (`_hf_family_fields`: Qwen3, Gemma 2/3, Phi-3,
 sliding windows) and the mixture-of-experts fields (`_hf_moe_fields`: Mixtral, Qwen3-MoE). Every
 value is checked as it is read: a missing, non-numeric, non-positive or absurdly large field raises
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.model_fields import (
+from jaxserve.config.model_fields import (
     DENSE_FAMILY_TYPES,
     LAYER_TYPES,
     MAX_EXPERTS,
@@ -25,11 +26,11 @@ from jaxserve.model_fields import (
 )
 
 
-def config_from_hf(cls, hf: dict[str, Any], name: str = ""):
-    """Builds a config from a Hugging Face `config.json` dict.
+def fields_from_hf(hf: dict[str, Any], name: str = "") -> dict[str, Any]:
+    """The `ModelConfig` fields of a Hugging Face `config.json` dict, as keyword arguments.
 
     A missing, non-numeric, non-positive or absurdly large field raises ValueError naming
-    the config.json field (`hf.load_hf_config` adds the file's path).
+    the config.json field (`loading.hf.load_hf_config` adds the file's path).
     """
     if not isinstance(hf, dict):
         raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
@@ -97,7 +98,7 @@ def config_from_hf(cls, hf: dict[str, Any], name: str = ""):
             )
     head_dim = hf.get("head_dim")
     num_layers = _hf_size(hf, "num_hidden_layers", "num_layers")
-    return cls(
+    return dict(
         architecture=arch,
         vocab_size=_hf_size(hf, "vocab_size", "vocab_size"),
         hidden_size=hidden,

@@ -17,15 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.hf_config import config_from_hf
-from jaxserve.model_fields import (  # noqa: F401  (re-exported: jaxserve.config imports them here)
-    DENSE_FAMILY_TYPES,
+from jaxserve.config.hf import fields_from_hf
+from jaxserve.config.model_fields import (
     LAYER_TYPES,
     MAX_EXPERTS,
     MAX_SIZES,
     MLP_ACTIVATIONS,
     MOE_ARCHITECTURES,
-    ROPE_TYPES,
     SUPPORTED_ARCHITECTURES,
     RopeScaling,
     _base_inv_freq,
@@ -33,9 +31,7 @@ from jaxserve.model_fields import (  # noqa: F401  (re-exported: jaxserve.config
     check_positive_number,
     check_size,
 )
-
-# name -> config, filled by `model_presets.py` (imported with `jaxserve.config`)
-PRESETS: dict = {}
+from jaxserve.config.presets import PRESET_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,15 +250,20 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], name: str = "") -> ModelConfig:
-        """Builds a config from a Hugging Face `config.json` dict (`hf_config.py`).
+        """Builds a config from a Hugging Face `config.json` dict (`hf.py`).
 
         A missing, non-numeric, non-positive or absurdly large field raises ValueError naming
-        the config.json field (`hf.load_hf_config` adds the file's path).
+        the config.json field (`loading.hf.load_hf_config` adds the file's path).
         """
-        return config_from_hf(cls, hf, name)
+        return cls(**fields_from_hf(hf, name))
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
+        """The named preset (`PRESETS`); ValueError naming the known ones for another name."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
         return PRESETS[name]
+
+
+# name -> config: the presets' fields (presets.py) as ModelConfigs, each checked once here
+PRESETS: dict[str, ModelConfig] = {name: ModelConfig(**f) for name, f in PRESET_FIELDS.items()}

@@ -1,6 +1,6 @@
 """The leaves of a model config: the architecture names, the RoPE scaling dataclass, the size
-bounds and the checks every config field goes through (`model_config.py` and `hf_config.py` both
-build on these; neither imports the other's back)."""
+bounds and the checks every config field goes through (`model.py`, `hf.py` and `presets.py` build
+on these; this module imports none of them)."""
 
 from __future__ import annotations
 

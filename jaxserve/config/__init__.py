@@ -1,0 +1,41 @@
+"""Configuration, host only (no jax): what a model is, and how an engine serves it.
+
+    model_fields.py  the leaves: architecture names, RopeScaling, size bounds and their checks
+    hf.py            a Hugging Face config.json -> ModelConfig's fields
+    presets.py       named model shapes, as data (name -> ModelConfig's fields)
+    model.py         ModelConfig: frozen and hashable (a jit static argument); from_hf, PRESETS
+    speculative.py   vLLM's speculative_config and batch-size schedule -> the speculative settings
+    engine.py        EngineConfig: every engine setting and its default, once; for_model
+
+Import from here: `from jaxserve.config import EngineConfig, ModelConfig`. Which implementations
+and buckets a built engine uses is jaxserve/resolve.py's choice, made from a filled EngineConfig.
+"""
+
+from jaxserve.config.engine import (
+    ATTENTION_IMPLS,
+    BATCHINGS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    MATMUL_IMPLS,
+    MAX_LOGPROBS,  # noqa: F401  (core/sampling_params.py and resolve.py import it from here)
+    QUANT_MATMUL_IMPLS,
+    EngineConfig,
+)
+from jaxserve.config.model import PRESETS, ModelConfig
+from jaxserve.config.model_fields import SUPPORTED_ARCHITECTURES, RopeScaling
+
+__all__ = [
+    "ATTENTION_IMPLS",
+    "MATMUL_IMPLS",
+    "QUANT_MATMUL_IMPLS",
+    "BATCHINGS",
+    "DTYPES",
+    "EngineConfig",
+    "KV_CACHE_DTYPES",
+    "LOAD_FORMATS",
+    "PRESETS",
+    "SUPPORTED_ARCHITECTURES",
+    "ModelConfig",
+    "RopeScaling",
+]
