@@ -4,14 +4,19 @@
     hf.py            a Hugging Face config.json -> ModelConfig's fields
     presets.py       named model shapes, as data (name -> ModelConfig's fields)
     model.py         ModelConfig: frozen and hashable (a jit static argument); from_hf, PRESETS
+    checks.py        the checks a setting declares beside its default, and the loop running them
+    settings.py      every engine setting with its default, help text and check
     speculative.py   vLLM's speculative_config and batch-size schedule -> the speculative settings
-    engine.py        EngineConfig: every engine setting and its default, once; for_model
+    engine.py        EngineConfig: the settings, the rules between them, for_model
 
 Import from here: `from jaxserve.config import EngineConfig, ModelConfig`. Which implementations
 and buckets a built engine uses is jaxserve/resolve.py's choice, made from a filled EngineConfig.
 """
 
-from jaxserve.config.engine import (
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.model import PRESETS, ModelConfig
+from jaxserve.config.model_fields import SUPPORTED_ARCHITECTURES, RopeScaling
+from jaxserve.config.settings import (
     ATTENTION_IMPLS,
     BATCHINGS,
     DTYPES,
@@ -20,10 +25,7 @@ from jaxserve.config.engine import (
     MATMUL_IMPLS,
     MAX_LOGPROBS,  # noqa: F401  (core/sampling_params.py and resolve.py import it from here)
     QUANT_MATMUL_IMPLS,
-    EngineConfig,
 )
-from jaxserve.config.model import PRESETS, ModelConfig
-from jaxserve.config.model_fields import SUPPORTED_ARCHITECTURES, RopeScaling
 
 __all__ = [
     "ATTENTION_IMPLS",
