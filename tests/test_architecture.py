@@ -191,13 +191,17 @@ LAYERS = (
     # the GPU ones'
     "pallas_kernels",
     "cpu_kernels",
-    # the settings, host only: a model's fields, its config, the engine's config, the choices
-    # made from them
-    "jaxserve.model_fields",
-    "jaxserve.hf_config",
-    "jaxserve.model_config",
-    "jaxserve.model_presets",
-    "jaxserve.speculative_config",
+    # the settings, host only (jaxserve/config/, the package last: its re-exports): a model's
+    # fields, config.json's, the presets, the model's config; a setting's checks, the settings,
+    # vLLM's speculative_config, the engine's config; then the choices made from them
+    "jaxserve.config.model_fields",
+    "jaxserve.config.hf",
+    "jaxserve.config.presets",
+    "jaxserve.config.model",
+    "jaxserve.config.checks",
+    "jaxserve.config.settings",
+    "jaxserve.config.speculative",
+    "jaxserve.config.engine",
     "jaxserve.config",
     "jaxserve.resolve",
     # the host side of requests (no jax: tests/core/test_host_only.py)
