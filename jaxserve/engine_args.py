@@ -24,10 +24,10 @@ import logging
 import os
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config.speculative import merge_speculative_config
 from jaxserve.core.engine import LLMEngine
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.layers import kv_cache
-from jaxserve.speculative_config import merge_speculative_config
 
 logger = logging.getLogger(__name__)
 _SETTINGS = frozenset(f.name for f in dataclasses.fields(EngineConfig))

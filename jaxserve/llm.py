@@ -15,7 +15,7 @@ vLLM's spellings are accepted too (`vllm_settings`): max_num_seqs (= num_slots),
 float32: "auto" and the float16 names give bfloat16, as vLLM's auto rule on a platform without
 float16), gpu_memory_utilization (the KV cache gets that fraction of device memory less the
 params and slot state; ignored on the CPU, as vLLM-CPU does), speculative_config (vLLM's dict,
-method "ngram" only: `jaxserve.speculative_config`), tokenizer (a path or Hub id), hf_token (for
+method "ngram" only: `jaxserve.config.speculative`), tokenizer (a path or Hub id), hf_token (for
 Hub ids; else HF_TOKEN or the saved login) and generation_config
 ("auto": the model directory's generation_config.json sampling defaults apply when
 sampling_params is None, and its eos ids stop generation; "vllm": ignored).

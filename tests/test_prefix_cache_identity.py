@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model_config import ModelConfig
+from jaxserve.config.model import ModelConfig
 
 CONFIG = dataclasses.replace(
     ModelConfig.preset("tiny"),

@@ -1,10 +1,10 @@
-"""vLLM's speculative_config dict and its batch-size schedule (`jaxserve/speculative_config.py`)."""
+"""vLLM's speculative_config dict and its batch-size schedule (`jaxserve/config/speculative.py`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxserve.speculative_config import normalize_schedule, schedule_drafts, speculative_settings
+from jaxserve.config.speculative import normalize_schedule, schedule_drafts, speculative_settings
 
 
 def test_speculative_settings_map_vllms_keys():

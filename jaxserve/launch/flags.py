@@ -24,9 +24,9 @@ from typing import Any
 from absl import flags
 
 from jaxserve.config import EngineConfig
+from jaxserve.config.speculative import merge_speculative_config, normalize_schedule
 from jaxserve.launch import distributed  # noqa: F401  (every launcher takes the multi-host flags)
 from jaxserve.lora.request import parse_lora_modules
-from jaxserve.speculative_config import merge_speculative_config, normalize_schedule
 
 FLAGS = flags.FLAGS
 

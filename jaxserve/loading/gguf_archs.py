@@ -49,7 +49,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.model_fields import LAYER_TYPES, MAX_EXPERTS, check_positive_number, check_size
+from jaxserve.config.model_fields import LAYER_TYPES, MAX_EXPERTS, check_positive_number, check_size
 
 # GGUF general.architecture -> ModelConfig.architecture, for the families of this module
 ARCHS = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}

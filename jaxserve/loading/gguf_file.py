@@ -58,10 +58,10 @@ import numpy as np
 from gguf.quants import dequantize
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.config.model import MAX_SIZES, check_positive_number, check_size
 from jaxserve.loading import gguf_archs
 from jaxserve.loading.loaded import ModelLoadError
 from jaxserve.loading.params import flat_shapes, np_dtype, to_device
-from jaxserve.model_config import MAX_SIZES, check_positive_number, check_size
 
 log = logging.getLogger(__name__)
 

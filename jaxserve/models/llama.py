@@ -42,7 +42,7 @@ output projection it is when tied, logical [D, V] (`layers.embedding`): the look
 columns and tied logits are `linear(hidden, embed)`. Norms and softmax run in f32; matmuls in the
 params' dtype (`model_dtype`: the float embedding's, else final_norm's).
 
-The family switches, all read from the static config (`model_config.py`): q/k norms, Gemma's
+The family switches, all read from the static config (`config/model.py`): q/k norms, Gemma's
 `(1 + w)` norms (`norm_offset`), sandwich norms, the gate activation, scaled embeddings,
 attention scale and soft-caps, final-logit soft-cap, RoPE scaling (llama3 / linear / LongRoPE /
 GGUF divisors). What differs per layer (Gemma's sliding and global layers, Gemma 3's two RoPE

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxserve.model_config import ModelConfig
+from jaxserve.config.model import ModelConfig
 
 AXES = ("data", "model")
 

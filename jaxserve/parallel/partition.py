@@ -39,9 +39,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.config.model import ModelConfig
 from jaxserve.layers.embedding import is_quantized
 from jaxserve.layers.linear import TransposedWeight
-from jaxserve.model_config import ModelConfig
 from jaxserve.parallel.mesh import check_tensor_parallel, mesh_sizes
 
 logger = logging.getLogger(__name__)
