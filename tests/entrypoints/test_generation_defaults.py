@@ -8,7 +8,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.entrypoints.openai.protocol.chat import ChatCompletionRequest
+from jaxserve.entrypoints.openai.protocol.completion import CompletionRequest
 from jaxserve.entrypoints.openai.serving import ServingState, make_sampling_params
 
 GEN = SamplingParams(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.1,

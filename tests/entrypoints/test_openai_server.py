@@ -150,7 +150,7 @@ def test_add_special_tokens_reaches_the_tokenizer():
     text is its kept tokens' decoding."""
     from types import SimpleNamespace
 
-    from jaxserve.entrypoints.openai.protocol import CompletionRequest
+    from jaxserve.entrypoints.openai.protocol.completion import CompletionRequest
     from jaxserve.entrypoints.openai.serving_completion import _prompts
 
     class Tok:

@@ -306,7 +306,11 @@ def test_required_streams_each_call_as_its_object_closes():
 def test_a_streamed_tool_call_fragment_leaves_out_its_unset_fields():
     """The openai client's stream helper merges fragments key by key, and a null "type" would
     overwrite the first fragment's "function"."""
-    from jaxserve.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+    from jaxserve.entrypoints.openai.protocol.chat import (
+        DeltaFunctionCall,
+        DeltaMessage,
+        DeltaToolCall,
+    )
 
     later = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='"x"'))
     msg = json.loads(DeltaMessage(tool_calls=[later]).model_dump_json())
@@ -326,7 +330,7 @@ def test_llama3_json_streamed_keeps_the_words_before_the_calls():
 def test_an_explicit_null_tool_choice_is_none_and_a_missing_one_is_the_default():
     """As vLLM: tools without tool_choice mean "auto"; `"tool_choice": null` calls no tool (many
     clients send every field, unset ones as null)."""
-    from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from jaxserve.entrypoints.openai.protocol.chat import ChatCompletionRequest
 
     msgs = [{"role": "user", "content": "hi"}]
     given = ChatCompletionRequest.model_validate({"messages": msgs, "tools": TOOLS})

@@ -1,1 +1,2 @@
-"""OpenAI-compatible API: protocol objects (protocol.py) apart from the serving code and the app."""
+"""OpenAI-compatible API: protocol objects (protocol/, one module per endpoint) apart from the serving
+code and the app."""

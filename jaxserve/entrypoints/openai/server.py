@@ -32,17 +32,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jaxserve.entrypoints.metrics import ServerMetrics
-from jaxserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
+from jaxserve.entrypoints.openai.protocol.chat import ChatCompletionRequest
+from jaxserve.entrypoints.openai.protocol.completion import CompletionRequest
+from jaxserve.entrypoints.openai.protocol.models import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
-    ResponsesRequest,
-    TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from jaxserve.entrypoints.openai.protocol.responses import ResponsesRequest
+from jaxserve.entrypoints.openai.protocol.tokenization import DetokenizeRequest, TokenizeRequest
 from jaxserve.entrypoints.openai.serving import APIError, ServingState, off_loop, tokenize_text
 from jaxserve.entrypoints.openai.serving_chat import apply_template, create_chat_completion
 from jaxserve.entrypoints.openai.serving_completion import create_completion

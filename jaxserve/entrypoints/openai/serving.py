@@ -20,7 +20,12 @@ from collections.abc import AsyncIterator
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.entrypoints.metrics import ServerMetrics
-from jaxserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptLogprob, random_id
+from jaxserve.entrypoints.openai.protocol.common import (
+    ErrorInfo,
+    ErrorResponse,
+    PromptLogprob,
+    random_id,
+)
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 

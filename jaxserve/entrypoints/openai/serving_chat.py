@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from jaxserve.core.outputs import CompletionOutput
-from jaxserve.entrypoints.openai.protocol import (
+from jaxserve.entrypoints.openai.protocol.chat import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -24,9 +24,8 @@ from jaxserve.entrypoints.openai.protocol import (
     DeltaMessage,
     DeltaToolCall,
     TopLogprob,
-    Usage,
-    random_id,
 )
+from jaxserve.entrypoints.openai.protocol.common import Usage, random_id
 from jaxserve.entrypoints.openai.serving import (
     APIError,
     ServingState,

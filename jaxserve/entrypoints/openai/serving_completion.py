@@ -14,13 +14,12 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
-from jaxserve.entrypoints.openai.protocol import (
+from jaxserve.entrypoints.openai.protocol.common import Usage, random_id
+from jaxserve.entrypoints.openai.protocol.completion import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    Usage,
-    random_id,
 )
 from jaxserve.entrypoints.openai.serving import (
     APIError,

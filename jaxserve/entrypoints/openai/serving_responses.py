@@ -40,8 +40,8 @@ from typing import Any
 
 import pydantic
 
-from jaxserve.entrypoints.openai.protocol import (
-    ChatMessage,
+from jaxserve.entrypoints.openai.protocol.chat import ChatMessage
+from jaxserve.entrypoints.openai.protocol.responses import (
     FunctionCallItem,
     OutputMessage,
     OutputText,

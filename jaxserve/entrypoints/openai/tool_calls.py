@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from jaxserve.entrypoints.openai.protocol import random_id
+from jaxserve.entrypoints.openai.protocol.common import random_id
 from jaxserve.entrypoints.openai.tool_parsers import _DECODER, PARSERS, _call, _named_call
 
 

@@ -31,7 +31,7 @@ import re
 import string
 from typing import Any
 
-from jaxserve.entrypoints.openai.protocol import random_id
+from jaxserve.entrypoints.openai.protocol.common import random_id
 
 _START, _END = "<tool_call>", "</tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
