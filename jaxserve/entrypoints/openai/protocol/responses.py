@@ -1,6 +1,6 @@
 """POST /v1/responses (OpenAI's Responses API): the request (the sampling fields, input items,
-text.format, function tools), the output items and the response object; serving_responses.py
-serves them."""
+text.format, function tools), the output items and the response object. responses_input.py
+turns the request into a chat completion's messages and tools; serving_responses.py serves it."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class TextConfig(RequestModel):
 class ResponsesRequest(SamplingRequest):
     """POST /v1/responses (OpenAI's Responses API, text in and out), with the sampling fields
     and vLLM's extras of the other endpoints. What it does not serve is a 400 naming the field
-    (serving_responses.check_responses_unserved), never ignored."""
+    (responses_input.check_responses_unserved), never ignored."""
 
     input: str | list[dict[str, Any]]
     instructions: str | None = None
