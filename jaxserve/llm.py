@@ -182,7 +182,7 @@ class LLM:
         if len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         for p in priority:
-            self.engine.check_priority(p)
+            self.engine.checker.check_priority(p)
         loras = self._per_prompt_loras(lora_request, len(prompts))
         index: dict[str, int] = {}
         pbar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
@@ -282,7 +282,7 @@ class LLM:
         naming it and the problem, else {"prompt", "prompt_token_ids"} (tokenized once)."""
         text, ids, sp, error = self._prepare(prompt, sp)
         if error is None:
-            error = self.engine.check_request(ids, sp)[1]
+            error = self.engine.checker.check_request(ids, sp)[1]
         if error is not None:
             raise ValueError(f"prompt {i}: {error}")
         return {"prompt": text, "prompt_token_ids": ids}
@@ -320,7 +320,7 @@ class LLM:
             if lora is not None and (
                 not isinstance(lora, LoRARequest) or not self.engine_config.enable_lora
             ):
-                self.engine.read_lora(lora)  # raises, naming the problem
+                self.engine.checker.read_lora(lora)  # raises, naming the problem
         return loras
 
     def _submit(self, prompt, sp, stream: bool, priority: int = 0, lora=None) -> str:

@@ -1,7 +1,8 @@
 """The host loop: schedule -> run -> update, one engine step at a time.
 
-    add_request(...)   validates one prompt; a bad one becomes an error output at the next step
-                       (the others are unaffected); n > 1 becomes n child requests (distinct seeds)
+    add_request(...)   checks one prompt (`request_checks.py`); a bad one becomes an error output
+                       at the next step (the others are unaffected); n > 1 becomes n child
+                       requests (distinct seeds)
     step()             plan = scheduler.schedule()      admit / chunk prefills / decode / preempt
                        handle = runner.dispatch(plan)   queue the device work (asynchronous)
                        [next plan scheduled and dispatched here: async scheduling]
@@ -38,12 +39,11 @@ from jaxserve.core.output_processor import (
     make_output,
 )
 from jaxserve.core.outputs import RequestOutput
-from jaxserve.core.page_allocator import pages_for
 from jaxserve.core.request import Request, RequestStatus, derive_seed, max_total_len
+from jaxserve.core.request_checks import RequestChecker
 from jaxserve.core.runner_api import Runner, StepResult
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import SchedulerOutput
-from jaxserve.core.slot_row import make_slot_row
 from jaxserve.core.structured_outputs import StructuredOutputManager
 from jaxserve.lora.peft import read_adapter
 from jaxserve.lora.request import LoRARequest
@@ -84,9 +84,10 @@ class LLMEngine:
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
-        self.eos_token_ids = tuple(sorted(eos))
-        self.structured = StructuredOutputManager(
-            tokenizer, model_config.vocab_size, self.eos_token_ids
+        self.eos_token_ids = eos = tuple(sorted(eos))
+        self.structured = StructuredOutputManager(tokenizer, model_config.vocab_size, eos)
+        self.checker = RequestChecker(
+            model_config, config, num_pages, tokenizer, eos, self.structured, self.loras
         )
         self._groups: dict[str, RequestGroup] = {}
         self._pending: list[RequestOutput] = []  # error outputs, delivered by the next step()
@@ -122,7 +123,7 @@ class LLMEngine:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queues one request; invalid input becomes an error output (see `validate`).
+        """Queues one request; invalid input becomes an error output (`request_checks.py`).
         priority: lower runs first under scheduling_policy="priority"; ValueError under fcfs
         (vLLM's rule: a priority the policy would ignore is a caller's mistake).
         lora_request: the adapter to run with (EngineConfig.enable_lora; ValueError without it);
@@ -130,12 +131,12 @@ class LLMEngine:
         now = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already running")
-        self.check_priority(priority)
+        self.checker.check_priority(priority)
         n = sampling_params.n if isinstance(sampling_params, SamplingParams) else 1
-        sampling_params, error = self.check_request(prompt_token_ids, sampling_params)
+        sampling_params, error = self.checker.check_request(prompt_token_ids, sampling_params)
         lora = None
         if error is None and lora_request is not None:
-            lora, error = self.read_lora(lora_request)
+            lora, error = self.checker.read_lora(lora_request)
         grammar = None
         if error is None and sampling_params.structured_outputs is not None:
             try:  # a schema, regex or grammar that does not compile is this request's error
@@ -183,99 +184,6 @@ class LLMEngine:
             child.leader = children[0]  # with prefix caching, they share its prompt pages
         for child in children:
             self.scheduler.add(child)
-
-    def check_priority(self, priority) -> None:
-        """ValueError unless `priority` is an int the scheduling policy uses (any int under
-        "priority", 0 under "fcfs")."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        if priority and self.config.scheduling_policy != "priority":
-            raise ValueError(
-                f"got priority {priority}, but priority scheduling is not enabled "
-                "(scheduling_policy='priority')"
-            )
-
-    def read_lora(self, lora_request) -> tuple:
-        """(the adapter, None) or (None, why it cannot be used); ValueError when LoRA is off or
-        `lora_request` is not a LoRARequest (a caller's mistake, as in vLLM)."""
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(
-                f"lora_request must be a jaxserve.lora.LoRARequest, got {type(lora_request).__name__}"
-            )
-        if self.loras is None:
-            raise ValueError(
-                f"got lora_request {lora_request.lora_name!r}, but LoRA is not enabled "
-                "(enable_lora=True)"
-            )
-        try:
-            return self.loras.read(lora_request), None
-        except ValueError as e:
-            return None, str(e)
-
-    def check_request(self, ids, sp) -> tuple[SamplingParams, str | None]:
-        """Every check `add_request` makes, without queueing: (the params with bad_words as token
-        ids, the reason the request cannot run or None). It reads only the configuration, the
-        tokenizer and the grammar cache, so a server thread may call it while the engine steps
-        (vLLM's front-end validation): a bad request is then a 400 before a stream starts."""
-        if isinstance(sp, SamplingParams):
-            try:  # the engine's own validated copy (a caller may have set a field since)
-                sp = sp.checked()
-            except (ValueError, TypeError, RecursionError) as e:
-                return sp, str(e)
-        if isinstance(sp, SamplingParams) and sp.bad_words:
-            try:  # vLLM's update_from_tokenizer: the words as token sequences
-                sp = sp.with_bad_words_ids(self.tokenizer)
-            except ValueError as e:
-                return sp, str(e)
-        error = self.validate(ids, sp)
-        if error is None and sp.structured_outputs is not None:
-            try:  # a schema, regex or grammar that does not compile (compiled once, cached)
-                self.structured.check(sp.structured_outputs)
-            except ValueError as e:
-                error = str(e)
-        return sp, error
-
-    def validate(self, ids, sp) -> str | None:
-        """The reason this request cannot run, or None (bad_words and grammars aside: see
-        `check_request`)."""
-        if not isinstance(sp, SamplingParams):
-            return f"sampling_params must be a SamplingParams, got {type(sp).__name__}"
-        if not isinstance(ids, list | tuple) or len(ids) == 0:
-            return "prompt is empty"
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids):
-            return f"prompt_token_ids must be ints in [0, vocab_size={vocab})"
-        max_len = self.config.max_model_len
-        if len(ids) >= max_len:
-            return (
-                f"prompt has {len(ids)} tokens; max_model_len={max_len} leaves no room to "
-                f"generate (at most {max_len - 1} prompt tokens)"
-            )
-        if sp.stop and self.tokenizer is None:
-            return "stop strings need a tokenizer; this model has none (use stop_token_ids)"
-        if sp.structured_outputs is not None and self.config.decode_steps > 1:
-            return (
-                "structured_outputs need decode_steps=1 (each token's mask depends on the one "
-                f"before it); this engine runs decode_steps={self.config.decode_steps}"
-            )
-        try:
-            sp.verify(len(ids), max_len, vocab, self.config.max_logprobs)
-        except ValueError as e:
-            return str(e)
-        max_total = max_total_len(len(ids), sp, max_len)
-        need = pages_for(max_total - 1, self.config.page_size)
-        pool = self.num_pages // self.config.data_parallel_size  # a request lives on one shard
-        if need > pool:
-            where = "the pool has" if pool == self.num_pages else "a data shard's pool has"
-            return (
-                f"request can never fit: prompt ({len(ids)}) + max_tokens ({sp.max_tokens}) needs "
-                f"{need} KV pages, {where} {pool}"
-            )
-        try:
-            make_slot_row(sp, list(ids), [], self.eos_token_ids, 0, max_len)
-        except ValueError as e:
-            return str(e)
-        return None
 
     def abort(self, request_id: str) -> None:
         """Stops a request now; its tokens still in flight are dropped when they return."""

@@ -113,8 +113,8 @@ class AsyncLLM:
 
     def check(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> str | None:
         """The reason the engine would refuse this request, or None, found now in the caller's
-        thread (`LLMEngine.check_request`): a server answers 400 before a stream starts."""
-        return self.engine.check_request(prompt_token_ids, sampling_params)[1]
+        thread (`RequestChecker.check_request`): a server answers 400 before a stream starts."""
+        return self.engine.checker.check_request(prompt_token_ids, sampling_params)[1]
 
     async def generate(
         self,
@@ -138,7 +138,7 @@ class AsyncLLM:
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         if rid in self._outbox:
             raise ValueError(f"request_id {rid!r} is already running")
-        self.engine.check_priority(priority)  # reads only the config: safe from this thread
+        self.engine.checker.check_priority(priority)  # reads only the config: safe from this thread
         now = time.monotonic()
         try:
             sp = sampling_params if sampling_params is not None else SamplingParams()

@@ -7,7 +7,7 @@
 A prompt is a str (tokenized here), {"prompt": str}, or {"prompt_token_ids": [...]} with an
 optional "prompt" text beside the ids (vLLM's TextPrompt / TokensPrompt); any other key is an
 error, as is a text without a tokenizer to read it. The ids are checked by the engine
-(`LLMEngine.validate`: ints in the vocabulary, room to generate) where every request is.
+(`RequestChecker.validate`: ints in the vocabulary, room to generate) where every request is.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ async def check_request(state: ServingState, req, ids: list[int], sp: SamplingPa
     A grammar (whose validation, or the first one's tokenizer setup, can take a while) or
     bad_words is checked in a worker thread, so other clients' streams do not wait on it."""
     try:  # vLLM's `priority` extra: a ValueError under the fcfs policy
-        state.async_llm.engine.check_priority(getattr(req, "priority", 0))
+        state.async_llm.engine.checker.check_priority(getattr(req, "priority", 0))
     except ValueError as e:
         raise APIError(400, str(e), "priority") from None
     if sp.structured_outputs is not None or sp.bad_words:
