@@ -21,7 +21,8 @@ import dataclasses
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
 
 
 def make_scheduler(config: EngineConfig, num_pages: int, slot_buckets=None, loras=None):

@@ -43,7 +43,7 @@ from jaxserve.core.request import Request, RequestStatus, derive_seed, max_total
 from jaxserve.core.request_checks import RequestChecker
 from jaxserve.core.runner_api import Runner, StepResult
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.core.structured_outputs import StructuredOutputManager
 from jaxserve.lora.peft import read_adapter
 from jaxserve.lora.request import LoRARequest

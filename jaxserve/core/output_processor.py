@@ -22,7 +22,7 @@ from jaxserve.core.detokenizer import IncrementalDetokenizer, find_stop, held_ba
 from jaxserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.runner_api import StepResult
-from jaxserve.core.scheduler import PrefillChunk
+from jaxserve.core.scheduler_output import PrefillChunk
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from flax import struct
 
-from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.resolve import PrefillShape
 
 

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.request import Request
 from jaxserve.core.runner_api import StepResult
-from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.core.slot_row import make_slot_row
 from jaxserve.layers.embedding import is_quantized
 from jaxserve.parallel import partition

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxserve.core.request import Request
 from jaxserve.core.runner_api import StepResult
-from jaxserve.core.scheduler import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.resolve import bucket_for
 
 
