@@ -19,6 +19,9 @@ engine has tokenized them) become fixed-size per-slot arrays, bounded by `MAX_LO
 `MAX_ALLOWED_TOKEN_IDS` and `MAX_BAD_WORDS` x `MAX_BAD_WORD_TOKENS`. As in vLLM, stop,
 stop_token_ids and bad_words come back as lists ([] when unset); detokenize=False returns token
 ids and no text (stop strings then need detokenize=True).
+
+Each field's parser (raw value -> its normal form, or ValueError naming the field) and those
+per-slot bounds are in `sampling_fields.py`; this module holds the dataclass and its rules.
 """
 
 from __future__ import annotations
@@ -28,34 +31,29 @@ import dataclasses
 import functools
 import logging
 import math
-import numbers
 from typing import Any
 
-import numpy as np
-
 from jaxserve.config import MAX_LOGPROBS
+from jaxserve.core.sampling_fields import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_INT32,
+    is_real,
+    parse_bad_words,
+    parse_float,
+    parse_int,
+    parse_logit_bias,
+    parse_stop,
+    parse_token_ids,
+    tokenize_bad_words,
+)
 from jaxserve.core.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 MAX_N = 128  # most samples per request (OpenAI's limit for `n`)
-MAX_INT32 = 2**31 - 1  # token counts and ids live in int32 arrays on the device
-MAX_STOP_IDS = 16  # stop/eos ids per slot suppressed while fewer than min_tokens were generated
-MAX_LOGIT_BIAS = 256  # logit_bias entries per request (a per-slot array on the device)
-MAX_ALLOWED_TOKEN_IDS = 1024  # allowed_token_ids per request (a per-slot array on the device)
-MAX_BAD_WORDS = 16  # token sequences of bad_words per request, after tokenization
-MAX_BAD_WORD_TOKENS = 8  # tokens of one bad word
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # a temperature in (0, this) is raised to this (vLLM's _MAX_TEMP)
 MAX_TEMPERATURE = 2.0  # vLLM: "temperature must be in [0, 2]"
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool | np.bool_)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -113,14 +111,14 @@ class SamplingParams:
             if getattr(self, name) is True:  # vLLM: True means 1
                 set_(name, 1)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
-            set_(name, _real(name, getattr(self, name)))
+            set_(name, parse_float(name, getattr(self, name)))
         for name in ("presence_penalty", "frequency_penalty"):
-            set_(name, _real(name, getattr(self, name)))
+            set_(name, parse_float(name, getattr(self, name)))
         for name in ("n", "top_k", "min_tokens"):
-            set_(name, _int(name, getattr(self, name)))
+            set_(name, parse_int(name, getattr(self, name)))
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                set_(name, _int(name, getattr(self, name)))
+                set_(name, parse_int(name, getattr(self, name)))
         if self.seed == -1:  # vLLM: -1 is unseeded
             set_("seed", None)
         for name in (
@@ -131,11 +129,11 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        set_("stop", _stop_strings(self.stop))
-        set_("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids) or [])
-        set_("allowed_token_ids", _token_ids("allowed_token_ids", self.allowed_token_ids))
-        set_("logit_bias", _logit_bias(self.logit_bias))
-        set_("bad_words", _bad_words(self.bad_words))
+        set_("stop", parse_stop(self.stop))
+        set_("stop_token_ids", parse_token_ids("stop_token_ids", self.stop_token_ids) or [])
+        set_("allowed_token_ids", parse_token_ids("allowed_token_ids", self.allowed_token_ids))
+        set_("logit_bias", parse_logit_bias(self.logit_bias))
+        set_("bad_words", parse_bad_words(self.bad_words))
         if self.structured_outputs is not None:
             set_("structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
 
@@ -243,7 +241,7 @@ class SamplingParams:
         bias = kwargs.get("logit_bias")
         if isinstance(bias, dict):
             kwargs["logit_bias"] = {
-                k: min(100.0, max(-100.0, v)) if _is_real(v) else v for k, v in bias.items()
+                k: min(100.0, max(-100.0, v)) if is_real(v) else v for k, v in bias.items()
             }
         return cls(**kwargs)
 
@@ -257,7 +255,9 @@ class SamplingParams:
         is encoded as is and with a leading space, the second kept when it is a different token
         sequence of the same length. ValueError when a word has no tokens or there are too many."""
         out = copy.copy(self)
-        object.__setattr__(out, "_bad_words_token_ids", _tokenize_bad_words(self, tokenizer))
+        object.__setattr__(
+            out, "_bad_words_token_ids", tokenize_bad_words(self.bad_words, tokenizer)
+        )
         return out
 
     def verify(
@@ -321,106 +321,3 @@ def _init(self, *args, **kwargs):
 
 
 SamplingParams.__init__ = _init
-
-
-def _real(name: str, value: Any) -> float:
-    if not _is_real(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except OverflowError:  # an int beyond float range, e.g. 10**400
-        raise ValueError(f"{name} is too large to be a float: {str(value)[:20]}...") from None
-
-
-def _int(name: str, value: Any) -> int:
-    if not _is_int(value):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    return int(value)
-
-
-def _stop_strings(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    items = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(items, list | tuple) or not all(isinstance(s, str) for s in items):
-        raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
-    if any(s == "" for s in items):
-        raise ValueError("stop cannot contain an empty string")
-    return list(items)
-
-
-def _token_ids(name: str, ids: Any) -> list[int] | None:
-    """A list of token ids, de-duplicated in order (vLLM's dict.fromkeys)."""
-    if ids is None:
-        return None
-    if not isinstance(ids, list | tuple) or not all(
-        _is_int(t) and 0 <= t <= MAX_INT32 for t in ids
-    ):
-        raise ValueError(f"{name} must be a list of ints in [0, 2**31 - 1], got {str(ids)[:200]}")
-    return list(dict.fromkeys(int(t) for t in ids))
-
-
-def _logit_bias(bias: Any) -> dict[int, float] | None:
-    """{token id: bias}; keys may be int strings (JSON), biases finite numbers."""
-    if bias is None:
-        return None
-    if not isinstance(bias, dict):
-        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {str(bias)[:200]}")
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise ValueError(
-            f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS} are supported"
-        )
-    out = {}
-    for key, value in bias.items():
-        try:
-            tid = int(key) if isinstance(key, str) else key
-        except ValueError:
-            tid = None
-        if not _is_int(tid) or not 0 <= tid <= MAX_INT32:
-            raise ValueError(f"logit_bias keys must be token ids (ints), got {str(key)[:50]!r}")
-        value = _real("logit_bias", value)
-        if not math.isfinite(value):
-            raise ValueError(f"logit_bias values must be finite, got {value} for token {tid}")
-        out[int(tid)] = value
-    return out
-
-
-def _bad_words(words: Any) -> list[str]:
-    if words is None:
-        return []
-    items = (words,) if isinstance(words, str) else words
-    if not isinstance(items, list | tuple) or not all(isinstance(w, str) for w in items):
-        raise ValueError(f"bad_words must be a list of str, got {str(words)[:200]}")
-    if any(not w for w in items):
-        raise ValueError("bad_words cannot contain an empty string")
-    return list(dict.fromkeys(items))
-
-
-def _tokenize_bad_words(sp: SamplingParams, tokenizer) -> tuple[tuple[int, ...], ...] | None:
-    """vLLM's `update_from_tokenizer`: each word without, then with, a leading space."""
-    if not sp.bad_words:
-        return None
-    if tokenizer is None:
-        raise ValueError("bad_words need a tokenizer; this model has none")
-    seqs: list[tuple[int, ...]] = []
-    for word in sp.bad_words:
-        for prefix in ("", " "):
-            ids = tuple(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
-            if not ids:
-                if not prefix:
-                    raise ValueError(f"bad_words entry {word!r} tokenizes to no tokens")
-                continue
-            # The spaced form counts when it is a new word token of the same length (vLLM).
-            if not prefix or (ids[0] != seqs[-1][0] and len(ids) == len(seqs[-1])):
-                seqs.append(ids)
-    if len(seqs) > MAX_BAD_WORDS:
-        raise ValueError(
-            f"bad_words: {len(seqs)} token sequences after tokenization, at most "
-            f"{MAX_BAD_WORDS} are supported"
-        )
-    longest = max(len(q) for q in seqs)
-    if longest > MAX_BAD_WORD_TOKENS:
-        raise ValueError(
-            f"bad_words: a word of {longest} tokens, at most {MAX_BAD_WORD_TOKENS} are supported"
-        )
-    return tuple(seqs)

@@ -5,7 +5,7 @@
     seed_key_data(seed)                                      the threefry key data of a seed
 
 Host side only (numpy, never jax). The row's sizes are the per-slot bounds of
-`core/sampling_params.py` (MAX_STOP_IDS, MAX_LOGIT_BIAS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS x
+`core/sampling_fields.py` (MAX_STOP_IDS, MAX_LOGIT_BIAS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS x
 MAX_BAD_WORD_TOKENS), so every row has the same shapes and inserting one compiles nothing new.
 """
 
@@ -16,15 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.core.sampling_params import (
+from jaxserve.core.sampling_fields import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_STOP_IDS,
-    SamplingParams,
-    _is_int,
+    is_int,
 )
+from jaxserve.core.sampling_params import SamplingParams
 
 _F32_MAX = float(np.finfo(np.float32).max)  # a finite value past it saturates there
 
@@ -63,7 +63,7 @@ def seed_key_data(seed: int) -> np.ndarray:
     Equals `jax.random.key_data(jax.random.key(seed))` for 0 <= seed < 2**32 (and for every int64
     seed with jax_enable_x64), so a request's key is a function of its seed alone.
     """
-    if not _is_int(seed) or not (-(2**63) <= seed < 2**64):
+    if not is_int(seed) or not (-(2**63) <= seed < 2**64):
         raise ValueError(f"seed must be an int in [-2**63, 2**64), got {seed!r}")
     seed = int(seed)
     return np.array([(seed >> 32) & _U32, seed & _U32], dtype=np.uint32)
@@ -73,7 +73,7 @@ def _padded(name: str, ids: Any, length: int) -> np.ndarray:
     ids = list(ids)
     if len(ids) > length:
         raise ValueError(f"{name} has {len(ids)} tokens, more than {length}")
-    if not all(_is_int(t) and t >= 0 for t in ids):
+    if not all(is_int(t) and t >= 0 for t in ids):
         raise ValueError(f"{name} must hold non-negative int token ids")
     out = np.full((length,), -1, dtype=np.int32)
     out[: len(ids)] = ids
@@ -97,7 +97,7 @@ def make_slot_row(
     """
     if not isinstance(sp, SamplingParams):
         raise ValueError(f"sp must be a SamplingParams, got {type(sp).__name__}")
-    if not _is_int(max_model_len) or max_model_len < 1:
+    if not is_int(max_model_len) or max_model_len < 1:
         raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
     prompt = _padded("prompt_token_ids", prompt_token_ids, max_model_len)
     output = _padded("output_token_ids", output_token_ids, max_model_len)

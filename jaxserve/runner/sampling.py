@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxserve.core.sampling_params import (
+from jaxserve.core.sampling_fields import (
     MAX_BAD_WORD_TOKENS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,

@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.core.sampling_params import MAX_STOP_IDS, SamplingParams
+from jaxserve.core.sampling_fields import MAX_STOP_IDS
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.slot_row import SlotRow, make_slot_row, seed_key_data
 
 INVALID = [
