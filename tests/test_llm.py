@@ -645,7 +645,7 @@ def test_bad_words_never_completed():
     """vLLM bad_words: a word's last token is banned right after its other tokens (here the
     greedy continuation's own 2nd token after its 1st, and a one-token word outright)."""
     llm = make_llm()
-    llm.engine.tokenizer = llm.engine.checker.tokenizer = _DigitTokenizer()
+    llm.engine.tokenizer = _DigitTokenizer()
     p = ids([[5, 6, 7]])
     sp = dict(temperature=0, max_tokens=8, ignore_eos=True)
     free = llm.generate(p, SamplingParams(**sp), use_tqdm=False)[0].outputs[0].token_ids

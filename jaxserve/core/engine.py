@@ -71,7 +71,6 @@ class LLMEngine:
             )
         self.config = config
         self.num_pages = num_pages
-        self.tokenizer = tokenizer
         self.loras = None
         if config.enable_lora:
             self.loras = LoRASlots(
@@ -111,6 +110,15 @@ class LLMEngine:
     def next_request_id(self) -> str:
         self._counter += 1
         return str(self._counter - 1)
+
+    @property
+    def tokenizer(self):
+        """The tokenizer (None for a model without one), the same object the checks read."""
+        return self.checker.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.checker.tokenizer = tokenizer
 
     def add_request(
         self,
