@@ -16,7 +16,7 @@ heads, Gp = next_pow2(G), pool of P pages of ps tokens, BK = block_k keys per st
     first. The program walks the n key tiles from the page of the tile's earliest visible key
     (its window's start; 0 when global) to min(seq_len, max position + 1): tiles wholly above the
     causal diagonal or before every row's window are never loaded. With the decode kernel's ring
-    (`mgpu_paged_attention.KVRing`: page-table scalars, TMA of each page into a multi-buffered SMEM
+    (`mgpu_common.KVRing`: page-table scalars, TMA of each page into a multi-buffered SMEM
     ring, int8/fp8 pages dequantized into a bf16 slot) and its online-softmax step (`attend`:
     S = Q . K^T and O += P . V on wgmma from SMEM, softmax in registers):
         tiles [0, i_a)      masked: s <= position, s < seq_len, s > position - window
@@ -32,17 +32,17 @@ when tile i's products are done). At the Llama-3-8B prefill shape (sm_90a) ptxas
 registers and no spills with bf16 pages, 255 registers and 36 bytes of spills with fp8/int8 pages
 (the test prints it); head_dim 256 spills ~0.9 KB (the f32 accumulator alone is 128 registers).
 
-Refused with a ValueError (`mgpu_paged_attention.check_mgpu_options`, the decode kernel's): f32
+Refused with a ValueError (`mgpu_common.check_mgpu_options`, the decode kernel's): f32
 queries, KV pages other than bf16/int8/fp8, page sizes below 8, head dims other than 64/128/256,
 GQA groups over 64 heads, and configs whose SMEM exceeds the 227 KiB of a Hopper block.
 
 `interpret=True` runs the kernel in Mosaic GPU's interpreter on the CPU (SMEM, TMA, barriers and
-wgmma simulated). `reference` (= `paged_prefill.paged_prefill_reference`) is the definition.
+wgmma simulated). The tiles are an `MgpuPrefillConfig` (`mgpu_tuning`). `reference`
+(= `paged_prefill.paged_prefill_reference`) is the definition.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -52,42 +52,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_common import tiled_smem
-from pallas_kernels.mgpu_paged_attention import (
+from pallas_kernels.mgpu_common import (
     ROWS,
     KVRing,
     attend,
     check_mgpu_options,
     kv_ring_scratch,
     softmax_init,
+    tiled_smem,
 )
+from pallas_kernels.mgpu_tuning import H100_MGPU_PREFILL, MgpuPrefillConfig
 from pallas_kernels.paged_common import check_attention_options, check_kv_inputs, next_pow2
 from pallas_kernels.paged_prefill import paged_prefill_reference
 
 _BIG = 1 << 30  # "no row" in the plan's min/max (far from overflow)
-
-
-@dataclasses.dataclass(frozen=True)
-class MgpuPrefillConfig:
-    """Tiles of the Mosaic GPU prefill kernel.
-
-    block_k:     keys per step (a whole number of pages; a power of two multiple of 64, the
-                 swizzled K dimension of the P . V product)
-    num_buffers: slots of the K/V SMEM ring (>= 2). 2 at head_dim 128: 88 KiB of SMEM, two
-                 blocks per SM, one's softmax overlapping the other's wgmma.
-    """
-
-    block_k: int = 64
-    num_buffers: int = 2
-
-    def __post_init__(self):
-        if self.block_k <= 0 or self.block_k % 64 or self.block_k & (self.block_k - 1):
-            raise ValueError(f"block_k must be a power of two multiple of 64, got {self.block_k}")
-        if self.num_buffers < 2:
-            raise ValueError(f"num_buffers must be >= 2, got {self.num_buffers}")
-
-
-H100_MGPU_PREFILL = MgpuPrefillConfig()
 
 
 def _prefill_kernel(

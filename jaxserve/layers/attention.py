@@ -19,7 +19,8 @@ from pallas_kernels import mgpu_paged_attention as mgpu
 from pallas_kernels import mgpu_paged_prefill as mgpu_prefill
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_prefill as pp
-from pallas_kernels.mgpu_common import accepts
+from pallas_kernels.mgpu_common import accepts, check_mgpu_options
+from pallas_kernels.mgpu_tuning import H100_MGPU_DECODE
 from pallas_kernels.ragged_attention import prefill_attention, ragged_decode_attention
 
 
@@ -176,8 +177,7 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
         impl = "reference"
     if impl in ("mgpu", "mgpu_interpret"):
         interpret = impl == "mgpu_interpret"
-        if q.shape[1] == 1 and accepts(mgpu.check_mgpu_options, q[:, 0], cache.k,
-                                       mgpu.H100_MGPU_DECODE):  # fmt: skip
+        if q.shape[1] == 1 and accepts(check_mgpu_options, q[:, 0], cache.k, H100_MGPU_DECODE):
             out = mgpu.paged_attention_mgpu(
                 q[:, 0], cache.k, cache.v, _decode_kv_len(meta), meta.page_table, layer,
                 cache.k_scale, cache.v_scale, **opts, interpret=interpret,

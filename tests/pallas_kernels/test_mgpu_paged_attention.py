@@ -26,11 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from paged_kv_testing import make_pool, np_seed, permuted_page_table, tolerance  # noqa: E402
 
-from pallas_kernels.mgpu_paged_attention import (  # noqa: E402
-    MgpuDecodeConfig,
-    paged_attention_mgpu,
-    reference,
-)
+from pallas_kernels.mgpu_paged_attention import paged_attention_mgpu, reference  # noqa: E402
+from pallas_kernels.mgpu_tuning import MgpuDecodeConfig  # noqa: E402
 
 KVH, LAYERS, WIDTH = 2, 2, 5
 # max_splits 2: the pages of a row are split over two programs (the log-sum-exp combine runs);

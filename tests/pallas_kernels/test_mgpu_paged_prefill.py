@@ -28,11 +28,11 @@ import numpy as np  # noqa: E402
 from paged_kv_testing import make_pool, np_seed, permuted_page_table, tolerance  # noqa: E402
 
 from pallas_kernels.mgpu_paged_prefill import (  # noqa: E402
-    MgpuPrefillConfig,
     _tile_plan,
     paged_prefill_mgpu,
     reference,
 )
+from pallas_kernels.mgpu_tuning import MgpuPrefillConfig  # noqa: E402
 
 KVH, LAYERS, T = 2, 2, 19  # T: chunk tokens per row (19 crosses pages, and 64-row tiles at G >= 4)
 DEFAULT = MgpuPrefillConfig()  # 64 keys a tile, 2 ring slots
