@@ -18,25 +18,29 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.paged_common import MASK_VALUE, QUANTIZED_KV_DTYPES
 
 SWIZZLE = 128  # bytes: rows of up to 128 bytes swizzled, the layout wgmma and TMA share
-ROWS = 64  # wgmma M tile: the attention kernels' query rows of one KV head, zero-padded
+ROWS = 64  # wgmma M tile (the attention kernels pad a KV head's query rows to it)
 SMEM_BYTES = 227 * 1024  # dynamic shared memory of one H100/H200 block
 LOG2E = math.log2(math.e)
+
+
+def swizzled_smem(shape, dtype, swizzle: int):
+    """An SMEM scratch of `shape` in the layout TMA and wgmma share: 8-row tiles of `swizzle`-byte
+    rows, swizzled."""
+    return plgpu.SMEM(
+        shape,
+        dtype,
+        transforms=(
+            plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle),
+        ),
+    )
 
 
 def tiled_smem(shape, dtype):
     """An SMEM scratch of `shape` in the swizzled layout wgmma and TMA share: 8-row tiles whose
     rows of up to 128 bytes are swizzled (a narrower row, e.g. 64 int8 columns, swizzles its own
     width)."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(SWIZZLE, shape[-1] * itemsize)
-    return plgpu.SMEM(
-        shape,
-        dtype,
-        transforms=(
-            plgpu.TilingTransform((8, swizzle // itemsize)),
-            plgpu.SwizzleTransform(swizzle),
-        ),
-    )
+    return swizzled_smem(shape, dtype, min(SWIZZLE, shape[-1] * jnp.dtype(dtype).itemsize))
 
 
 def accepts(check, *args, **kwargs) -> bool:

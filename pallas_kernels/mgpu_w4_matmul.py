@@ -61,7 +61,8 @@ warpgroup as one thread); the tests' deviceless H100 compile holds the kernel to
 lowers (Warpgroup semantics, jax's default). ptxas (sm_90a) at the Llama-3-8B decode shapes (8
 rows, K x N 4096 x 14336 and 14336 x 4096, g = 128, BC = 32, BK = 64): 254 registers, no spills
 (255 at g = 32, 64); BC = 16: 168; BK = 128 with BC = 32 spills 236 bytes. Untimed (no GPU).
-`reference` (= `int4_matmul.int4_matmul_reference`) is the definition the tests hold it to.
+The tiles are an `MgpuW4Config` (`mgpu_tuning`). `reference` (= `int4_matmul.int4_matmul_reference`)
+is the definition the tests hold it to.
 """
 
 from __future__ import annotations
@@ -78,52 +79,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.int4_layout import PACK, check_arrays
 from pallas_kernels.int4_matmul import int4_matmul_reference
-from pallas_kernels.mgpu_common import row_blocks, split_k
-from pallas_kernels.w8_matmul import NUM_SMS
+from pallas_kernels.mgpu_common import ROWS, SMEM_BYTES, row_blocks, split_k, swizzled_smem
+from pallas_kernels.mgpu_tuning import H100_MGPU_W4, MgpuW4Config
 
-ROWS = 64  # wgmma M tile
-SMEM_BYTES = 227 * 1024  # dynamic shared memory of one H100/H200 block
 ONE = 0x3F800000  # f32 1.0; a code q ORed in at bit 19 makes 1 + q/16
 CODE_BIT = 19
 WGMMA = plgpu.Layout.WGMMA  # registers of a [64, BC] tile, as wgmma's accumulator holds them
 WGMMA_COLS = WGMMA.reduce(0)  # a [BC] vector that broadcasts over a WGMMA tile's rows
-
-
-@dataclasses.dataclass(frozen=True)
-class MgpuW4Config:
-    """Tiles of the Mosaic GPU W4A16 kernel.
-
-    block_c:         packed columns a program computes (16 or 32: 8*block_c outputs; N/8 must be
-                     a multiple); None: 32 where it divides N/8, else 16
-    block_k:         rows of K a step (64 or 128; 64 where 128 does not divide K; 128 spills
-                     at block_c 32)
-    num_buffers:     slots of the x / packed / scales SMEM ring (>= 2: NBUF - 1 steps in flight)
-    splits:          split-K factor (must divide K / block_k); None: `plan` picks it
-    target_programs: with splits=None, split until the grid has this many programs (two per SM)
-    max_splits:      with splits=None, the largest split-K factor `plan` picks
-    """
-
-    block_c: int | None = None
-    block_k: int = 64
-    num_buffers: int = 3
-    splits: int | None = None
-    target_programs: int = 2 * NUM_SMS
-    max_splits: int = 16
-
-    def __post_init__(self):
-        if self.block_c not in (None, 16, 32):
-            raise ValueError(f"block_c must be 16 or 32, got {self.block_c}")
-        if self.block_k not in (64, 128):
-            raise ValueError(f"block_k must be 64 or 128, got {self.block_k}")
-        if self.num_buffers < 2:
-            raise ValueError(f"num_buffers must be >= 2, got {self.num_buffers}")
-        if self.splits is not None and self.splits <= 0:
-            raise ValueError(f"splits must be positive, got {self.splits}")
-        if self.target_programs <= 0 or self.max_splits <= 0:
-            raise ValueError("target_programs and max_splits must be positive")
-
-
-H100_MGPU_W4 = MgpuW4Config()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,18 +121,6 @@ def _smem_bytes(p: _Plan, group_size: int) -> int:
     slot = ROWS * bk * 2 + bk * bc * 4 + 2 * ng * PACK * bc * 2  # x, codes, scales and mins
     loop = p.num_buffers * slot + 2 * ng * PACK * bc * 4 + PACK * bk * bc * 2  # factors, planes
     return max(loop, PACK * ROWS * bc * 4)
-
-
-def _swizzled(shape, dtype, swizzle):
-    """SMEM scratch in the layout TMA and wgmma share: 8-row tiles of `swizzle`-byte rows."""
-    return plgpu.SMEM(
-        shape,
-        dtype,
-        transforms=(
-            plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-            plgpu.SwizzleTransform(swizzle),
-        ),
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -276,12 +226,12 @@ def _kernel(
     swizzle = 2 * bc  # bytes: a bf16 plane tile's row, which x's tile must match for wgmma
     acc = pl.run_scoped(
         loop_scope,
-        _swizzled((nbuf, ROWS, bk), jnp.bfloat16, swizzle),
-        _swizzled((nbuf, bk, bc), jnp.uint32, 4 * bc),
+        swizzled_smem((nbuf, ROWS, bk), jnp.bfloat16, swizzle),
+        swizzled_smem((nbuf, bk, bc), jnp.uint32, 4 * bc),
         plgpu.SMEM((nbuf, ng, PACK, bc), jnp.float16),  # scales
         plgpu.SMEM((nbuf, ng, PACK, bc), jnp.float16),  # mins
         plgpu.SMEM((2, ng, PACK, bc), jnp.float32),  # the step's dequantization factors
-        _swizzled((PACK, bk, bc), jnp.bfloat16, swizzle),
+        swizzled_smem((PACK, bk, bc), jnp.bfloat16, swizzle),
         # one barrier per ring slot, arrived on by its x, packed, scales and mins copies
         plgpu.Barrier(num_arrivals=4, num_barriers=nbuf),
     )
@@ -297,7 +247,7 @@ def _kernel(
             plgpu.copy_smem_to_gmem(src, dst)
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(store_scope, _swizzled((PACK, ROWS, bc), jnp.float32, 4 * bc))
+    pl.run_scoped(store_scope, swizzled_smem((PACK, ROWS, bc), jnp.float32, 4 * bc))
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "config", "interpret", "out_dtype"))

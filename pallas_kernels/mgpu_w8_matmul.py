@@ -54,8 +54,8 @@ each step waits for its wgmma before refilling the slot. At the Llama-3-8B decod
 4096 x 14336 and 14336 x 4096) ptxas reports 157 registers (int8) / 163 (fp8), no spills
 (sm_90a); block_n 256 spills 84 bytes.
 
-`reference` (= `w8_matmul.w8_matmul_reference`) is the pure-jnp definition the tests hold the
-kernel to.
+The tiles are an `MgpuW8Config` (`mgpu_tuning`). `reference` (= `w8_matmul.w8_matmul_reference`)
+is the pure-jnp definition the tests hold the kernel to.
 """
 
 from __future__ import annotations
@@ -69,47 +69,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_common import row_blocks, split_k, tiled_smem
-from pallas_kernels.w8_matmul import NUM_SMS, WEIGHT_DTYPES, w8_matmul_reference
-
-ROWS = 64  # wgmma M tile
-SMEM_BYTES = 227 * 1024  # dynamic shared memory of one H100/H200 block
-
-
-@dataclasses.dataclass(frozen=True)
-class MgpuW8Config:
-    """Tiles of the Mosaic GPU W8A16 kernel.
-
-    block_n:         output columns a program computes (wgmma N: 64, 128 or 256; must divide
-                     N); None: 128 where it divides N, else 64
-    block_k:         rows of K a step (64 or 128; 64 where 128 does not divide K)
-    num_buffers:     slots of the x / weight SMEM ring (>= 2: NBUF - 1 tiles in flight)
-    splits:          split-K factor (must divide K / block_k); None: `plan` picks it
-    target_programs: with splits=None, split until the grid has this many programs (two per SM)
-    max_splits:      with splits=None, the largest split-K factor `plan` picks
-    """
-
-    block_n: int | None = None
-    block_k: int = 128
-    num_buffers: int = 2
-    splits: int | None = None
-    target_programs: int = 2 * NUM_SMS
-    max_splits: int = 16
-
-    def __post_init__(self):
-        if self.block_n not in (None, 64, 128, 256):
-            raise ValueError(f"block_n must be 64, 128 or 256, got {self.block_n}")
-        if self.block_k not in (64, 128):
-            raise ValueError(f"block_k must be 64 or 128, got {self.block_k}")
-        if self.num_buffers < 2:
-            raise ValueError(f"num_buffers must be >= 2, got {self.num_buffers}")
-        if self.splits is not None and self.splits <= 0:
-            raise ValueError(f"splits must be positive, got {self.splits}")
-        if self.target_programs <= 0 or self.max_splits <= 0:
-            raise ValueError("target_programs and max_splits must be positive")
-
-
-H100_MGPU_W8 = MgpuW8Config()
+from pallas_kernels.mgpu_common import ROWS, SMEM_BYTES, row_blocks, split_k, tiled_smem
+from pallas_kernels.mgpu_tuning import H100_MGPU_W8, MgpuW8Config
+from pallas_kernels.w8_matmul import WEIGHT_DTYPES, w8_matmul_reference
 
 
 @dataclasses.dataclass(frozen=True)

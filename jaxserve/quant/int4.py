@@ -59,7 +59,8 @@ from pallas_kernels.int4_layout import (
     unpack_codes,
 )
 from pallas_kernels.int4_matmul import int4_matmul
-from pallas_kernels.mgpu_w4_matmul import H100_MGPU_W4, check_mgpu_w4_inputs, int4_matmul_mgpu
+from pallas_kernels.mgpu_tuning import H100_MGPU_W4
+from pallas_kernels.mgpu_w4_matmul import check_mgpu_w4_inputs, int4_matmul_mgpu
 
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_IMPL = "xla"  # runs on every backend; the engine picks 'pallas' on GPU

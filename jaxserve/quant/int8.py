@@ -37,7 +37,8 @@ from flax import struct
 
 from jaxserve.quant import sharded
 from jaxserve.quant.impls import IMPLS, KERNELS, MGPU_IMPLS, mgpu_accepts, triton_twin
-from pallas_kernels.mgpu_w8_matmul import H100_MGPU_W8, check_mgpu_w8_inputs, w8_matmul_mgpu
+from pallas_kernels.mgpu_tuning import H100_MGPU_W8
+from pallas_kernels.mgpu_w8_matmul import check_mgpu_w8_inputs, w8_matmul_mgpu
 from pallas_kernels.w8_matmul import w8_matmul
 
 # Rows up to which impl 'pallas' runs the W8A16 kernel on a layer of a stack (decode batches);

@@ -26,12 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxserve.quant import rtn  # noqa: E402
-from pallas_kernels.mgpu_w4_matmul import (  # noqa: E402
-    MgpuW4Config,
-    int4_matmul_mgpu,
-    plan,
-    reference,
-)
+from pallas_kernels.mgpu_tuning import MgpuW4Config  # noqa: E402
+from pallas_kernels.mgpu_w4_matmul import int4_matmul_mgpu, plan, reference  # noqa: E402
 
 LAYERS = 3
 

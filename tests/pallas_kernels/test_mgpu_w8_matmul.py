@@ -26,12 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxserve.quant.int8 import quantize_fp8, quantize_int8  # noqa: E402
-from pallas_kernels.mgpu_w8_matmul import (  # noqa: E402
-    MgpuW8Config,
-    plan,
-    reference,
-    w8_matmul_mgpu,
-)
+from pallas_kernels.mgpu_tuning import MgpuW8Config  # noqa: E402
+from pallas_kernels.mgpu_w8_matmul import plan, reference, w8_matmul_mgpu  # noqa: E402
 
 QUANTIZE = {"int8": quantize_int8, "fp8": quantize_fp8}
 LAYERS = 3
