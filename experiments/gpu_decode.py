@@ -80,7 +80,7 @@ from jaxserve.layers.embedding import is_quantized  # noqa: E402
 from jaxserve.models import llama  # noqa: E402
 from jaxserve.quant import quantize_params, with_matmul_impl  # noqa: E402
 from jaxserve.resolve import resolve  # noqa: E402
-from jaxserve.runner import memory, steps  # noqa: E402
+from jaxserve.runner import memory, slot_state, steps  # noqa: E402
 
 FULL = dict(
     model="llama3-8b",
@@ -227,7 +227,7 @@ def make_case(c: ModelConfig, spec: dict, slots: int, context: int, plain: bool)
     rng = np.random.default_rng(slots * 100003 + context)
     table = np.zeros((slots, r.max_pages), np.int32)  # pages past a slot's own: never read
     table[:, :need] = rng.permutation(num_pages).reshape(slots, need)
-    state = steps.init_slot_state(slots, r.max_pages, c.vocab_size)
+    state = slot_state.init_slot_state(slots, r.max_pages, c.vocab_size)
     state = state.replace(
         last_token=jnp.asarray(rng.integers(0, c.vocab_size, slots), jnp.int32),
         seq_len=jnp.full((slots,), context, jnp.int32),

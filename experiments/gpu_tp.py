@@ -61,7 +61,7 @@ from jaxserve.parallel import partition  # noqa: E402
 from jaxserve.parallel.mesh import make_mesh  # noqa: E402
 from jaxserve.quant import quantize_params, with_matmul_impl  # noqa: E402
 from jaxserve.resolve import DecodeShape, resolve  # noqa: E402
-from jaxserve.runner import memory, steps  # noqa: E402
+from jaxserve.runner import memory, slot_state, steps  # noqa: E402
 
 FULL = dict(
     models=("llama3-8b:bf16", "llama3-8b:int4", "llama3-70b:int4", "llama3-70b:bf16"),
@@ -180,7 +180,7 @@ def decode_inputs(config, slots: int, width: int, context: int, dtype, mesh):
             "auto",
             dtype,
         )
-        st = steps.init_slot_state(slots, width, config.vocab_size)
+        st = slot_state.init_slot_state(slots, width, config.vocab_size)
         st = st.replace(
             last_token=jnp.arange(slots, dtype=jnp.int32) % config.vocab_size,
             seq_len=jnp.full((slots,), context, jnp.int32),

@@ -252,6 +252,19 @@ def test_imports_run_down_the_layers():
     assert not up, "imports running up the layers:\n" + "\n".join(up)
 
 
+# No package file much over 400 lines: one past this is split along a seam, not trimmed.
+MAX_LINES = 420
+
+
+def test_no_package_file_is_over_max_lines():
+    big = {
+        str(p.relative_to(ROOT)): n
+        for p in module_files().values()
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not big, f"files over {MAX_LINES} lines (split them): {big}"
+
+
 def summary(root: Path = ROOT) -> str:
     """The import graph in numbers: modules, lines, imports, floors (the longest chain of
     imports), cycles, imports running up LAYERS, files over 400 lines."""

@@ -28,7 +28,7 @@ from jaxserve.models import llama
 from jaxserve.quant import quantize_params, with_matmul_impl
 from jaxserve.resolve import DecodeShape, PrefillShape, resolve
 from jaxserve.runner import runner as runner_lib
-from jaxserve.runner import steps
+from jaxserve.runner import slot_state, steps
 from jaxserve.runner.input_batch import PrefillBatch
 from pallas_kernels.check import h200_mesh
 
@@ -144,7 +144,7 @@ EXPECTED = {DecodeShape: {"paged_decode"}, PrefillShape: {"paged_prefill"}}
 def test_engine_steps_lower_for_cuda(model, quantization, kv_cache_dtype):
     c, params = abstract_model(model, quantization)
     cache = abstract_cache(c, kv_cache_dtype)
-    state = jax.eval_shape(lambda: steps.init_slot_state(NUM_SLOTS, MAX_PAGES, c.vocab_size))
+    state = jax.eval_shape(lambda: slot_state.init_slot_state(NUM_SLOTS, MAX_PAGES, c.vocab_size))
     # INT4 weights run the fused kernel for up to 16 rows (a decode batch of 8) and XLA's
     # unpack + dot beyond (32 slots, a prefill of 8 x 64 tokens): int4.PALLAS_MAX_ROWS.
     variants = [DecodeShape(8, MAX_PAGES, 0), DecodeShape(NUM_SLOTS, MAX_PAGES, 0)]
@@ -203,7 +203,7 @@ def test_moe_steps_lower_for_cuda(quantization):
     dequantized into the grouped matmul (`layers/moe.py`)."""
     c, params = abstract_model("mixtral-8x7b", quantization)
     cache = abstract_cache(c, "auto")
-    state = jax.eval_shape(lambda: steps.init_slot_state(NUM_SLOTS, MAX_PAGES, c.vocab_size))
+    state = jax.eval_shape(lambda: slot_state.init_slot_state(NUM_SLOTS, MAX_PAGES, c.vocab_size))
     for shape in [DecodeShape(8, MAX_PAGES, 0), PrefillShape(8, CHUNK, 8, False)]:
         text = lower_step(shape, c, params, cache, state)
         assert kernels(text) - {"int4_matmul"} == EXPECTED[type(shape)], shape

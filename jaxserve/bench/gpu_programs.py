@@ -304,7 +304,7 @@ def warmup_programs(engine: AbstractEngine, kinds=KINDS) -> list[StepProgram]:
 def _slot_programs(engine: AbstractEngine) -> list[StepProgram]:
     import jax.numpy as jnp
 
-    from jaxserve.runner import steps
+    from jaxserve.runner import slot_state
 
     e, c, state = engine.engine_config, engine.model_config, engine.state
     s = e.num_slots
@@ -312,19 +312,19 @@ def _slot_programs(engine: AbstractEngine) -> list[StepProgram]:
     words = -(-c.vocab_size // 32)
     row = _slot_row(engine)
     return [
-        StepProgram("insert", "slots", steps.insert, (state, i32(), row, i32(), i32()), {}),
+        StepProgram("insert", "slots", slot_state.insert, (state, i32(), row, i32(), i32()), {}),
         StepProgram(
             "sync",
             "slots",
-            steps.sync,
+            slot_state.sync,
             (state, i32(s, engine.resolved.max_pages), _spec(engine, (s,), jnp.bool_)),
             {},
         ),
-        StepProgram("move", "slots", steps.move, (state, i32(s), i32(s)), {}),
+        StepProgram("move", "slots", slot_state.move, (state, i32(s), i32(s)), {}),
         StepProgram(
             "set_grammar",
             "slots",
-            steps.set_grammar,
+            slot_state.set_grammar,
             (state, i32(s, words), _spec(engine, (s,), jnp.bool_)),
             {},
         ),

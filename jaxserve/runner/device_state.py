@@ -23,7 +23,7 @@ from jaxserve.layers import linear
 from jaxserve.parallel import partition
 from jaxserve.parallel.mesh import mesh_sizes
 from jaxserve.quant import with_matmul_impl
-from jaxserve.runner import data_parallel, steps
+from jaxserve.runner import data_parallel, slot_state, steps
 
 
 def check_built(engine_config: EngineConfig, mesh) -> None:
@@ -73,7 +73,7 @@ def state_fns(model_config, engine_config, resolved, num_pages):
         return steps.init_cache(model_config, num_pages, e.page_size, e.kv_cache_dtype, e.dtype)
 
     def init_state():
-        return steps.init_slot_state(
+        return slot_state.init_slot_state(
             e.num_slots, resolved.max_pages, model_config.vocab_size, history_len
         )
 

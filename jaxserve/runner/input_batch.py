@@ -97,7 +97,7 @@ def pack_prefill_shards(
 
 
 def move_arrays(moves: list[tuple[int, int]], num_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """Slot moves (from, to) as the i32[S] src/dst arrays of `steps.move` (S = padding)."""
+    """Slot moves (from, to) as the i32[S] src/dst arrays of `slot_state.move` (S = padding)."""
     src = np.full((num_slots,), num_slots, np.int32)
     dst = src.copy()
     for i, (a, b) in enumerate(moves):

@@ -57,6 +57,7 @@ from jaxserve.runner import (
     input_batch,
     lora_stacks,
     memory,
+    slot_state,
     spec_decode,
     steps,
     warmup,
@@ -266,7 +267,7 @@ class ModelRunner:
             req.seed,
             self.config.max_model_len,
         )
-        self.state = self._jit(steps.insert)(
+        self.state = self._jit(slot_state.insert)(
             self.state,
             np.int32(req.slot),
             row,
@@ -280,7 +281,7 @@ class ModelRunner:
 
     def move(self, moves: list[tuple[int, int]]) -> None:
         """Moves slot rows (a request changing slot, `Scheduler._compact`): one device copy."""
-        self.state = self._jit(steps.move)(
+        self.state = self._jit(slot_state.move)(
             self.state, *input_batch.move_arrays(moves, self.num_slots)
         )
         self.num_h2d_transfers += 1
@@ -299,7 +300,7 @@ class ModelRunner:
 
     def _flush(self) -> None:
         if self._dirty:
-            self.state = self._jit(steps.sync)(
+            self.state = self._jit(slot_state.sync)(
                 self.state, self._page_table.copy(), self._active.copy()
             )
             self.num_h2d_transfers += 1
@@ -368,7 +369,7 @@ class ModelRunner:
 
     def _set_grammar(self, plan: SchedulerOutput) -> None:
         if plan.grammar_bitmask is not None:
-            self.state = self._jit(steps.set_grammar)(
+            self.state = self._jit(slot_state.set_grammar)(
                 self.state, plan.grammar_bitmask, plan.grammar_rows
             )
             self.num_h2d_transfers += 1

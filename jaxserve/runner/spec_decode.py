@@ -39,7 +39,8 @@ from jaxserve.parallel.partition import pin_cache, pin_replicated, pin_slots
 from jaxserve.resolve import DecodeShape
 from jaxserve.runner import sampling, token_history
 from jaxserve.runner.jit_step import step
-from jaxserve.runner.steps import DecodeOutput, SlotState, _rows, _set_rows
+from jaxserve.runner.slot_state import SlotState, set_rows, take_rows
+from jaxserve.runner.steps import DecodeOutput
 from jaxserve.runner.vocab_ops import blocked_argmax
 
 
@@ -138,7 +139,7 @@ def speculate(
     limit[slot] (i32[S]; 0 = the row does not move). Returns (cache, state, DecodeOutput with
     k = num_spec + 1 steps: tokens[j, b] is row b's j-th new token where valid[j, b]); the
     log-prob outputs are zeros (speculating rows ask for none)."""
-    st = _rows(state, shape.rows)
+    st = take_rows(state, shape.rows)
     pt = st.page_table[:, : shape.width]
     t = num_spec + 1
     # the device's own guard: never past max_total_len (as a decode step's `alive`)
@@ -177,4 +178,4 @@ def speculate(
     out = DecodeOutput(
         out_tokens, valid, zeros, top, top.astype(jnp.float32), jnp.zeros((t, b), jnp.int32)
     )
-    return pin_cache(cache), pin_slots(_set_rows(state, st)), out
+    return pin_cache(cache), pin_slots(set_rows(state, st)), out

@@ -1,9 +1,6 @@
-"""The engine's pure jitted step functions: JetStream's slot API over a paged KV cache.
+"""The engine's pure jitted step functions over a paged KV cache and the slot state
+(`slot_state.py`: the state and JetStream's slot updates, insert / sync / set_grammar / move).
 
-    insert(state, slot, row, ...)     one request's sampling row and counters into slot `slot`
-    sync(state, page_table, active)   the host's page table and decode mask
-    set_grammar(state, bitmask, rows) the step's structured-output masks (constrained slots only)
-    move(state, src, dst)             slot rows src[i] -> dst[i] (the scheduler packing requests)
     generate(params, cache, state, want_top; shape: DecodeShape)
                                       every active slot among the first shape.rows advances
                                       `num_steps` tokens (lax.scan) -> DecodeOutput
@@ -37,25 +34,9 @@ from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models import llama
 from jaxserve.parallel.partition import pin_cache, pin_replicated, pin_slots
 from jaxserve.resolve import DecodeShape, ModelImpl, PrefillShape
-from jaxserve.runner import sampling, token_history
+from jaxserve.runner import sampling, slot_state, token_history
 from jaxserve.runner.input_batch import PrefillBatch
 from jaxserve.runner.jit_step import step
-
-
-@struct.dataclass
-class SlotState:
-    last_token: jax.Array  # i32[S]  newest token, not yet in the cache (the next decode feeds it)
-    seq_len: jax.Array  # i32[S]  tokens whose K/V are cached = position of last_token
-    max_total_len: jax.Array  # i32[S]  decoding stops when prompt + output reach this
-    num_generated: jax.Array  # i32[S]  output tokens so far (the step of the sampling key)
-    active: jax.Array  # bool[S]  the slot decodes
-    page_table: jax.Array  # i32[S, max_pages_per_seq]
-    sampling: sampling.SamplingState  # [S, ...] per-slot sampling parameters, keys, counts
-    # i32[S, L]: every token of the slot's sequence at its position, prompt and output (what the
-    # n-gram proposer of `spec_decode.py` searches), L = max_model_len; None (no leaf) unless the
-    # engine speculates
-    history: jax.Array | None
-    lora: jax.Array  # i32[S]  the slot's LoRA adapter slot (`layers/lora.py`), -1 = none
 
 
 @struct.dataclass
@@ -92,67 +73,11 @@ class PrefillOutput:
     prompt: PromptLogprobs | None  # only in the shape.prompt_logprobs variant
 
 
-def init_slot_state(
-    num_slots: int, max_pages: int, vocab_size: int, history_len: int = 0
-) -> SlotState:
-    """history_len: max_model_len when the engine speculates (`SlotState.history`), else 0."""
-    zeros = lambda: jnp.zeros((num_slots,), jnp.int32)  # distinct buffers: the state is donated
-    return SlotState(
-        last_token=zeros(),
-        seq_len=zeros(),
-        max_total_len=zeros(),
-        num_generated=zeros(),
-        active=jnp.zeros((num_slots,), bool),
-        page_table=jnp.zeros((num_slots, max_pages), jnp.int32),
-        sampling=sampling.init_state(num_slots, vocab_size),
-        history=jnp.zeros((num_slots, history_len), jnp.int32) if history_len else None,
-        lora=jnp.full((num_slots,), -1, jnp.int32),
-    )
-
-
 def init_cache(model_config: ModelConfig, num_pages: int, page_size: int, kv_dtype, dtype):
     c = model_config
     return kv_cache.init(
         c.num_layers, c.num_kv_heads, num_pages, page_size, c.head_dim, kv_dtype, jnp.dtype(dtype)
     )
-
-
-@step(donate_argnames=("state",))
-def insert(state: SlotState, slot, row, num_generated, max_total_len, lora=-1) -> SlotState:
-    """JetStream `insert`: one request's row into slot `slot` (i32[]); the slot stays inactive.
-    lora: the request's adapter slot (i32[], -1 = none)."""
-    return pin_slots(
-        state.replace(
-            sampling=sampling.set_slot(state.sampling, slot, row),
-            num_generated=state.num_generated.at[slot].set(num_generated),
-            max_total_len=state.max_total_len.at[slot].set(max_total_len),
-            seq_len=state.seq_len.at[slot].set(0),
-            active=state.active.at[slot].set(False),
-            history=token_history.set_row(state.history, slot, row),
-            lora=state.lora.at[slot].set(lora),
-        )
-    )
-
-
-@step(donate_argnames=("state",))
-def sync(state: SlotState, page_table, active) -> SlotState:
-    """Installs the host's page table i32[S, max_pages] and decode mask bool[S]."""
-    return pin_slots(state.replace(page_table=page_table, active=active))
-
-
-@step(donate_argnames=("state",))
-def set_grammar(state: SlotState, bitmask, rows) -> SlotState:
-    """Installs this step's grammar masks i32[S, ceil(V / 32)] and constrained slots bool[S]."""
-    masks = state.sampling.replace(grammar_mask=bitmask, constrained=rows)
-    return pin_slots(state.replace(sampling=masks))
-
-
-@step(donate_argnames=("state",))
-def move(state: SlotState, src, dst) -> SlotState:
-    """Copies slot rows src[i] -> dst[i] (i32[S] each; dst = S marks padding, dropped)."""
-    s = state.last_token.shape[0]
-    moved = jax.tree.map(lambda a: a.at[dst].set(a[jnp.minimum(src, s - 1)], mode="drop"), state)
-    return pin_slots(moved)
 
 
 def _window_flat(config: ModelConfig, rows: int, num_flat: int, ps: int) -> int:
@@ -164,7 +89,7 @@ def _window_flat(config: ModelConfig, rows: int, num_flat: int, ps: int) -> int:
     return min(num_flat, rows * (-(-window // ps) + 1))
 
 
-def _decode_inputs(st: SlotState, pt, num_flat: int, ps: int, window_flat: int = 0):
+def _decode_inputs(st: slot_state.SlotState, pt, num_flat: int, ps: int, window_flat: int = 0):
     """One decode step's inputs for slot rows `st` (B rows): (alive bool[B], tokens [B, 1], meta)."""
     rows, width = pt.shape
     alive = st.active & (st.seq_len + 2 <= st.max_total_len)  # (B,)
@@ -181,21 +106,6 @@ def _decode_inputs(st: SlotState, pt, num_flat: int, ps: int, window_flat: int =
     return alive, st.last_token[:, None], meta
 
 
-def _rows(state: SlotState, rows: int) -> SlotState:
-    """Slots [0, rows) of the state (all of it when rows covers every slot)."""
-    if rows < state.last_token.shape[0]:
-        return jax.tree.map(lambda a: a[:rows], state)
-    return state
-
-
-def _set_rows(full: SlotState, part: SlotState) -> SlotState:
-    """`full` with slots [0, rows) replaced by `part`'s."""
-    rows = part.last_token.shape[0]
-    if rows < full.last_token.shape[0]:
-        return jax.tree.map(lambda f, b: f.at[:rows].set(b), full, part)
-    return part
-
-
 @step(
     static_argnames=("config", "impl", "shape", "num_steps"),
     donate_argnames=("cache", "state"),
@@ -203,7 +113,7 @@ def _set_rows(full: SlotState, part: SlotState) -> SlotState:
 def generate(
     params,
     cache,
-    state: SlotState,
+    state: slot_state.SlotState,
     want_top,
     *,
     config: ModelConfig,
@@ -222,7 +132,7 @@ def generate(
 
     Returns (cache, state, DecodeOutput).
     """
-    sub = _rows(state, shape.rows)
+    sub = slot_state.take_rows(state, shape.rows)
     pt = sub.page_table[:, : shape.width]  # (B, W)
 
     def step(carry, _):
@@ -232,10 +142,10 @@ def generate(
         return (cache, st), out
 
     (cache, sub), out = jax.lax.scan(step, (cache, sub), None, length=num_steps)
-    return pin_cache(cache), pin_slots(_set_rows(state, sub)), out
+    return pin_cache(cache), pin_slots(slot_state.set_rows(state, sub)), out
 
 
-def _decode_logits(params, cache, st: SlotState, pt, config, impl, shape: DecodeShape):
+def _decode_logits(params, cache, st: slot_state.SlotState, pt, config, impl, shape: DecodeShape):
     """One decode forward of slot rows `st` (B rows) -> (logits f32[B, V], cache)."""
     window_flat = _window_flat(config, shape.rows, shape.num_flat, cache.page_size)
     _, tokens, meta = _decode_inputs(st, pt, shape.num_flat, cache.page_size, window_flat)
@@ -243,7 +153,7 @@ def _decode_logits(params, cache, st: SlotState, pt, config, impl, shape: Decode
     return pin_replicated(llama.compute_logits(params, hidden[:, 0], config, impl)), cache
 
 
-def _decode_advance(st: SlotState, logits, num_top: int, want_top):
+def _decode_advance(st: slot_state.SlotState, logits, num_top: int, want_top):
     """Samples one token per live row of `st` from its logits and advances the rows ->
     (st, DecodeOutput of one step)."""
     alive = st.active & (st.seq_len + 2 <= st.max_total_len)  # (B,), as _decode_inputs
@@ -262,12 +172,12 @@ def _decode_advance(st: SlotState, logits, num_top: int, want_top):
 
 
 @step(static_argnames=("config", "impl", "shape"), donate_argnames=("cache",))
-def decode_forward(params, cache, state: SlotState, *, config, impl, shape: DecodeShape):
+def decode_forward(params, cache, state: slot_state.SlotState, *, config, impl, shape: DecodeShape):
     """The first half of a one-step `generate`: the forward pass of the first shape.rows slots
     -> (cache, logits f32[B, V]). The host computes the step's structured-output masks while it
     runs (vLLM's overlap), then `decode_sample` samples with them. The state is read, not
     changed."""
-    sub = _rows(state, shape.rows)
+    sub = slot_state.take_rows(state, shape.rows)
     logits, cache = _decode_logits(
         params, cache, sub, sub.page_table[:, : shape.width], config, impl, shape
     )
@@ -275,17 +185,17 @@ def decode_forward(params, cache, state: SlotState, *, config, impl, shape: Deco
 
 
 @step(static_argnames=("num_top",), donate_argnames=("state",))
-def decode_sample(state: SlotState, logits, want_top, *, num_top: int):
+def decode_sample(state: slot_state.SlotState, logits, want_top, *, num_top: int):
     """The second half: samples from `decode_forward`'s logits f32[B, V] (with the masks
     `set_grammar` installed) and advances the first B slots -> (state, DecodeOutput with k = 1),
     exactly as `generate(..., num_steps=1)`. Its program depends on B and num_top only, not on
     the forward's page-table width or live-page bucket: one per decode row bucket."""
     rows = logits.shape[0]
-    sub, out = _decode_advance(_rows(state, rows), logits, num_top, want_top)
-    return pin_slots(_set_rows(state, sub)), jax.tree.map(lambda x: x[None], out)
+    sub, out = _decode_advance(slot_state.take_rows(state, rows), logits, num_top, want_top)
+    return pin_slots(slot_state.set_rows(state, sub)), jax.tree.map(lambda x: x[None], out)
 
 
-def _prefill_inputs(state: SlotState, batch: PrefillBatch, width: int, ps: int):
+def _prefill_inputs(state: slot_state.SlotState, batch: PrefillBatch, width: int, ps: int):
     """A prefill batch's attention metadata over the slots' page tables (width W)."""
     s = state.last_token.shape[0]
     t = batch.tokens.shape[1]
@@ -302,7 +212,9 @@ def _prefill_inputs(state: SlotState, batch: PrefillBatch, width: int, ps: int):
     )
 
 
-def _prefill_advance(state: SlotState, batch: PrefillBatch, logits, want_top, num_top: int):
+def _prefill_advance(
+    state: slot_state.SlotState, batch: PrefillBatch, logits, want_top, num_top: int
+):
     """Samples (or installs) the token of each row completing a prefill; logits f32[R, V] of the
     rows' last tokens. Sets seq_len, activates the finished slots. Returns (state, SampleOutput
     with the installed tokens)."""
@@ -379,7 +291,7 @@ def _prefill_output(out, prompt) -> PrefillOutput:
 def prefill(
     params,
     cache,
-    state: SlotState,
+    state: slot_state.SlotState,
     batch: PrefillBatch,
     want_top,
     *,
@@ -397,7 +309,9 @@ def prefill(
 
 
 @step(static_argnames=("config", "impl", "shape"), donate_argnames=("cache",))
-def prefill_forward(params, cache, state: SlotState, batch: PrefillBatch, *, config, impl, shape):
+def prefill_forward(
+    params, cache, state: slot_state.SlotState, batch: PrefillBatch, *, config, impl, shape
+):
     """The first half of `prefill`: the forward pass -> (cache, logits f32[R, V] of each row's
     last token, PromptLogprobs or None). The state is read (page tables), not changed."""
     cache, logits, prompt = _prefill_forward(params, cache, state, batch, config, impl, shape)
@@ -405,7 +319,9 @@ def prefill_forward(params, cache, state: SlotState, batch: PrefillBatch, *, con
 
 
 @step(static_argnames=("num_top",), donate_argnames=("state",))
-def prefill_sample(state: SlotState, batch: PrefillBatch, logits, want_top, *, num_top: int):
+def prefill_sample(
+    state: slot_state.SlotState, batch: PrefillBatch, logits, want_top, *, num_top: int
+):
     """The second half: samples (or installs) each completing row's token from
     `prefill_forward`'s logits and advances the slots -> (state, PrefillOutput without prompt
     log-probs), exactly as `prefill`. Its program depends on R and num_top, not on the

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.slot_row import make_slot_row
-from jaxserve.runner import input_batch, memory, steps
+from jaxserve.runner import input_batch, memory, slot_state
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +33,18 @@ def warmup(runner) -> float:
     runner._dirty = True
     runner._flush()
     row = make_slot_row(SamplingParams(), [0], [], (), 0, runner.config.max_model_len)
-    runner.state = runner._jit(steps.insert)(
+    runner.state = runner._jit(slot_state.insert)(
         runner.state, np.int32(0), row, np.int32(0), np.int32(0), np.int32(-1)
     )
     if runner.lora is not None:  # slot 0's weights rewritten as they are (compiles the load)
         runner.params = {**runner.params, "lora": runner.lora.rewrite(runner.params["lora"], 0)}
     pad = np.full((s,), s, np.int32)
-    runner.state = runner._jit(steps.move)(runner.state, pad, pad)  # every row padding: no move
+    runner.state = runner._jit(slot_state.move)(
+        runner.state, pad, pad
+    )  # every row padding: no move
     words = -(-runner.model_config.vocab_size // 32)
     no_grammar = np.zeros((s,), bool)
-    runner.state = runner._jit(steps.set_grammar)(
+    runner.state = runner._jit(slot_state.set_grammar)(
         runner.state, np.full((s, words), -1, np.int32), no_grammar
     )
     decode, prefill = r.decode_shapes(), r.prefill_shapes()

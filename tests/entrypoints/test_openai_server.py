@@ -56,7 +56,8 @@ def test_stream_deltas_join_into_the_full_output(client, offline):
 
 def test_sse_wire_format(tiny_server):
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 2, "stream": True}
-    with httpx.stream("POST", f"{tiny_server.url}/completions", json=body) as r:
+    # a generous timeout: the step may compile on a loaded machine (httpx waits 5 s by default)
+    with httpx.stream("POST", f"{tiny_server.url}/completions", json=body, timeout=120) as r:
         text = r.read().decode()
     assert r.headers["content-type"].startswith("text/event-stream")
     events = text.split("\n\n")

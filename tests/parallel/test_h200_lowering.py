@@ -47,7 +47,7 @@ from jaxserve.models import llama
 from jaxserve.parallel import partition
 from jaxserve.quant import quantize_params, with_matmul_impl
 from jaxserve.resolve import DecodeShape, PrefillShape, resolve
-from jaxserve.runner import data_parallel, steps
+from jaxserve.runner import data_parallel, slot_state, steps
 from jaxserve.runner.input_batch import PrefillBatch
 
 # 16 slots per shard: INT4 decode runs the fused kernel (up to int4.PALLAS_MAX_ROWS rows);
@@ -108,7 +108,7 @@ def abstract_engine(model: str, quantization: str | None, d: int, t: int):
         )
     )
     state = jax.eval_shape(
-        lambda: steps.init_slot_state(d * SLOTS_PER_SHARD, MAX_PAGES, c.vocab_size)
+        lambda: slot_state.init_slot_state(d * SLOTS_PER_SHARD, MAX_PAGES, c.vocab_size)
     )
     # The runner's placement: pool over KV heads (and pages over 'data'); slots over 'data'.
     cache = placed(cache, partition.cache_specs(cache, data_axis=d > 1), mesh)
