@@ -283,24 +283,18 @@ class LLMEngine:
             req.num_pending_tokens -= steps
             if req.status.finished:
                 continue  # stopped in the previous step (or aborted): these tokens are wasted
-            made = steps
+            made, out = steps, result.decode
             if plan.speculative:  # 1 to `steps` tokens: the accepted drafts and one more
-                made = int(np.sum(result.decode_valid[slot, :steps]))
+                made = int(np.sum(out.valid[slot, :steps]))
                 if made == 0:
                     raise RuntimeError(f"slot {slot} produced no token in a speculative step")
                 self._count_speculation(req, steps, made, plan.num_decode_steps - 1)
             for j in range(made):
-                if not result.decode_valid[slot, j]:
+                if not out.valid[slot, j]:
                     raise RuntimeError(f"slot {slot} produced no token at decode step {j}")
-                top = None
-                if result.decode_top_ids is not None:
-                    top = (
-                        result.decode_top_ids[slot, j],
-                        result.decode_top_logprobs[slot, j],
-                        None if result.decode_ranks is None else result.decode_ranks[slot, j],
-                    )
-                lp = float(result.decode_logprobs[slot, j])
-                self._append(req, int(result.decode_tokens[slot, j]), lp, top, now)
+                top = None if out.top is None else out.top.at(slot, j)
+                lp = float(out.logprobs[slot, j])
+                self._append(req, int(out.tokens[slot, j]), lp, top, now)
                 if req.status.finished:
                     break
             touched[req.group_id] = self._groups[req.group_id]
@@ -311,21 +305,12 @@ class LLMEngine:
             req.num_pending_tokens -= int(sampled)
             if req.status.finished:
                 continue
-            if (
-                result.prompt_logprobs is not None
-                and req.sampling_params.prompt_logprobs is not None
-            ):
-                add_prompt_logprobs(req, chunk, result, i, self.tokenizer)
+            if result.prompt is not None and req.sampling_params.prompt_logprobs is not None:
+                add_prompt_logprobs(req, chunk, result.prompt, i, self.tokenizer)
             if sampled:
-                top = None
-                if result.prefill_top_ids is not None:
-                    top = (
-                        result.prefill_top_ids[i],
-                        result.prefill_top_logprobs[i],
-                        None if result.prefill_ranks is None else result.prefill_ranks[i],
-                    )
-                lp = float(result.prefill_logprobs[i])
-                self._append(req, int(result.prefill_tokens[i]), lp, top, now)
+                out = result.prefill
+                top = None if out.top is None else out.top.at(i)
+                self._append(req, int(out.tokens[i]), float(out.logprobs[i]), top, now)
                 touched[req.group_id] = self._groups[req.group_id]
         return list(touched.values())
 

@@ -21,7 +21,7 @@ import dataclasses
 from jaxserve.core.detokenizer import IncrementalDetokenizer, find_stop, held_back
 from jaxserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.runner_api import StepResult
+from jaxserve.core.runner_api import PromptScores
 from jaxserve.core.scheduler_output import PrefillChunk
 
 
@@ -66,9 +66,9 @@ def logprob_entry(token: int, logprob: float, top, k: int, tokenizer) -> dict[in
 
 
 def add_prompt_logprobs(
-    req: Request, chunk: PrefillChunk, result: StepResult, row: int, tokenizer=None
+    req: Request, chunk: PrefillChunk, scores: PromptScores, row: int, tokenizer=None
 ) -> None:
-    """Appends the log-prob entries of the prompt tokens chunk `row` of `result` scored."""
+    """Appends the log-prob entries of the prompt tokens chunk `row` of a step scored."""
     n_prompt = len(req.prompt_token_ids)
     k = req.sampling_params.prompt_logprobs
     for t in range(chunk.length):
@@ -76,9 +76,8 @@ def add_prompt_logprobs(
         if p + 1 >= n_prompt:
             break
         target = req.prompt_token_ids[p + 1]
-        rank = None if result.prompt_ranks is None else result.prompt_ranks[row, t]
-        top = (result.prompt_top_ids[row, t], result.prompt_top_logprobs[row, t], rank)
-        entry = logprob_entry(target, float(result.prompt_logprobs[row, t]), top, k, tokenizer)
+        top = scores.top.at(row, t)
+        entry = logprob_entry(target, float(scores.logprobs[row, t]), top, k, tokenizer)
         req.prompt_logprobs.append(entry)
 
 

@@ -404,7 +404,7 @@ class ModelRunner:
         host = fetch_outputs(handle, self.data_shards, self.slots_per_shard)
         if host:
             self.num_d2h_transfers += 1  # the step's one device->host transfer
-        return StepResult(**host)
+        return StepResult.from_arrays(host)
 
     def warmup(self) -> float:
         """Compiles every step shape (`Resolved.decode_shapes` / `prefill_shapes`) and the slot

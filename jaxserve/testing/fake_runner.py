@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.core.request import Request
-from jaxserve.core.runner_api import StepResult
+from jaxserve.core.runner_api import Sampled, StepResult
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.resolve import bucket_for
 
@@ -117,13 +117,16 @@ class FakeRunner:
         for s in set(np.flatnonzero(self.active)) - decoding:  # only slots at their length limit
             assert self.seq_len[s] + 2 > self.max_total[s], f"slot {s} active but not planned"
         k, n = plan.num_decode_steps, self.num_slots
-        res = StepResult()
+        decode = prefill = None
         if plan.decode:
             n = bucket_for(max(plan.decode_slots) + 1, self.slot_buckets)
             self.decode_rows.append(n)
-            res.decode_tokens = np.zeros((n, k), np.int32)
-            res.decode_valid = np.zeros((n, k), bool)
-            res.decode_logprobs = np.zeros((n, k), np.float32)
+            decode = Sampled(
+                np.zeros((n, k), np.int32),
+                np.zeros((n, k), np.float32),
+                None,
+                np.zeros((n, k), bool),
+            )
             for s in np.flatnonzero(self.active[:n]):
                 for j in range(k):
                     if self.seq_len[s] + 2 > self.max_total[s]:
@@ -132,12 +135,11 @@ class FakeRunner:
                     self.seq_len[s] += 1
                     tok = self.rule(self._read(s, int(self.seq_len[s])), int(self.seed[s]))
                     self.last[s] = tok
-                    res.decode_tokens[s, j], res.decode_valid[s, j] = tok, True
-                    res.decode_logprobs[s, j] = fake_logprob(tok)
+                    decode.tokens[s, j], decode.valid[s, j] = tok, True
+                    decode.logprobs[s, j] = fake_logprob(tok)
         if plan.prefill:
             r = self.rows
-            res.prefill_tokens = np.zeros(r, np.int32)
-            res.prefill_logprobs = np.zeros(r, np.float32)
+            prefill = Sampled(np.zeros(r, np.int32), np.zeros(r, np.float32))
             assert len(plan.prefill) <= r
             for i, c in enumerate(plan.prefill):
                 s = c.request.slot
@@ -153,12 +155,12 @@ class FakeRunner:
                     )
                     self.last[s] = tok
                     self.active[s] = True
-                    res.prefill_tokens[i] = tok
-                    res.prefill_logprobs[i] = fake_logprob(tok)
+                    prefill.tokens[i] = tok
+                    prefill.logprobs[i] = fake_logprob(tok)
             self.num_h2d_transfers += 1
         if plan.decode or plan.prefill:
             self.num_d2h_transfers += 1
-        return res
+        return StepResult(decode, prefill)
 
 
 def reference(prompt, max_tokens, seed=0, rule=default_rule, stop_ids=(), max_model_len=10**9):
