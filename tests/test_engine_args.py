@@ -109,3 +109,29 @@ def test_the_runner_and_engine_take_only_finished_objects():
         ModelRunner(params, mc, tp2, 8)
     with pytest.raises(ValueError, match=r"mesh's \(data, model\) sizes \(1, 1\)"):
         ModelRunner(params, mc, tp2, 8, mesh=make_mesh(1, 1))
+
+
+def test_every_setting_reaches_every_front_door_with_one_default(parse):
+    """Walks EngineConfig's fields: each is a launch flag, unset unless given (the engine's
+    default applies); LLM and AsyncLLM take every field by name, each at its default giving the
+    engine of no settings at all; with no flag set generate passes nothing, and serve and bench
+    only their one named default each (see test_every_front_door_builds_the_same_engine)."""
+    from jaxserve.bench.workloads import SPECS
+    from jaxserve.entrypoints.async_llm import AsyncLLM
+
+    fields = dataclasses.fields(EngineConfig)
+    for f in fields:
+        assert f.name in engine_flags.FLAG_NAMES and engine_flags.FLAGS[f.name].default is None
+    nothing = parse()
+    assert engine_flags.llm_kwargs(nothing) == {}  # generate's LLM(**llm_kwargs())
+    assert serve.engine_kwargs(nothing) == {"warmup": True}
+    for workload, spec in SPECS.items():
+        assert bench.engine_kwargs(nothing, workload) == {"num_slots": spec.num_slots}
+    every = {f.name: f.default for f in fields} | {"model": "tiny", "load_format": "dummy"}
+    want = build_engine("tiny", load_format="dummy").engine_config
+    assert build_engine(**every).engine_config == want
+    allm = AsyncLLM(**every)
+    try:
+        assert allm.engine_config == want
+    finally:
+        allm.shutdown()
