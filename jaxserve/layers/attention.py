@@ -140,26 +140,24 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     query at kv_len - 1, which is the decode step's position (seq_len = position + 1).
     """
     opts = dict(window=window, softcap=softcap, scale=scale)
+    decode = q.shape[1] == 1
+    # every kernel's paged-KV arguments, in one order: the query, the pool, what each row sees
+    # (a decode row: its kv_len; a chunk: its positions and lengths), its pages, the layer, scales
+    pool = (cache.k, cache.v)
+    scales = (cache.k_scale, cache.v_scale)
+    decode_args = (q[:, 0], *pool, _decode_kv_len(meta), meta.page_table, layer, *scales)
+    chunk_args = (q, *pool, meta.positions, meta.seq_lens, meta.page_table, layer, *scales)
     if impl == "cpu_kernel":
-        if q.shape[1] == 1:
-            out = cpu_attention.paged_decode_attention(
-                q[:, 0], cache.k, cache.v, _decode_kv_len(meta), meta.page_table, layer,
-                cache.k_scale, cache.v_scale, **opts,
-            )  # fmt: skip
-            return out[:, None]  # (B, 1, H, D)
-        return cpu_attention.paged_prefill_attention(
-            q, cache.k, cache.v, meta.positions, meta.seq_lens, meta.page_table, layer,
-            cache.k_scale, cache.v_scale, **opts,
-        )  # fmt: skip
+        if decode:
+            return cpu_attention.paged_decode_attention(*decode_args, **opts)[:, None]
+        return cpu_attention.paged_prefill_attention(*chunk_args, **opts)
     if impl == "ragged":
-        if q.shape[1] == 1 and meta.num_flat_pages > 0:
-            kv_len = _decode_kv_len(meta)
+        if decode and meta.num_flat_pages > 0:
+            kv_len, table = _decode_kv_len(meta), meta.page_table
 
             def ragged(num_flat):
-                return ragged_decode_attention(
-                    q[:, 0], cache.k, cache.v, kv_len, meta.page_table, num_flat, layer,
-                    cache.k_scale, cache.v_scale, **opts,
-                )  # fmt: skip
+                args = (q[:, 0], *pool, kv_len, table, num_flat, layer, *scales)
+                return ragged_decode_attention(*args, **opts)
 
             small = meta.num_window_flat_pages
             if window is None or not 0 < small < meta.num_flat_pages:
@@ -169,65 +167,21 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
                 window > 0, lambda: ragged(small), lambda: ragged(meta.num_flat_pages)
             )
             return out[:, None]
-        if q.shape[1] > 1:
-            return prefill_attention(
-                q, cache.k, cache.v, meta.positions, meta.seq_lens, meta.page_table, layer,
-                cache.k_scale, cache.v_scale, **opts,
-            )  # fmt: skip
+        if not decode:
+            return prefill_attention(*chunk_args, **opts)
         impl = "reference"
     if impl in ("mgpu", "mgpu_interpret"):
         interpret = impl == "mgpu_interpret"
-        if q.shape[1] == 1 and accepts(check_mgpu_options, q[:, 0], cache.k, H100_MGPU_DECODE):
-            out = mgpu.paged_attention_mgpu(
-                q[:, 0], cache.k, cache.v, _decode_kv_len(meta), meta.page_table, layer,
-                cache.k_scale, cache.v_scale, **opts, interpret=interpret,
-            )  # fmt: skip
+        if decode and accepts(check_mgpu_options, q[:, 0], cache.k, H100_MGPU_DECODE):
+            out = mgpu.paged_attention_mgpu(*decode_args, **opts, interpret=interpret)
             return out[:, None]  # (B, 1, H, D)
-        if q.shape[1] > 1 and accepts(mgpu_prefill.check_mgpu_prefill, q, cache.k):
-            return mgpu_prefill.paged_prefill_mgpu(
-                q, cache.k, cache.v, meta.positions, meta.seq_lens, meta.page_table, layer,
-                cache.k_scale, cache.v_scale, **opts, interpret=interpret,
-            )  # fmt: skip
+        if not decode and accepts(mgpu_prefill.check_mgpu_prefill, q, cache.k):
+            return mgpu_prefill.paged_prefill_mgpu(*chunk_args, **opts, interpret=interpret)
     if impl in ("pallas", "pallas_interpret", "mgpu", "mgpu_interpret"):
         interpret = impl in ("pallas_interpret", "mgpu_interpret")
-        if q.shape[1] == 1:
-            out = pa.paged_attention(
-                q[:, 0],
-                cache.k,
-                cache.v,
-                _decode_kv_len(meta),
-                meta.page_table,
-                layer,
-                cache.k_scale,
-                cache.v_scale,
-                **opts,
-                interpret=interpret,
-            )
-            return out[:, None]  # (B, 1, H, D)
-        return pp.paged_prefill_attention(
-            q,
-            cache.k,
-            cache.v,
-            meta.positions,
-            meta.seq_lens,
-            meta.page_table,
-            layer,
-            cache.k_scale,
-            cache.v_scale,
-            **opts,
-            interpret=interpret,
-        )
+        if decode:
+            return pa.paged_attention(*decode_args, **opts, interpret=interpret)[:, None]
+        return pp.paged_prefill_attention(*chunk_args, **opts, interpret=interpret)
     if impl == "reference":
-        return pa.paged_attention_reference(
-            q,
-            cache.k,
-            cache.v,
-            meta.positions,
-            meta.seq_lens,
-            meta.page_table,
-            layer,
-            cache.k_scale,
-            cache.v_scale,
-            **opts,
-        )
+        return pa.paged_attention_reference(*chunk_args, **opts)
     raise ValueError(f"attention impl {impl!r} is not available")
