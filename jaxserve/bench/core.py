@@ -58,21 +58,6 @@ class CompileCounter:
         jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
-def median_ms(fn, *args, reps: int) -> float:
-    """Median wall ms of `reps` calls of fn(*args), each waited for, after one untimed call (the
-    compile): the micro-benchmarks' timer (one_row_dot.py, cpu_layer_loop.py, since retired:
-    JOURNAL.md 17, 35)."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3
-
-
 def alternating_medians_ms(fns: dict, *args, reps: int) -> dict:
     """{name: median wall ms} of `reps` rounds that call every fn(*args) in turn, each waited for,
     after one untimed call each (the compile): the A/B timer of the kernel experiments
