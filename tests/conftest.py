@@ -1,4 +1,5 @@
-"""Shared fixtures: the default SmolLM2 model (path and a float32 load shared per session).
+"""Shared fixtures: the default SmolLM2 model (path and a float32 load shared per session), and the
+engine flags parsed from launcher args (`parsed`).
 
 Helpers (paged metadata, a greedy loop over the paged cache, golden files) are in model_testing.py.
 """
@@ -116,3 +117,25 @@ def smollm2_f32(smollm2_gguf_path):
     from jaxserve.loading import load_model
 
     return load_model(str(smollm2_gguf_path), dtype="float32")
+
+
+@pytest.fixture
+def parsed():
+    """parsed(*args) -> a FlagValues holding the engine flags (`jaxserve.launch.flags`, and
+    --speculative_config) parsed from launcher args; the same Flag objects as absl's FLAGS, so
+    they are reset afterwards."""
+    from absl import flags
+
+    from jaxserve.launch import flags as engine_flags
+
+    fv = flags.FlagValues()
+    for name in (*engine_flags.FLAG_NAMES, "speculative_config"):
+        fv[name] = engine_flags.FLAGS[name]
+
+    def parse(*args) -> flags.FlagValues:
+        fv.unparse_flags()
+        fv(["prog", *args])
+        return fv
+
+    yield parse
+    fv.unparse_flags()

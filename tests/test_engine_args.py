@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from absl import flags
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine_args import build_engine
@@ -42,23 +41,7 @@ FLAGS = [
 ]
 
 
-@pytest.fixture
-def parse():
-    """Parses launcher args into a FlagValues holding the engine flags (reset afterwards)."""
-    fv = flags.FlagValues()
-    for name in (*engine_flags.FLAG_NAMES, "speculative_config"):
-        fv[name] = engine_flags.FLAGS[name]
-
-    def run(*args) -> flags.FlagValues:
-        fv.unparse_flags()
-        fv(["prog", *args])
-        return fv
-
-    yield run
-    fv.unparse_flags()
-
-
-def test_every_front_door_builds_the_same_engine(parse):
+def test_every_front_door_builds_the_same_engine(parsed):
     """LLM(...) and AsyncLLM(...) both call build_engine with what the user passed; the launchers
     (generate, bench, serve) pass their flags to LLM. The same settings in either spelling give
     the same filled config, and so do none (the defaults). The launchers' own defaults: serve
@@ -72,7 +55,7 @@ def test_every_front_door_builds_the_same_engine(parse):
         assert allm.engine_config == llm.engine_config
     finally:
         allm.shutdown()
-    from_flags = build_engine(**engine_flags.llm_kwargs(parse(*FLAGS)))
+    from_flags = build_engine(**engine_flags.llm_kwargs(parsed(*FLAGS)))
     assert from_flags.engine_config == llm.engine_config
     c = llm.engine_config
     assert (c.num_slots, c.page_size, c.dtype, c.num_speculative_tokens) == (3, 16, "float32", 2)
@@ -82,12 +65,12 @@ def test_every_front_door_builds_the_same_engine(parse):
     assert defaults == EngineConfig(model="tiny", load_format="dummy").for_model(
         ModelConfig.preset("tiny")
     )
-    assert build_engine(**engine_flags.llm_kwargs(parse("--model=tiny", "--load_format=dummy")))
-    fv = parse("--model=tiny", "--load_format=dummy")
+    assert build_engine(**engine_flags.llm_kwargs(parsed("--model=tiny", "--load_format=dummy")))
+    fv = parsed("--model=tiny", "--load_format=dummy")
     assert serve.engine_kwargs(fv) == {"model": "tiny", "load_format": "dummy", "warmup": True}
-    assert serve.engine_kwargs(parse("--nowarmup"))["warmup"] is False
+    assert serve.engine_kwargs(parsed("--nowarmup"))["warmup"] is False
     assert bench.engine_kwargs(fv, "longtail-small")["num_slots"] == 32
-    assert bench.engine_kwargs(parse("--num_slots=5"), "longtail-small")["num_slots"] == 5
+    assert bench.engine_kwargs(parsed("--num_slots=5"), "longtail-small")["num_slots"] == 5
 
 
 def test_the_runner_and_engine_take_only_finished_objects():
@@ -111,7 +94,7 @@ def test_the_runner_and_engine_take_only_finished_objects():
         ModelRunner(params, mc, tp2, 8, mesh=make_mesh(1, 1))
 
 
-def test_every_setting_reaches_every_front_door_with_one_default(parse):
+def test_every_setting_reaches_every_front_door_with_one_default(parsed):
     """Walks EngineConfig's fields: each is a launch flag, unset unless given (the engine's
     default applies); LLM and AsyncLLM take every field by name, each at its default giving the
     engine of no settings at all; with no flag set generate passes nothing, and serve and bench
@@ -122,7 +105,7 @@ def test_every_setting_reaches_every_front_door_with_one_default(parse):
     fields = dataclasses.fields(EngineConfig)
     for f in fields:
         assert f.name in engine_flags.FLAG_NAMES and engine_flags.FLAGS[f.name].default is None
-    nothing = parse()
+    nothing = parsed()
     assert engine_flags.llm_kwargs(nothing) == {}  # generate's LLM(**llm_kwargs())
     assert serve.engine_kwargs(nothing) == {"warmup": True}
     for workload, spec in SPECS.items():

@@ -11,23 +11,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.launch import flags as engine_flags
 
 
-@pytest.fixture
-def parsed():
-    """Parses args into a FlagValues holding the engine flags (the same Flag objects as FLAGS,
-    so they are reset afterwards)."""
-    fv = flags.FlagValues()
-    for name in (*engine_flags.FLAG_NAMES, "speculative_config"):
-        fv[name] = engine_flags.FLAGS[name]
-
-    def parse(*args) -> flags.FlagValues:
-        fv.unparse_flags()
-        fv(["prog", *args])
-        return fv
-
-    yield parse
-    fv.unparse_flags()
-
-
 def test_every_field_has_a_flag_with_its_help():
     fields = dataclasses.fields(EngineConfig)
     assert engine_flags.FLAG_NAMES == tuple(f.name for f in fields)
