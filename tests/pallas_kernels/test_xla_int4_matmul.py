@@ -126,3 +126,40 @@ def test_flag_fuses_the_dequantize_into_the_gemm(mesh, m):
     default = _compile(mesh, m, {})
     assert len(weight_sized_bf16(default.hlo)) == 1, default.hlo  # the bf16 weight, written
     assert "s4" not in gemm_operand_types(default.hlo)
+
+
+def test_under_the_layer_scan_each_int4_layer_is_copied_out_of_its_stack(mesh):
+    """Why XLA-native INT4 is not the engine's decode path for the rows the INT4 kernels do not
+    take (17-64): inside the model's layer scan, even with `SUBCHANNEL_FLAG`, XLA copies each
+    layer's s4 weight out of its [L, K, N] stack before the GEMM (a `fused_dynamic_slice` and,
+    in this layout, a transpose of the whole stack first); only the dequantize stays in the GEMM.
+    The u32 packing of `int4_layout.py` (shift and mask) does not fuse into XLA's GEMM at all, and
+    an unrolled loop converts the whole stack to bf16 (JOURNAL.md 59a). The
+    INT4 kernels read the layer in place (`Int4Weight.matmul(x, layer=l)`); if a jax upgrade
+    lets XLA do the same, this test fails and the 17-64-row choice should be measured again."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxserve.bench.gpu_report import report
+
+    layers, m = 4, 64
+
+    def step(x, params):
+        def body(h, layer):
+            w, s = params["w"][layer], params["scales"][layer]
+            return xla_int4_matmul(h, w, s)[:, :K] + h, None
+
+        return jax.lax.scan(body, x, jnp.arange(layers))[0]
+
+    rep = NamedSharding(mesh, PartitionSpec())
+    params = {
+        "w": jax.ShapeDtypeStruct((layers, K, N), jnp.int4, sharding=rep),
+        "scales": jax.ShapeDtypeStruct((layers, K // G, N), jnp.bfloat16, sharding=rep),
+    }
+    x = jax.ShapeDtypeStruct((m, K), jnp.bfloat16, sharding=rep)
+    program = deviceless.compile_for_gpu(
+        "int4_scan", jax.jit(step), (x, params), {}, mesh, {SUBCHANNEL_FLAG: "True"}
+    )
+    r = report(program, layers)
+    layer_s4_bytes = K * N // 2
+    assert r.weight_bytes_materialized >= layers * layer_s4_bytes, r.materialized
+    assert weight_sized_bf16(program.hlo) == []  # the dequantize itself stays in the GEMM
