@@ -8,6 +8,7 @@
     settings.py      every engine setting with its default, help text and check
     speculative.py   vLLM's speculative_config and batch-size schedule -> the speculative settings
     engine.py        EngineConfig: the settings, the rules between them, for_model
+    gpu_choices.py   the GPU kernel table (gpu_kernel_choices.toml): 'auto' per chip and rows bucket
 
 Import from here: `from jaxserve.config import EngineConfig, ModelConfig`. Which implementations
 and buckets a built engine uses is jaxserve/resolve.py's choice, made from a filled EngineConfig.
