@@ -55,8 +55,9 @@ META_FILE = "jaxserve_checkpoint.json"
 TYPES = {cls.__name__: cls for cls in QUANTIZED_TYPES}
 # Static fields the engine chooses when it is built, not the checkpoint: saved for the record but
 # not restored (the INT4 matmul `impl`; checkpoints written before it became static say "auto";
-# `parallel`, set by the partition rules when the weight is placed on a mesh, is not even saved).
-RUNTIME_FIELDS = ("impl", "parallel")
+# `parallel`, set by the partition rules when the weight is placed on a mesh, and `kernel_rows`,
+# set with the impl, are not even saved).
+RUNTIME_FIELDS = ("impl", "parallel", "kernel_rows")
 # The weight type each quantization family must produce.
 FAMILY_TYPE = {"int4": "Int4Weight", "int8": "Int8Weight", "fp8": "Fp8Weight"}
 
@@ -154,10 +155,10 @@ def save_checkpoint(path, config: ModelConfig, params: dict, tokenizer=None, rec
 
 
 def _saved_static(static: dict) -> dict:
-    """The static fields written for a weight: not `parallel` (where it is placed is the engine's
-    choice), and not `shards` when 1 (the plain INT4 layout, left implicit as in checkpoints
+    """The static fields written for a weight: not `parallel` and `kernel_rows` (where it is placed
+    and how many rows its kernel takes are the engine's choices), and not `shards` when 1 (the plain INT4 layout, left implicit as in checkpoints
     written before shards existed; `int4_layout` in the recipe records it either way)."""
-    static = {k: v for k, v in static.items() if k != "parallel"}
+    static = {k: v for k, v in static.items() if k not in ("parallel", "kernel_rows")}
     if static.get("shards") == 1:
         del static["shards"]
     return static

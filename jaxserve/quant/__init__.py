@@ -22,9 +22,10 @@ bf16 instead of <= 0.27x. Why optional: a tied table is also the output projecti
 shows most in the logits (llama.cpp keeps output.weight at higher precision in its 4-bit mixes), so
 `quantize_embedding=False` (bf16 table) or `embedding_method="int8"` trades bytes back for quality.
 
-`with_matmul_impl(params, impl)` sets every INT4 weight's matmul implementation, a static choice:
-Int4Weight defaults to 'xla' (runs everywhere) and the engine's runner calls this once with its
-backend's choice ('pallas' on GPU, 'xla' elsewhere); tests force 'pallas_interpret' on CPU.
+`with_matmul_impl(params, impl, kernel_rows)` sets every quantized weight's matmul implementation
+and the rows its kernel takes, static choices: the weights default to 'xla' (runs everywhere) and
+the engine's runner calls this once with its backend's choice (on GPU the GPU kernel table's row
+for its chip: `resolve`; 'xla' elsewhere); tests force 'pallas_interpret' on CPU.
 GGUF Q4_0/Q4_1/Q8_0 files import without re-quantizing: `load_model(path, quantization=
 "gguf-native")` (`jaxserve/loading/gguf_native.py`; loading imports quant, never the reverse).
 
@@ -39,7 +40,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, gpu_choices
 from jaxserve.layers.embedding import is_quantized
 from jaxserve.quant import awq, gptq, int4, int8, rtn
 from jaxserve.quant.int4 import Int4Weight, pack, unpack
@@ -186,17 +187,37 @@ def quantize_embedding_table(params: dict, method: str, group_size: int) -> dict
     return replace_weights(params, {"embed": EMBEDDING_METHODS[method](table, group_size)})
 
 
-def with_matmul_impl(params: dict, impl: str) -> dict:
+# Each weight type's op in the GPU kernel table (config/gpu_kernel_choices.toml), whose row
+# limit `with_matmul_impl` sets, and the limit it has when none is given.
+KERNEL_ROWS = {
+    Int4Weight: ("int4_matmul", int4.PALLAS_MAX_ROWS),
+    Int8Weight: ("w8_matmul", int8.PALLAS_MAX_ROWS),
+    Fp8Weight: ("w8_matmul", int8.PALLAS_MAX_ROWS),
+}
+
+
+def with_matmul_impl(params: dict, impl: str, kernel_rows=()) -> dict:
     """params with every quantized weight's `impl` replaced (one of `int4.IMPLS`, the same names
-    as the W8A16 kernel's; see `Int4Weight`, `Int8Weight`).
+    as the W8A16 kernel's; see `Int4Weight`, `Int8Weight`), and its `kernel_rows`: the rows up
+    to which a kernel impl runs its kernel (XLA's path above), from `kernel_rows`, {op: rows} or
+    ((op, rows), ...) over the GPU table's matmul ops (`Resolved.quant_kernel_rows`), else the
+    type's default (KERNEL_ROWS).
 
     Float leaves are returned untouched. Works on abstract params (`jax.eval_shape` output) too:
-    only the static field changes.
+    only the static fields change.
     """
     if impl not in int4.IMPLS:
         raise ValueError(f"impl must be one of {int4.IMPLS}, got {impl!r}")
+    rows = dict(kernel_rows)
+    if set(rows) - set(gpu_choices.MATMUL_OPS):
+        raise ValueError(f"kernel_rows names ops of {gpu_choices.MATMUL_OPS}, got {sorted(rows)}")
+
+    def set_impl(w):
+        op, default = KERNEL_ROWS[type(w)]
+        return w.replace(impl=impl, kernel_rows=rows.get(op, default))
+
     return jax.tree.map(
-        lambda w: w.replace(impl=impl) if isinstance(w, QUANTIZED_TYPES) else w,
+        lambda w: set_impl(w) if isinstance(w, QUANTIZED_TYPES) else w,
         params,
         is_leaf=lambda w: isinstance(w, QUANTIZED_TYPES),
     )

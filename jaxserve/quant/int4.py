@@ -28,10 +28,11 @@ lm_head view [D, V] (it unpacks only the gathered columns).
 The matmul implementation is a static field, `impl`, chosen when the engine is built (the runner
 sets it with `jaxserve.quant.with_matmul_impl`: 'pallas' or 'mgpu' on GPU, 'xla' elsewhere;
 `quant/impls.py`); nothing reads the backend while tracing. 'pallas' runs the fused Triton kernel
-for up to `PALLAS_MAX_ROWS` rows (decode) and XLA's unpack + dot for more (prefill), which is
-faster there (JOURNAL.md 48); 'mgpu' the Mosaic GPU kernel (`pallas_kernels/mgpu_w4_matmul.py`)
-in its place where it accepts the call (bf16 rows, the plain packing, its tile multiples), else
-the Triton kernel.
+for up to `kernel_rows` rows (decode) and XLA's unpack + dot for more (prefill), which is faster
+there (JOURNAL.md 48); 'mgpu' the Mosaic GPU kernel (`pallas_kernels/mgpu_w4_matmul.py`) in its
+place where it accepts the call (bf16 rows, the plain packing, its tile multiples), else the
+Triton kernel. `kernel_rows`, static too, is the engine's GPU's (the GPU kernel table,
+`config/gpu_kernel_choices.toml`, through `with_matmul_impl`), else `PALLAS_MAX_ROWS`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import numpy as np
 from flax import struct
 
 from jaxserve.quant import sharded
-from jaxserve.quant.impls import IMPLS, MGPU_IMPLS, mgpu_accepts, triton_twin
+from jaxserve.quant.impls import IMPLS, MGPU_IMPLS, check_kernel_rows, mgpu_accepts, triton_twin
 from pallas_kernels.int4_layout import (
     GROUP_SIZES,
     PACK,
@@ -64,9 +65,11 @@ from pallas_kernels.mgpu_w4_matmul import check_mgpu_w4_inputs, int4_matmul_mgpu
 
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_IMPL = "xla"  # runs on every backend; the engine picks 'pallas' on GPU
-# Rows up to which impl 'pallas' runs the fused kernel; more rows (a prefill chunk, a decode
-# batch of 32+) take the XLA unpack + dot. On the H200 the kernel took 0.35-0.5x XLA's time at
-# 1 and 8 rows and 1.2-3.4x at 32 to 512 rows (Llama-3-8B projections, bf16; JOURNAL.md 48).
+# Rows up to which a kernel impl set by hand runs its kernel (the weights' default `kernel_rows`);
+# more rows (a prefill chunk, a decode batch of 32+) take the XLA unpack + dot. An engine's 'auto'
+# takes its GPU's limit from the GPU kernel table (config/gpu_kernel_choices.toml), today this on
+# every chip: on the H200 the kernel took 0.35-0.5x XLA's time at 1 and 8 rows and 1.2-3.4x at
+# 32 to 512 rows (Llama-3-8B projections, bf16; JOURNAL.md 48).
 PALLAS_MAX_ROWS = 16
 
 
@@ -78,6 +81,7 @@ class Int4Weight:
     'pallas' (the fused kernel, GPU), 'mgpu' (its Mosaic GPU port, Hopper), '*_interpret' (those
     kernels interpreted, CPU tests) or 'reference' (f32 jnp). The engine sets it for its backend (`quant.with_matmul_impl`).
 
+    kernel_rows: impl 'pallas' / 'mgpu' run the kernel on up to this many rows, XLA beyond.
     shards: the N columns are packed as this many blocks of N/shards (1: the plain layout).
     parallel: None, 'column' or 'row': how the partition rules split it over the 'model' axis.
     """
@@ -87,6 +91,7 @@ class Int4Weight:
     mins: jax.Array  # f16[..., K // group_size, N]
     group_size: int = struct.field(pytree_node=False, default=DEFAULT_GROUP_SIZE)
     impl: str = struct.field(pytree_node=False, default=DEFAULT_IMPL)
+    kernel_rows: int = struct.field(pytree_node=False, default=PALLAS_MAX_ROWS)
     shards: int = struct.field(pytree_node=False, default=1)
     parallel: str | None = struct.field(pytree_node=False, default=None)
 
@@ -114,6 +119,7 @@ class Int4Weight:
         check_arrays(self.packed, self.scales, self.mins, self.group_size, self.shards)
         if self.impl not in IMPLS:
             raise ValueError(f"Int4Weight.impl must be one of {IMPLS}, got {self.impl!r}")
+        check_kernel_rows(type(self).__name__, self.kernel_rows)
         sharded.check_parallel(self.parallel)
 
     def dequantize(self) -> jax.Array:
@@ -150,7 +156,7 @@ class Int4Weight:
             raise ValueError(f"x has shape {x.shape}; its last dim must be K={self.shape[-2]}")
         if impl is None:
             impl = self.impl
-            if impl in ("pallas", "mgpu") and int(np.prod(x.shape[:-1])) > PALLAS_MAX_ROWS:
+            if impl in ("pallas", "mgpu") and int(np.prod(x.shape[:-1])) > self.kernel_rows:
                 impl = "xla"
 
         def local(w, x, layer, out_dtype):

@@ -36,13 +36,22 @@ import numpy as np
 from flax import struct
 
 from jaxserve.quant import sharded
-from jaxserve.quant.impls import IMPLS, KERNELS, MGPU_IMPLS, mgpu_accepts, triton_twin
+from jaxserve.quant.impls import (
+    IMPLS,
+    KERNELS,
+    MGPU_IMPLS,
+    check_kernel_rows,
+    mgpu_accepts,
+    triton_twin,
+)
 from pallas_kernels.mgpu_tuning import H100_MGPU_W8
 from pallas_kernels.mgpu_w8_matmul import check_mgpu_w8_inputs, w8_matmul_mgpu
 from pallas_kernels.w8_matmul import w8_matmul
 
-# Rows up to which impl 'pallas' runs the W8A16 kernel on a layer of a stack (decode batches);
-# more rows (a prefill chunk: compute-bound) take XLA's convert + dot on the sliced layer.
+# Rows up to which a kernel impl set by hand runs the W8A16 kernel on a layer of a stack (the
+# weights' default `kernel_rows`: decode batches); more rows (a prefill chunk: compute-bound) take
+# XLA's convert + dot on the sliced layer. An engine's 'auto' takes its GPU's limit from the GPU
+# kernel table (config/gpu_kernel_choices.toml), today this on every chip.
 PALLAS_MAX_ROWS = 64
 
 FP8_MAX = 448.0
@@ -119,6 +128,7 @@ class _ScaledWeight:
             raise ValueError(
                 f"{type(self).__name__}.impl must be one of {IMPLS}, got {self.impl!r}"
             )
+        check_kernel_rows(type(self).__name__, self.kernel_rows)
 
     @property
     def per_channel(self) -> bool:
@@ -154,7 +164,7 @@ class _ScaledWeight:
         def local(w, x, layer, out_dtype):
             q, scales = w.q, w.scales
             rows = int(np.prod(x.shape[:-1]))
-            if layer is not None and w.reads_layer_in_place and rows <= PALLAS_MAX_ROWS:
+            if layer is not None and w.reads_layer_in_place and rows <= w.kernel_rows:
                 if w.impl in MGPU_IMPLS and mgpu_accepts(
                     check_mgpu_w8_inputs, x, q, scales, layer, H100_MGPU_W8
                 ):
@@ -246,9 +256,10 @@ class Int8Weight(_ScaledWeight):
     group_size: int = struct.field(pytree_node=False)
     parallel: str | None = struct.field(pytree_node=False, default=None)  # see `quant/sharded.py`
     # the matmul (`quant/impls.py`): 'xla' (convert + dot, every backend), 'pallas' / 'mgpu' (a
-    # W8A16 kernel on a layer of a stack, up to PALLAS_MAX_ROWS rows; GPU), '*_interpret' (CPU
-    # tests); set by the engine (`quant.with_matmul_impl`)
+    # W8A16 kernel on a layer of a stack, up to kernel_rows rows; GPU), '*_interpret' (CPU
+    # tests); set by the engine (`quant.with_matmul_impl`), as is kernel_rows
     impl: str = struct.field(pytree_node=False, default="xla")
+    kernel_rows: int = struct.field(pytree_node=False, default=PALLAS_MAX_ROWS)
 
 
 @struct.dataclass
@@ -262,9 +273,10 @@ class Fp8Weight(_ScaledWeight):
     group_size: int = struct.field(pytree_node=False)
     parallel: str | None = struct.field(pytree_node=False, default=None)  # see `quant/sharded.py`
     # the matmul (`quant/impls.py`): 'xla' (convert + dot, every backend), 'pallas' / 'mgpu' (a
-    # W8A16 kernel on a layer of a stack, up to PALLAS_MAX_ROWS rows; GPU), '*_interpret' (CPU
-    # tests); set by the engine (`quant.with_matmul_impl`)
+    # W8A16 kernel on a layer of a stack, up to kernel_rows rows; GPU), '*_interpret' (CPU
+    # tests); set by the engine (`quant.with_matmul_impl`), as is kernel_rows
     impl: str = struct.field(pytree_node=False, default="xla")
+    kernel_rows: int = struct.field(pytree_node=False, default=PALLAS_MAX_ROWS)
 
 
 @functools.partial(jax.jit, static_argnames=("fp8",))
