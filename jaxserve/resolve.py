@@ -7,8 +7,8 @@ that lowers a GPU engine's steps on this CPU). Nothing below it asks the backend
 kernels get their implementation as static arguments (`ModelImpl`), and the runner and scheduler
 get their shape buckets from here. The choices:
 
-    attention      auto -> 'pallas' (Triton kernels) on GPU, until a GPU run times the Mosaic GPU
-                   kernels ('mgpu', Hopper) against them (issue 55); on CPU 'cpu_kernel' (decode and
+    attention      auto -> on GPU the GPU kernel table's choice for the chip (below: today
+                   'pallas', the Triton kernels, on every chip); on CPU 'cpu_kernel' (decode and
                    prefill through the C++ kernel of `cpu_kernels/`, read in place from the pool;
                    JOURNAL.md sections 37 and 39) when it built here, else 'ragged' (XLA decode
                    over the step's live pages, its cost following the live tokens; prefill
@@ -18,9 +18,9 @@ get their shape buckets from here. The choices:
                    layer's weight in place, and takes every batch, decode and prefill alike (one
                    implementation, so a row's bits never depend on its batch; JOURNAL.md
                    sections 38, 40 and 41); 'xla' (XLA's dot) otherwise
-    quant matmul   auto -> 'pallas' (the Triton W4A16 / W8A16 kernels on decode rows) on GPU,
-                   until a GPU run times the Mosaic GPU ones ('mgpu'); 'xla' elsewhere
-                   (`quant/impls.py`)
+    quant matmul   auto -> on GPU the GPU kernel table's kernel for the chip and the rows up to
+                   which it runs, per op (today 'pallas', the Triton W4A16 kernel up to 16 rows
+                   and W8A16 up to 64, on every chip); 'xla' elsewhere (`quant/impls.py`)
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
                    1.17-1.42x faster on decode-sized batches; JOURNAL.md section 21), else 'in_out'
     moe matmul     'tiled' on CPU (a loop over row tiles of the chosen experts: XLA's CPU
@@ -50,6 +50,11 @@ get their shape buckets from here. The choices:
                    row bucket, over the whole page table, since the kernel's cost follows each
                    row's own pages whatever the table's width)
 
+The GPU kernel table (`config/gpu_kernel_choices.toml`, checked by `config/gpu_choices.py`) holds
+the GPU's choices as data, per chip (h100, h200, 'default') and bucket of rows, each row with its
+source; `python -m jaxserve.bench.kernel_choices OUT_DIR` proposes a new one from a GPU run (BUILD.md
+"Benchmarks"). An explicit setting wins over it (an explicit quantized kernel: its default rows).
+
 Host only: no jax import (tests/core/test_host_only.py imports core/, which imports this).
 """
 
@@ -57,7 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
+from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig, gpu_choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +160,9 @@ class Resolved:
     num_top: int = MAX_LOGPROBS  # top log-probs per token: max_logprobs (-1: the vocabulary)
     # XLA options every step program is compiled with ((name, value) pairs; none on CPU)
     compiler_options: tuple[tuple[str, str], ...] = ()
+    # ((op, rows), ...): the rows up to which quant_matmul's kernel runs per GPU-table matmul op
+    # (`quant.with_matmul_impl`); () leaves the weights' defaults (an explicit impl, the CPU)
+    quant_kernel_rows: tuple[tuple[str, int], ...] = ()
 
     @property
     def chunk(self) -> int:
@@ -306,6 +314,7 @@ def resolve(
     cpu_matmul: str | None = None,
     plain_weights: bool = True,
     autotune_cache_dir: str | None = None,
+    device_kind: str | None = None,
 ) -> Resolved:
     """The engine's choices on `backend` ('cpu', 'gpu', ...), from its filled EngineConfig.
 
@@ -317,15 +326,18 @@ def resolve(
     one device), else None.
     plain_weights: whether every layer weight is a float array (none quantized; the runner looks
     at the params): it picks the GPU's GEMMs (`gpu_compiler_options`); autotune_cache_dir: the
-    GPU's autotuning cache (`runner/compile_cache.autotune_dir`)."""
+    GPU's autotuning cache (`runner/compile_cache.autotune_dir`).
+    device_kind: the GPU's (`jax.Device.device_kind`, e.g. "NVIDIA H200"), whose row of the GPU
+    kernel table 'auto' takes on GPU (None: the table's default row)."""
     c, m = engine_config, model_config
     if not c.is_filled:
         raise ValueError("resolve needs a filled EngineConfig: call for_model(model_config) first")
     cpu = backend == "cpu"
+    table = gpu_choices.for_device(device_kind) if backend == "gpu" else None
     attention = c.attention_impl
     if attention == "auto":
-        if backend == "gpu":
-            attention = "pallas"
+        if table is not None:
+            attention = table.attention
         else:
             attention = "cpu_kernel" if cpu and cpu_kernel else "ragged"
     if attention == "cpu_kernel" and not (cpu and cpu_kernel):
@@ -343,9 +355,11 @@ def resolve(
             f"and bfloat16 weights (backend {backend!r}, kernel path: {cpu_matmul}, "
             f"dtype {c.dtype})"
         )
-    quant_matmul = c.quant_matmul_impl
-    if quant_matmul == "auto":
-        quant_matmul = "pallas" if backend == "gpu" else "xla"
+    quant_matmul, kernel_rows = c.quant_matmul_impl, ()
+    if quant_matmul == "auto" and table is not None:
+        quant_matmul, kernel_rows = table.quant_matmul, table.kernel_rows
+    elif quant_matmul == "auto":
+        quant_matmul = "xla"
     if c.slot_buckets == "auto":
         slot_buckets = cpu_slot_buckets(c.num_slots) if cpu else (c.num_slots,)
     else:
@@ -376,4 +390,5 @@ def resolve(
         compiler_options=(
             gpu_compiler_options(plain_weights, autotune_cache_dir) if backend == "gpu" else ()
         ),
+        quant_kernel_rows=kernel_rows,
     )

@@ -107,8 +107,8 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
         )
     shard = data_shard_config(e)  # the step shapes are one data shard's, as ModelRunner's
     plain = not any(map(is_quantized, params["layers"].values()))
-    r = resolve(shard, c, "gpu", plain_weights=plain)
-    params = with_matmul_impl(params, r.quant_matmul)
+    r = resolve(shard, c, "gpu", plain_weights=plain, device_kind=target.device_kind)
+    params = with_matmul_impl(params, r.quant_matmul, r.quant_kernel_rows)
     rules = {}
 
     def partitioned(p):  # traced: quantized column weights are repacked for T abstractly

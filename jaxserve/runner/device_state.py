@@ -50,7 +50,7 @@ def check_built(engine_config: EngineConfig, mesh) -> None:
 def layout_params(params, model_config, resolved, mesh):
     """The loaded params as the resolved kernels read them, on their shards (mesh None: one
     device). `model_config` has the KV heads the params have (`partition.replicate_kv_heads`)."""
-    params = with_matmul_impl(params, resolved.quant_matmul)
+    params = with_matmul_impl(params, resolved.quant_matmul, resolved.quant_kernel_rows)
     if resolved.weight_layout == "out_in":
         kernel = resolved.model.cpu_matmul
         params = {**params, "layers": linear.cpu_layout(params["layers"], kernel)}

@@ -118,6 +118,7 @@ class ModelRunner:
             cpu_matmul=cpu_backend.matmul_kernel(backend, engine_config, mesh),
             plain_weights=not any(map(is_quantized, params["layers"].values())),
             autotune_cache_dir=autotune,
+            device_kind=jax.devices()[0].device_kind if backend == "gpu" else None,
         )
         self.step_fns = data_parallel if d > 1 else steps  # generate / prefill (one shard or all)
         r = self.resolved

@@ -9,8 +9,11 @@ import re
 
 import pytest
 
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.config import gpu_choices as gc
+from jaxserve.resolve import resolve
 
+TINY = ModelConfig.preset("tiny")
 KINDS = {  # device kinds as jax reports them -> the table's chip
     "NVIDIA H100 80GB HBM3": "h100",
     "NVIDIA H100 PCIe": "h100",
@@ -65,6 +68,45 @@ def test_the_shipped_table_is_todays_choices():
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_chips_by_device_kind(kind):
     assert gc.chip_of(kind, gc.load()) == KINDS[kind]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_resolve_picks_todays_choices_on_every_gpu(kind):
+    r = resolve(EngineConfig().for_model(TINY), TINY, "gpu", device_kind=kind)
+    assert (r.model.attention, r.quant_matmul) == ("pallas", "pallas")
+    assert r.quant_kernel_rows == (("int4_matmul", 16), ("w8_matmul", 64))
+
+
+def test_resolve_reads_its_chip_and_explicit_settings_win(monkeypatch):
+    """A table that moves the H200 to the Mosaic kernels: an H200 engine takes them, with its row
+    limits; an H100 keeps its rows; an explicit setting wins (its kernel on the weights' default
+    rows); the CPU never reads the table."""
+    h200 = table(
+        "h200",
+        r0={"candidate": "mgpu"},
+        r1={"candidate": "mgpu"},
+        r2={"candidate": "mgpu", "max_rows": 64},
+        r3={"min_rows": 65, "max_rows": None, "candidate": "xla"},
+        r5={"candidate": "mgpu"},
+        r6={"candidate": "xla"},
+    )
+    del h200[4]
+    choices = gc.parse(gc.to_toml((*h200, *table("h100"), *table())))
+    monkeypatch.setattr(gc, "_shipped", lambda: choices)
+
+    def resolved(backend="gpu", kind="NVIDIA H200", **settings):
+        config = EngineConfig(**settings).for_model(TINY)
+        return resolve(config, TINY, backend, device_kind=kind)
+
+    r = resolved()
+    assert (r.model.attention, r.quant_matmul) == ("mgpu", "mgpu")
+    assert r.quant_kernel_rows == (("int4_matmul", 64), ("w8_matmul", 16))
+    r = resolved(kind="NVIDIA H100 80GB HBM3")
+    assert (r.model.attention, r.quant_matmul) == ("pallas", "pallas")
+    r = resolved(attention_impl="reference", quant_matmul_impl="pallas")
+    assert (r.model.attention, r.quant_matmul, r.quant_kernel_rows) == ("reference", "pallas", ())
+    r = resolved("cpu", kind=None)
+    assert (r.model.attention, r.quant_matmul, r.quant_kernel_rows) == ("ragged", "xla", ())
 
 
 def test_a_table_of_xla_only_matmuls():
