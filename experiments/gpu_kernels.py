@@ -32,7 +32,10 @@ Every time is per call on the device: the op runs N times inside one jitted fori
 (`jaxserve.bench.device_loop`, N from one host-timed call so a loop lasts ~0.1 s), so the host's
 dispatch and launch are not in it. A wall-clock budget (--budget_s, default 420 s) skips the
 remaining timing configurations rather than overrun; skipped rows are marked, and so is a candidate
-that cannot run (cuDNN on a CPU or with int8/fp8 KV: `cudnn_skipped` says why).
+that cannot run (cuDNN on a CPU or with int8/fp8 KV: `cudnn_skipped` says why). Each timed row
+checks its candidates' outputs against the reference's (`kernel_ok`, `mgpu_ok`, `cudnn_ok`), and
+`python -m jaxserve.bench.kernel_choices DIR` turns the JSON into the GPU kernel table's proposed
+rows.
 """
 
 from __future__ import annotations
@@ -371,6 +374,13 @@ def check_large_pools(interpret: bool, small: bool) -> list[dict]:
     return rows
 
 
+def checked(out, ref_out) -> dict:
+    """The Triton kernel's output at a timed row against the reference's: kernel_max_abs_err and
+    kernel_ok, the Mosaic rows' tolerance (bf16 products, f32 softmax)."""
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32))))
+    return dict(kernel_max_abs_err=err, kernel_ok=err < 0.05)
+
+
 def decode_bytes(batch, ctx, kv) -> int:
     """KV bytes one decode step reads: K and V of every visible token and KV head (+ scales)."""
     elem = 2 if kv == "bf16" else 1
@@ -438,6 +448,7 @@ def bench_decode(batches, contexts, page_sizes, interpret, deadline, copy_gbs) -
                     t_k = timeit(kernel, *args)
                     t_r = timeit(ref, *args)
                     gbs = decode_bytes(batch, ctx, kv) / t_k / 1e9
+                    row.update(checked(kernel(*args), ref_out))
                     row.update(
                         kernel_us=t_k * 1e6,
                         xla_ref_us=t_r * 1e6,
@@ -541,6 +552,7 @@ def bench_prefill(batch, chunk, contexts, interpret, deadline) -> list[dict]:
             ref_out = ref(*args)
             t_k = timeit(kernel, *args)
             t_r = timeit(ref, *args)
+            row.update(checked(kernel(*args), ref_out))
             flops = (
                 4 * batch * chunk * H * D * ctx
             )  # QK^T and PV over the visible keys (upper bound)
@@ -748,6 +760,7 @@ def main(argv=None) -> int:
     if not on_gpu and not opts.smoke:
         parser.error("no GPU: run with --smoke (interpret mode, tiny shapes)")
     res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, smoke=opts.smoke)
+    res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"device {res['device']}, jax {res['jax']}, interpret={interpret}")
 
     res["kv_bytes_per_token"] = kv_bytes_per_token()
@@ -788,7 +801,9 @@ def main(argv=None) -> int:
         f"wrote {out / 'gpu_kernels.json'} and {out / 'gpu_kernels.md'} in {res['seconds']:.0f} s"
     )
     candidates_ok = all(
-        r.get("mgpu_ok", True) and r.get("cudnn_ok", True) for r in res["decode"] + res["prefill"]
+        r.get(f"{name}_ok", True)
+        for r in res["decode"] + res["prefill"]
+        for name in ("kernel", "mgpu", "cudnn")
     )
     return (
         0 if candidates_ok and all(r["ok"] for r in res["correctness"] + res["large_pools"]) else 1

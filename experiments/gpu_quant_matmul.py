@@ -11,6 +11,8 @@ traced index:
 
     mosaic   `pallas_kernels/mgpu_w4_matmul.py` / `mgpu_w8_matmul.py` (TMA + wgmma)
     triton   `pallas_kernels/int4_matmul.py` / `w8_matmul.py`, the engine's kernels today
+    xla      the engine's XLA path on the same stack (impl 'xla': the layer sliced out, then
+             unpack / convert + dot), what it runs above a kernel's row limit
     bf16     XLA's dot with a bf16 weight of the same shape (one layer, no stack): what the
              quantized kernels must beat (issue 55's targets at 1-16 rows: INT4 >= 2.5x, INT8
              and FP8 >= 1.7x)
@@ -21,13 +23,14 @@ traced index:
              into XLA's Triton GEMM: no bf16 weight written); `xla_int4_noflag` the same without
              the flag (XLA's default: a fusion writes the whole bf16 weight, then the GEMM).
 
-Every row first checks each candidate against its f32 reference on its inputs (the kernels against
-the kernels' reference, xla_int4 against `xla_int4_matmul_reference`). Each op runs `--iters`
-times inside one jitted fori_loop (`jaxserve.bench.device_loop`: inputs tied to the carry, output
-behind a barrier, so nothing is hoisted or narrowed), so a row's time excludes dispatch; it prints
-us per call, weight GB/s and the speedups over bf16 and Triton.
+Every row first checks each candidate against its f32 reference on its inputs (the kernels and
+xla against the kernels' reference, xla_int4 against `xla_int4_matmul_reference`; `NAME_ok`).
+Each op runs `--iters` times inside one jitted fori_loop (`jaxserve.bench.device_loop`: inputs
+tied to the carry, output behind a barrier, so nothing is hoisted or narrowed), so a row's time
+excludes dispatch; it prints us per call, weight GB/s and the speedups over bf16 and Triton.
 Results: DIR/gpu_quant_matmul.json (rewritten after every row) and gpu_quant_matmul.md; DIR defaults to $OUT. A
-wall-clock budget skips the rows it cannot reach, marked as skipped.
+wall-clock budget skips the rows it cannot reach, marked as skipped. `python -m
+jaxserve.bench.kernel_choices DIR` turns the JSON into the GPU kernel table's proposed rows.
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ def stack(kind: str, layers: int, k: int, n: int, seed: int = 0) -> tuple[tuple,
 
 
 def kernels(kind: str, interpret: bool) -> tuple:
-    """(mosaic, triton, reference) for `kind`: ops (x, *stack, layer) and (x, *one layer's)."""
+    """(mosaic, triton, xla, reference) for `kind`: ops (x, *stack, layer), the reference
+    (x, *one layer's)."""
     triton_impl = "pallas_interpret" if interpret else "pallas"
     if kind == "int4":
         return (
@@ -88,11 +92,13 @@ def kernels(kind: str, interpret: bool) -> tuple:
             lambda x, p, s, m, i: int4_matmul(
                 x, p, s, m, group_size=GROUP, impl=triton_impl, layer=i
             ),
+            lambda x, p, s, m, i: int4_matmul(x, p, s, m, group_size=GROUP, impl="xla", layer=i),
             lambda x, p, s, m: int4_matmul_reference(x, p, s, m, GROUP),
         )
     return (
         lambda x, q, s, i: w8_matmul_mgpu(x, q, s, i, interpret=interpret),
         lambda x, q, s, i: w8_matmul(x, q, s, impl=triton_impl, layer=i),
+        lambda x, q, s, i: w8_matmul(x, q, s, impl="xla", layer=i),
         w8_matmul_reference,
     )
 
@@ -127,6 +133,7 @@ def main() -> int:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, smoke=opts.smoke, rows=[])
+    res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"device {res['device']}, jax {res['jax']}, interpret={interpret}")
 
     def write():
@@ -135,7 +142,7 @@ def main() -> int:
     layer = jnp.int32(layers - 1)
     flag = {"compiler_options": {SUBCHANNEL_FLAG: True}}  # XLA:CPU keeps it too, unused
     for kind in KINDS:
-        mosaic, triton, reference = kernels(kind, interpret)
+        mosaic, triton, xla_path, reference = kernels(kind, interpret)
         for k, n in shapes:
             w, w_xla = stack(kind, layers, k, n)
             one = tuple(a[-1] for a in w)
@@ -148,23 +155,23 @@ def main() -> int:
                     continue
                 x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
                 want = np.asarray(reference(x, *one), np.float32)
-                for name, op in (("mosaic", mosaic), ("triton", triton)):
+                ops = (("mosaic", mosaic), ("triton", triton), ("xla", xla_path))
+                for name, op in ops:
                     row[f"{name}_rel_err"] = rel_err(jax.jit(op)(x, *w, layer), want)
                 if w_xla is not None:  # checked with the flag it is timed with
                     got = jax.jit(xla_int4_matmul, **flag)(x, *w_xla)
                     row["xla_int4_rel_err"] = rel_err(got, xla_int4_matmul_reference(x, *w_xla))
-                errs = [v for key, v in row.items() if key.endswith("_rel_err")]
-                row["ok"] = max(errs) < 2e-2
-                t = {
-                    "mosaic": seconds_per_call(mosaic, (x, *w, layer), iters),
-                    "triton": seconds_per_call(triton, (x, *w, layer), iters),
-                    "bf16": seconds_per_call(lambda x, w: x @ w, (x, w_bf16), iters),
-                }
+                errs = {key[: -len("_rel_err")]: v for key, v in row.items() if "_rel_err" in key}
+                row.update({f"{name}_ok": err < 2e-2 for name, err in errs.items()})
+                row["ok"] = max(errs.values()) < 2e-2
+                row["weight_bytes"] = sum(a[-1].nbytes for a in w)  # one layer, as a call reads
+                t = {name: seconds_per_call(op, (x, *w, layer), iters) for name, op in ops}
+                t["bf16"] = seconds_per_call(lambda x, w: x @ w, (x, w_bf16), iters)
                 if w_xla is not None:
                     t["xla_int4"] = seconds_per_call(xla_int4_matmul, (x, *w_xla), iters, **flag)
                     t["xla_int4_noflag"] = seconds_per_call(xla_int4_matmul, (x, *w_xla), iters)
                 row.update({f"{name}_us": s * 1e6 for name, s in t.items()})
-                row["mosaic_gbs"] = sum(a[-1].nbytes for a in w) / t["mosaic"] / 1e9
+                row["mosaic_gbs"] = row["weight_bytes"] / t["mosaic"] / 1e9
                 row["mosaic_vs_bf16"] = t["bf16"] / t["mosaic"]
                 row["mosaic_vs_triton"] = t["triton"] / t["mosaic"]
                 row["triton_vs_bf16"] = t["bf16"] / t["triton"]
@@ -179,7 +186,8 @@ def main() -> int:
                     )
                 print(
                     f"  {kind} M={m:3d} {k}x{n}: mosaic {t['mosaic'] * 1e6:8.1f} us  triton "
-                    f"{t['triton'] * 1e6:8.1f} us  bf16 {t['bf16'] * 1e6:8.1f} us{xla}  mosaic x"
+                    f"{t['triton'] * 1e6:8.1f} us  xla {t['xla'] * 1e6:8.1f} us  bf16 "
+                    f"{t['bf16'] * 1e6:8.1f} us{xla}  mosaic x"
                     f"{row['mosaic_vs_bf16']:.2f} vs bf16, x{row['mosaic_vs_triton']:.2f} vs "
                     f"triton  (err {row['mosaic_rel_err']:.1e}, ok {row['ok']})"
                 )
@@ -187,19 +195,20 @@ def main() -> int:
     lines = [
         f"# Quantized-weight matmuls on {res['device']} (jax {res['jax']}{', smoke' if opts.smoke else ''})",
         "",
-        "| weight | M | K x N | mosaic us | triton us | bf16 us | xla int4 us | xla int4 no-flag us "
-        "| mosaic x bf16 | mosaic x triton | triton x bf16 | mosaic x xla int4 | mosaic GB/s | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| weight | M | K x N | mosaic us | triton us | xla us | bf16 us | xla int4 us "
+        "| xla int4 no-flag us | mosaic x bf16 | mosaic x triton | triton x bf16 "
+        "| mosaic x xla int4 | mosaic GB/s | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         if "skipped" in r:
-            lines.append(f"| {r['kind']} | {r['m']} | {r['k']}x{r['n']} | skipped ||||||||||")
+            lines.append(f"| {r['kind']} | {r['m']} | {r['k']}x{r['n']} | skipped |||||||||||")
             continue
         xla = [f"{r[key]:.1f}" if key in r else "" for key in ("xla_int4_us", "xla_int4_noflag_us")]
         vs_xla = f"{r['mosaic_vs_xla_int4']:.2f}" if "mosaic_vs_xla_int4" in r else ""
         lines.append(
             f"| {r['kind']} | {r['m']} | {r['k']}x{r['n']} | {r['mosaic_us']:.1f} "
-            f"| {r['triton_us']:.1f} | {r['bf16_us']:.1f} | {xla[0]} | {xla[1]} "
+            f"| {r['triton_us']:.1f} | {r['xla_us']:.1f} | {r['bf16_us']:.1f} | {xla[0]} | {xla[1]} "
             f"| {r['mosaic_vs_bf16']:.2f} | {r['mosaic_vs_triton']:.2f} | {r['triton_vs_bf16']:.2f} "
             f"| {vs_xla} | {r['mosaic_gbs']:.0f} | {'yes' if r['ok'] else 'NO'} |"
         )
