@@ -16,7 +16,11 @@
 # Everything printed goes to $OUT/log.txt, and every step's files to $OUT/results.tar.gz, re-packed
 # after each step, so a run cut short keeps what finished (the tool brings back 8 files at most).
 # No model files travel: the GGUF is over the tool's 64 MiB carry limit, so every step uses random
-# weights.
+# weights. After `kernels` or `w8`, the GPU kernel table their timings propose
+# (`python -m jaxserve.bench.kernel_choices`, issue 55) is written to $OUT/gpu_kernel_choices.toml
+# (commit it as jaxserve/config/gpu_kernel_choices.toml) and its RESULTS table to
+# $OUT/kernel_choices.md; COMMIT=<the checkout's commit> names the run in the table's sources
+# (the device's copy has no git).
 set -u
 OUT=${OUT:-experiments/out/gpu_checks}
 DEADLINE=$(($(date +%s) + ${GPU_CHECKS_BUDGET_S:-420}))
@@ -76,4 +80,11 @@ run_step() {
 steps=("$@")
 ((${#steps[@]})) || steps=(env decode)
 for s in "${steps[@]}"; do run_step "$s"; done
+if [ -e "$R/kernels/gpu_kernels.json" ] || [ -e "$R/w8/gpu_quant_matmul.json" ]; then
+  echo "== kernel table: python3 -m jaxserve.bench.kernel_choices $R"
+  python3 -m jaxserve.bench.kernel_choices "$R" --commit "${COMMIT:-}" \
+    --table "$R/kernel_choices.md" >"$R/gpu_kernel_choices.toml" &&
+    cp "$R/gpu_kernel_choices.toml" "$R/kernel_choices.md" "$OUT/"
+  tar czf "$OUT/results.tar.gz" -C "$R" .
+fi
 echo "== done $(date -u +%T)"

@@ -63,6 +63,7 @@ def test_gpu_script_smoke(tmp_path, script, checks):
         for kind in ("decode", "prefill"):
             mosaic = [r for r in out[kind] if "mgpu_us" in r]
             assert mosaic and all(r["mgpu_ok"] for r in mosaic), out[kind]
+            assert all(r["kernel_ok"] for r in out[kind]), out[kind]  # Triton's, at each timed row
             # cuDNN's row: skipped with its reason on the CPU (never timed there); for bf16 KV
             # the pool, page table and mask converted to cuDNN's layout give the reference's
             # output under cuDNN's documented semantics (emulated in jnp)
@@ -80,6 +81,29 @@ def test_gpu_script_smoke(tmp_path, script, checks):
                 assert r["xla_int4_us"] > 0 and r["xla_int4_noflag_us"] > 0, r
             else:
                 assert "xla_int4_us" not in r, r
+            # the engine's XLA path on the same stack: the third candidate of the kernel table
+            assert r["xla_us"] > 0 and r["mosaic_ok"] and r["triton_ok"] and r["xla_ok"], r
+    if script in ("gpu_kernels.py", "gpu_quant_matmul.py"):
+        assert_reduced(tmp_path, script)
+
+
+def assert_reduced(out_dir, script):
+    """The smoke run's JSON through `python -m jaxserve.bench.kernel_choices`: a table the engine
+    can run, from its "default" chip (the CPU's device kind), with no row measured."""
+    from jaxserve.config import gpu_choices
+
+    md = out_dir / "kernel_choices.md"
+    cmd = [sys.executable, "-m", "jaxserve.bench.kernel_choices", str(out_dir), "--table", str(md)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proposed = gpu_choices.parse(proc.stdout, "the proposed table")
+    assert not any(c.measured for c in proposed)
+    ops = gpu_choices.ATTENTION_OPS if script == "gpu_kernels.py" else gpu_choices.MATMUL_OPS
+    timed = [c for c in proposed if c.chip == "default" and c.op in ops and "smoke" in c.source]
+    assert timed and all("cpu (default) run of " in c.source for c in timed), timed
+    candidates = {line.split(" | ")[2] for line in md.read_text().splitlines()[2:]}
+    engine = {"pallas", "mgpu", "reference" if script == "gpu_kernels.py" else "xla"}
+    assert engine <= candidates, candidates
 
 
 def test_gpu_tp_smoke(tmp_path):

@@ -7,8 +7,8 @@
     to_toml(choices) -> str                     the file's text (`load` reads it back unchanged)
 
 A row says: on GPU `chip`, operation `op` (over a bucket of rows, for the quantized matmuls) runs
-`candidate`; `measured` says whether a GPU run timed every candidate there and this one was the
-fastest correct (`jaxserve.bench.kernel_choices` writes such rows from the prepared GPU run);
+`candidate`; `measured` says whether a GPU run timed the candidates there and chose this one
+(`jaxserve.bench.kernel_choices` writes such rows from the prepared GPU run);
 `source` names the run or the JOURNAL.md section behind it. The file's header says the format.
 
 The engine can only run some tables, and `load` refuses the rest, naming the file and line: it runs
@@ -45,7 +45,7 @@ HEADER = """\
 # What attention_impl="auto" and quant_matmul_impl="auto" run on a GPU, per chip and shape bucket.
 # Read and checked by jaxserve/config/gpu_choices.py; used by jaxserve/resolve.py. A GPU run
 # proposes a new file (BUILD.md, "Benchmarks"): experiments/gpu_checks.sh kernels w8, then
-#   python -m jaxserve.bench.kernel_choices OUT_DIR > jaxserve/config/gpu_kernel_choices.toml
+#   python -m jaxserve.bench.kernel_choices OUT_DIR --out jaxserve/config/gpu_kernel_choices.toml
 #
 # chip       a word of the device kind, lower case ("NVIDIA H100 80GB HBM3" -> h100); "default":
 #            every other GPU
@@ -55,8 +55,10 @@ HEADER = """\
 #            int4_matmul, w8_matmul (INT8 and FP8 weights): buckets of rows [min_rows, max_rows]
 #            (no max_rows: no bound) from 1 up, a kernel (pallas, mgpu) on the first buckets and
 #            xla (unpack / convert + dot) on the rest; one kernel for both ops of a chip
-# measured   true: a GPU run timed every candidate here and this was the fastest correct one
-# source     the run (commit, chip, date) or the JOURNAL.md section the choice comes from
+# measured   true: a GPU run timed the candidates here and chose this one (the fastest whose
+#            output was right, among the tables the engine can run)
+# source     the run (device, date, commit) and how the candidates compared, or the JOURNAL.md
+#            section the choice comes from
 """
 
 
