@@ -144,7 +144,7 @@ def verdict(samples: list[Sample], op: str) -> Verdict:
 
 def propose(
     base: tuple[gc.Choice, ...], samples: list[Sample], chip: str, run: str, measured: bool
-):
+) -> tuple[gc.Choice, ...]:
     """The base table with `chip`'s rows replaced by step 3's proposal (a new chip starts from
     the default's rows)."""
     rows = [c for c in base if c.chip == chip]
