@@ -16,7 +16,7 @@ register blocks; decode items run the same routines on their pages) and run the 
 over each query's own visible keys, so a token's result does not depend on its chunk, the other rows or the
 page-table width (no padded [W * ps] block, no mask over invisible keys).
 Why C++ on CPU: XLA's CPU backend has no fast form of this computation. Its best plain-XLA forms
-(`pallas_kernels/ragged_attention.py`) gather and convert every live page to f32 and run tiny
+(`pallas_kernels/attention/xla.py`) gather and convert every live page to f32 and run tiny
 batched dots; these read each K/V row once per item (JOURNAL.md sections 37 and 39).
 
 `paged_decode_attention_reference` and `paged_prefill_attention_reference` at the end of this
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels.build import BuildError, FfiTarget
-from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.attention.triton_decode import paged_attention_reference
 
 TARGET = "jaxserve_paged_decode_attention"
 KERNEL = FfiTarget("paged_decode_attention.cc", TARGET, "JaxservePagedDecodeAttention")
@@ -128,7 +128,7 @@ def paged_prefill_attention(
     scale: float | None = None,
 ) -> jax.Array:
     """q [B, T, H, D], positions i32[B, T], seq_lens i32[B], page_table i32[B, W] (the arguments
-    of `pallas_kernels.paged_prefill.paged_prefill_attention`; the chunk's K/V already written to
+    of `pallas_kernels.attention.triton_prefill.paged_prefill_attention`; the chunk's K/V already written to
     the pools) -> [B, T, H, D] in q.dtype.
 
     A query at position p of row b sees keys s <= p (s >= p - window + 1 under a window). Query
@@ -159,7 +159,7 @@ def paged_decode_attention_reference(
     softcap: float | None = None,
     scale: float | None = None,
 ) -> jax.Array:
-    """The definition: the paged attention reference (`pallas_kernels.paged_attention`, gather +
+    """The definition: the paged attention reference (`pallas_kernels.attention.triton_decode`, gather +
     einsum) for one query per row at position kv_len - 1, kv_len clipped to the page table.
 
     Row b's query sees keys s with s < kv_len_b and, under a window w > 0, s >= kv_len_b - w.

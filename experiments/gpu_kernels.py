@@ -17,13 +17,13 @@ Steps, each printed and written to DIR/gpu_kernels.json and DIR/gpu_kernels.md:
    bf16 pool (64-bit offsets). Smoke mode runs the same code on tiny pools.
 4. Decode timings at Llama-3-8B attention shapes (32 q heads, 8 KV heads, head_dim 128): batch
    8/64/256 x context 512/4096/8192 x page 16/32 x bf16/int8/fp8 KV, one layer of the pool; the
-   Triton kernel, the Mosaic GPU kernel (`mgpu_paged_attention.py`, issue 55: its output checked
+   Triton kernel, the Mosaic GPU kernel (`mgpu_decode.py`, issue 55: its output checked
    against the reference too), the XLA reference (gather + einsum) and cuDNN's paged attention
    (jax's `cudnn.fused_attention_stablehlo.paged_attention`, bf16 KV only: its output checked
    against the reference, then timed), timed in turn in this process; achieved GB/s of KV read
    beside the copy bandwidth.
 5. Prefill timings: batch 8 x 256-token chunks at the end of 512/4096-token contexts; the Triton
-   kernel, the Mosaic GPU kernel (`mgpu_paged_prefill.py`, its output checked against the
+   kernel, the Mosaic GPU kernel (`mgpu_prefill.py`, its output checked against the
    reference), the XLA reference and cuDNN (bf16 KV; the chunk's causal mask as a bias, below).
 6. Targets from the issue: decode at batch 64 x 4096 >= 70% of copy bandwidth and >= 3x the XLA
    reference; int8/fp8 KV >= 1.6x faster than bf16 KV at the same shape.
@@ -55,10 +55,10 @@ from jax._src.cudnn.fused_attention_stablehlo import paged_attention as cudnn_pa
 
 from jaxserve.bench.device_loop import seconds_per_call
 from jaxserve.layers import kv_cache as kvc
-from pallas_kernels.mgpu_paged_attention import paged_attention_mgpu
-from pallas_kernels.mgpu_paged_prefill import paged_prefill_mgpu
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-from pallas_kernels.paged_prefill import paged_prefill_attention
+from pallas_kernels.attention.mgpu_decode import paged_attention_mgpu
+from pallas_kernels.attention.mgpu_prefill import paged_prefill_mgpu
+from pallas_kernels.attention.triton_decode import paged_attention, paged_attention_reference
+from pallas_kernels.attention.triton_prefill import paged_prefill_attention
 
 log = logging.getLogger("gpu_kernels")
 H, KVH, D = 32, 8, 128  # Llama-3-8B attention

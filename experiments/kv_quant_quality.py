@@ -38,7 +38,7 @@ from jaxserve.layers.norm import rms_norm
 from jaxserve.loading import load_model
 from jaxserve.models import llama
 from jaxserve.resolve import REFERENCE_IMPL
-from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.attention.triton_decode import paged_attention_reference
 
 log = logging.getLogger("kv_quant_quality")
 PAGE_SIZE = 16

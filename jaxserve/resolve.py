@@ -12,7 +12,7 @@ get their shape buckets from here. The choices:
                    prefill through the C++ kernel of `cpu_kernels/`, read in place from the pool;
                    JOURNAL.md sections 37 and 39) when it built here, else 'ragged' (XLA decode
                    over the step's live pages, its cost following the live tokens; prefill
-                   chunks through `ragged_attention.prefill_attention`)
+                   chunks through `pallas_kernels.attention.xla.prefill_attention`)
     dense matmul   auto -> 'cpu_kernel' on CPU for bf16 weights on one device when the C++ matmul
                    of `cpu_kernels/` built here with a loop in AUTO_CPU_MATMUL: it reads each
                    layer's weight in place, and takes every batch, decode and prefill alike (one

@@ -9,7 +9,7 @@ compiler to PTX, which happens when XLA compiles on a real GPU (`experiments/gpu
 
 Each kernel file defines `lowering_cases() -> list[KernelCheck]` (`lowering.py`, a leaf the kernels
 import); adding a kernel file to the registry is one line in `KERNEL_MODULES`. The paged-attention
-kernels' cases include the sliding-window models (`paged_common.WINDOW_MODEL_HEADS`: a traced
+kernels' cases include the sliding-window models (`triton_common.WINDOW_MODEL_HEADS`: a traced
 window argument, Gemma 2's soft-cap and query_pre_attn_scalar scale), named ".../window[/softcapN]". Prints a table and exits non-zero if any case fails.
 """
 
@@ -20,12 +20,13 @@ import sys
 import time
 import traceback
 
-from pallas_kernels import int4_matmul, paged_attention, paged_prefill, w8_matmul
+from pallas_kernels import int4_matmul, w8_matmul
+from pallas_kernels.attention import triton_decode, triton_prefill
 from pallas_kernels.lowering import KernelCheck, h200_mesh, lower_for_h200
 
 __all__ = ["KERNEL_MODULES", "KernelCheck", "collect", "h200_mesh", "lower_for_h200", "run"]
 
-KERNEL_MODULES = (paged_attention, paged_prefill, int4_matmul, w8_matmul)
+KERNEL_MODULES = (triton_decode, triton_prefill, int4_matmul, w8_matmul)
 
 
 def collect(modules=KERNEL_MODULES) -> list[KernelCheck]:

@@ -1,4 +1,4 @@
-"""What the Mosaic GPU kernels share (`mgpu_paged_attention.py`, `mgpu_paged_prefill.py`,
+"""What the Mosaic GPU kernels share (`mgpu_decode.py`, `mgpu_prefill.py`,
 `mgpu_w8_matmul.py`, `mgpu_w4_matmul.py`): the SMEM layout that wgmma and TMA both read, the wgmma
 M tile and a Hopper block's SMEM, and the question their callers ask of each one's input check;
 the attention kernels' input check, K/V page ring (`KVRing`, `kv_ring_scratch`) and online-softmax
@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.paged_common import MASK_VALUE, QUANTIZED_KV_DTYPES
+from pallas_kernels.attention.triton_common import MASK_VALUE, QUANTIZED_KV_DTYPES
 
 SWIZZLE = 128  # bytes: rows of up to 128 bytes swizzled, the layout wgmma and TMA share
 ROWS = 64  # wgmma M tile (the attention kernels pad a KV head's query rows to it)

@@ -1,9 +1,9 @@
 """Tuning configurations of the Mosaic GPU kernels, frozen so they can be static jit arguments: the
-paged decode (`mgpu_paged_attention.py`) and prefill (`mgpu_paged_prefill.py`) attention kernels,
+paged decode (`mgpu_decode.py`) and prefill (`mgpu_prefill.py`) attention kernels,
 the W8A16 (`mgpu_w8_matmul.py`) and W4A16 (`mgpu_w4_matmul.py`) matmuls. `H100_*` are the
 defaults the engine runs (an H100 or H200 block: 227 KiB of SMEM, 132 SMs), chosen from the
 hardware numbers and the ptxas register counts in each kernel's docstring, not yet timed on a GPU.
-The Triton kernels' configurations are in `tuning.py`.
+The Triton kernels' configurations are in `attention/tuning.py`.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class EngineSettings:
         "reference for everything; "
         "pallas = the Pallas kernels; pallas_interpret = the Pallas kernels in interpret mode "
         "(CPU tests); mgpu = the Pallas Mosaic GPU kernels for Hopper "
-        "(pallas_kernels/mgpu_paged_attention.py for decode, mgpu_paged_prefill.py for "
+        "(pallas_kernels/attention/mgpu_decode.py for decode, mgpu_prefill.py for "
         "prefill chunks; bf16 activations, head dims 64/128/256: the Triton kernel serves what "
         "they refuse); mgpu_interpret = the same in interpret modes (CPU tests). "
         "Default: auto.",

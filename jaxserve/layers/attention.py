@@ -15,13 +15,13 @@ from flax import struct
 
 from cpu_kernels import paged_decode_attention as cpu_attention
 from jaxserve.layers.kv_cache import KVCache
-from pallas_kernels import mgpu_paged_attention as mgpu
-from pallas_kernels import mgpu_paged_prefill as mgpu_prefill
-from pallas_kernels import paged_attention as pa
-from pallas_kernels import paged_prefill as pp
+from pallas_kernels.attention import mgpu_decode as mgpu
+from pallas_kernels.attention import mgpu_prefill
+from pallas_kernels.attention import triton_decode as pa
+from pallas_kernels.attention import triton_prefill as pp
+from pallas_kernels.attention.xla import prefill_attention, ragged_decode_attention
 from pallas_kernels.mgpu_common import accepts, check_mgpu_options
 from pallas_kernels.mgpu_tuning import H100_MGPU_DECODE
-from pallas_kernels.ragged_attention import prefill_attention, ragged_decode_attention
 
 
 @struct.dataclass
@@ -125,15 +125,15 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     chunked-prefill kernel; both read the whole stacked pool at the traced `layer`, and a
     windowed layer's loop starts at its window's first page.
     'mgpu' / 'mgpu_interpret': the Mosaic GPU kernels (Hopper: TMA + wgmma): T == 1 the decode
-    kernel (`pallas_kernels/mgpu_paged_attention.py`), T > 1 the prefill kernel
-    (`mgpu_paged_prefill.py`); where one refuses the call (f32 queries, a head dim other than
+    kernel (`pallas_kernels/attention/mgpu_decode.py`), T > 1 the prefill kernel
+    (`mgpu_prefill.py`); where one refuses the call (f32 queries, a head dim other than
     64 / 128 / 256, pages under 8 tokens: `check_mgpu_options`), its Triton twin as 'pallas'.
     'cpu_kernel' (the CPU default where it builds): the C++ kernel of
     `cpu_kernels/paged_decode_attention.py`, which reads each row's pages of the whole pool at
     the traced `layer` in place; a prefill chunk's tokens run as decode rows at their positions
     (only the keys each one sees, the bits a decode step would give it).
     'ragged' (XLA): decode over the step's live pages laid end to end
-    (`pallas_kernels/ragged_attention.py`, needs meta.num_flat_pages); prefill chunks take its
+    (`pallas_kernels/attention/xla.py`, needs meta.num_flat_pages); prefill chunks take its
     `prefill_attention`, the reference laid out for the CPU's dots.
 
     window / softcap / scale go to every path unchanged (see `attention`). Decode paths take the

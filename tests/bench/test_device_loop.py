@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 
 from jaxserve.bench.device_loop import device_loop, seconds_per_call  # noqa: E402
 from jaxserve.bench.xla_text import array_shapes, attr, parse_module  # noqa: E402
-from pallas_kernels.paged_attention import paged_attention  # noqa: E402
+from pallas_kernels.attention.triton_decode import paged_attention  # noqa: E402
 from pallas_kernels.xla_int4_matmul import SUBCHANNEL_FLAG, xla_int4_matmul  # noqa: E402
 
 K, N, G = 4096, 14336, 128

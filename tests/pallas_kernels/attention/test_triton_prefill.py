@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from paged_kv_testing import make_pool, np_seed, pairwise_covered, permuted_page_table, tolerance
 
-from pallas_kernels.paged_prefill import paged_prefill_attention, paged_prefill_reference
-from pallas_kernels.tuning import PrefillConfig
+from pallas_kernels.attention.triton_prefill import paged_prefill_attention, paged_prefill_reference
+from pallas_kernels.attention.tuning import PrefillConfig
 
 # jax warns on every Triton-backend pallas_call (upstream deprecation).
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

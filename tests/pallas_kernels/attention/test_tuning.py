@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pallas_kernels.paged_attention import decode_plan
-from pallas_kernels.paged_prefill import prefill_plan
-from pallas_kernels.tuning import H200_DECODE, H200_PREFILL, DecodeConfig, PrefillConfig
+from pallas_kernels.attention.triton_decode import decode_plan
+from pallas_kernels.attention.triton_prefill import prefill_plan
+from pallas_kernels.attention.tuning import H200_DECODE, H200_PREFILL, DecodeConfig, PrefillConfig
 
 
 @pytest.mark.parametrize(

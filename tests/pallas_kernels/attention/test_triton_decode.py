@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from paged_kv_testing import make_pool, np_seed, pairwise_covered, permuted_page_table, tolerance
 
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-from pallas_kernels.tuning import DecodeConfig
+from pallas_kernels.attention.triton_decode import paged_attention, paged_attention_reference
+from pallas_kernels.attention.tuning import DecodeConfig
 
 # jax warns on every Triton-backend pallas_call (upstream deprecation).
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from paged_kv_testing import naive_attention, np_seed, paged_from_dense
 
-from pallas_kernels.paged_attention import paged_attention_reference
+from pallas_kernels.attention.triton_decode import paged_attention_reference
 
 L, KVH, G, D = 2, 2, 2, 16
 reference = jax.jit(paged_attention_reference, static_argnames=("softcap", "scale"))

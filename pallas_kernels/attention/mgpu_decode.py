@@ -1,7 +1,7 @@
 """Paged decode attention on Pallas Mosaic GPU (Hopper: TMA + wgmma), the successor of the Triton
 `paged_attention` (jax 0.11 deprecates the Pallas Triton backend).
 
-Same call, same semantics as `paged_attention.paged_attention` (one new query token per row
+Same call, same semantics as `triton_decode.paged_attention` (one new query token per row
 against that row's KV pages, the whole stacked pool and a traced `layer`, GQA, scale, soft-cap,
 traced sliding window, int8/fp8 pages with per-token scales). Dataflow of `paged_attention_mgpu`
 (B rows, H = KVH * G query heads, pool of P pages of ps tokens, BK = block_k keys per step):
@@ -49,14 +49,14 @@ other than bf16/int8/fp8, page sizes below 8 (TMA boxes of 8-row tiles), head di
 SMEM exceeds the 227 KiB of a Hopper block.
 
 The ring (`KVRing`, `kv_ring_scratch`), the online-softmax step (`attend`, `softmax_init`) and
-`check_mgpu_options` are in `mgpu_common`: the Mosaic GPU prefill kernel (`mgpu_paged_prefill`)
+`check_mgpu_options` are in `mgpu_common`: the Mosaic GPU prefill kernel (`mgpu_prefill`)
 walks its key tiles with them too. The tiles are an `MgpuDecodeConfig` (`mgpu_tuning`).
 
 Interpret mode (CPU): `interpret=True` runs the kernel in Mosaic GPU's interpreter
 (`plgpu.InterpretGPUParams()`, passed as `plgpu.kernel(interpret=...)`), which simulates SMEM,
 TMA, barriers and wgmma.
 
-`reference` (= `paged_attention.paged_attention_reference`) is the pure-jnp definition the tests
+`reference` (= `triton_decode.paged_attention_reference`) is the pure-jnp definition the tests
 hold the kernel to.
 """
 
@@ -72,6 +72,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.attention.triton_common import check_attention_options, check_kv_inputs
+from pallas_kernels.attention.triton_decode import decode_plan, paged_attention_reference
 from pallas_kernels.mgpu_common import (
     ROWS,
     KVRing,
@@ -82,8 +84,6 @@ from pallas_kernels.mgpu_common import (
     tiled_smem,
 )
 from pallas_kernels.mgpu_tuning import H100_MGPU_DECODE, MgpuDecodeConfig
-from pallas_kernels.paged_attention import decode_plan, paged_attention_reference
-from pallas_kernels.paged_common import check_attention_options, check_kv_inputs
 
 
 def _decode_kernel(
@@ -284,7 +284,7 @@ def paged_attention_mgpu(
 ) -> jax.Array:
     """Decode attention of one new token per row against its pages (Mosaic GPU, Hopper).
 
-    The arguments and result of `paged_attention.paged_attention` (whose docstring describes
+    The arguments and result of `triton_decode.paged_attention` (whose docstring describes
     them), with `config` an `MgpuDecodeConfig`. `interpret=True` runs Mosaic GPU's interpreter
     on the CPU. Raises ValueError for f32 queries and the shapes `check_mgpu_options` names.
     """
@@ -312,5 +312,5 @@ def paged_attention_mgpu(
 
 
 reference = paged_attention_reference
-"""The pure-jnp definition the kernel is held to: `paged_attention.paged_attention_reference`
+"""The pure-jnp definition the kernel is held to: `triton_decode.paged_attention_reference`
 (gather + einsum) with q [B, 1, H, D] and positions seq_lens - 1 for decode."""

@@ -40,7 +40,7 @@ def _check_pow2(obj, *fields: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Tiles of the flash-decoding kernel (`pallas_kernels.paged_attention`)."""
+    """Tiles of the flash-decoding kernel (`pallas_kernels.attention.triton_decode`)."""
 
     block_k: int = (
         128  # keys per inner iteration (a whole number of pages: max(block_k, page_size))
@@ -59,7 +59,7 @@ class DecodeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
-    """Tiles of the ragged chunked-prefill kernel (`pallas_kernels.paged_prefill`)."""
+    """Tiles of the ragged chunked-prefill kernel (`pallas_kernels.attention.triton_prefill`)."""
 
     block_rows: int = 64  # query rows per program: tokens x padded head group
     block_k: int = 64  # keys per inner iteration (a whole number of pages: max(block_k, page_size))

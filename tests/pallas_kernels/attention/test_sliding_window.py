@@ -18,10 +18,10 @@ from paged_kv_testing import naive_attention, np_seed, paged_from_dense, toleran
 
 from jaxserve.layers import attention as attn
 from jaxserve.layers.kv_cache import KVCache
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
-from pallas_kernels.paged_prefill import paged_prefill_attention
-from pallas_kernels.ragged_attention import ragged_decode_attention
-from pallas_kernels.tuning import DecodeConfig, PrefillConfig
+from pallas_kernels.attention.triton_decode import paged_attention, paged_attention_reference
+from pallas_kernels.attention.triton_prefill import paged_prefill_attention
+from pallas_kernels.attention.tuning import DecodeConfig, PrefillConfig
+from pallas_kernels.attention.xla import ragged_decode_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -256,7 +256,7 @@ def test_window_cases_are_registered_for_cuda_lowering():
     """`python -m pallas_kernels.check` lowers both kernels with a traced window (and Gemma 2's
     soft-cap) for every sliding-window model, page size, q dtype and KV dtype."""
     from pallas_kernels import check
-    from pallas_kernels.paged_common import WINDOW_MODEL_HEADS
+    from pallas_kernels.attention.triton_common import WINDOW_MODEL_HEADS
 
     names = {c.name for c in check.CHECKS}
     for kernel in ("decode", "prefill"):

@@ -1,4 +1,4 @@
-"""Mosaic GPU prefill kernel (`pallas_kernels.mgpu_paged_prefill`): Mosaic GPU interpret mode on
+"""Mosaic GPU prefill kernel (`pallas_kernels.attention.mgpu_prefill`): Mosaic GPU interpret mode on
 the CPU against the reference, its per-tile plan against brute force, its refusals, and a
 deviceless compile for an H100 at the Llama-3-8B prefill shape.
 
@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from paged_kv_testing import make_pool, np_seed, permuted_page_table, tolerance  # noqa: E402
 
-from pallas_kernels.mgpu_paged_prefill import (  # noqa: E402
+from pallas_kernels.attention.mgpu_prefill import (  # noqa: E402
     _tile_plan,
     paged_prefill_mgpu,
     reference,

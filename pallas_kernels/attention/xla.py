@@ -1,7 +1,7 @@
 """Ragged paged decode attention in plain XLA: the CPU path whose cost follows the live tokens
 (beside the Pallas kernels it is the XLA form of; imports jax only).
 
-The reference (`pallas_kernels.paged_attention.paged_attention_reference`) gathers a [B, W * ps]
+The reference (`pallas_kernels.attention.triton_decode.paged_attention_reference`) gathers a [B, W * ps]
 block per row, so a decode step costs B x W pages, W being the step's page-table width: the
 *longest* live sequence sets the cost of every row. Here the step's live pages are laid out end to
 end instead, F of them (a static bucket >= sum of the rows' pages), and attention is a segmented
@@ -23,7 +23,7 @@ pages from its window's first page on, so it needs F >= sum(ceil(kv_len / ps) - 
 before the window are never gathered. F is static: a step serving global layers too must size it
 for them (then the windowed layers leave the rest of the bucket as masked padding).
 
-Equal to the reference up to f32 summation order (tests/pallas_kernels/test_ragged_attention.py).
+Equal to the reference up to f32 summation order (tests/pallas_kernels/attention/test_xla.py).
 A row with kv_len 0 owns no page and gets zeros, as in the reference. Quantized (int8/fp8) pools multiply the
 per-token scales in after the gather. Decode only (one query token per row).
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_common import soft_cap, window_start
+from pallas_kernels.attention.triton_common import soft_cap, window_start
 
 
 def ragged_decode_attention(
@@ -158,7 +158,7 @@ def prefill_attention(
     # whatever the number of rows, but not a column, and a sum over S keys along the minor axis
     # is not the same sum as over fewer. So the scores are a dot with the keys as rows, and the
     # softmax sum and the PV dot run over S as a leading axis, where keys past a row's end add
-    # exact zeros (tests/pallas_kernels/test_ragged_attention.py, tests/test_prefix_cache_identity.py).
+    # exact zeros (tests/pallas_kernels/attention/test_xla.py, tests/test_prefix_cache_identity.py).
     # (The transposed form, q . K^T and its softmax along S, ran the call about 2x faster.)
     batch = ((0, 1), (0, 1))
     st = jax.lax.dot_general(k.reshape(b, kvh, s_len, d), qf.reshape(b, kvh, g * t, d),

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxserve.resolve import bucket_for, pow2_buckets
-from pallas_kernels.paged_attention import paged_attention_reference
-from pallas_kernels.ragged_attention import prefill_attention, ragged_decode_attention
+from pallas_kernels.attention.triton_decode import paged_attention_reference
+from pallas_kernels.attention.xla import prefill_attention, ragged_decode_attention
 
 L, KVH, G, D, PS, P = 2, 2, 3, 16, 4, 64
 ragged = jax.jit(ragged_decode_attention, static_argnums=5)

@@ -1,4 +1,4 @@
-"""Mosaic GPU decode kernel (`pallas_kernels.mgpu_paged_attention`): Mosaic GPU interpret mode on
+"""Mosaic GPU decode kernel (`pallas_kernels.attention.mgpu_decode`): Mosaic GPU interpret mode on
 the CPU against the reference, its refusals, and a deviceless compile for an H100.
 
 Every interpret case batches the lengths 0, 1, ps-1, ps, ps+1 and the maximum (the whole page
@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from paged_kv_testing import make_pool, np_seed, permuted_page_table, tolerance  # noqa: E402
 
-from pallas_kernels.mgpu_paged_attention import paged_attention_mgpu, reference  # noqa: E402
+from pallas_kernels.attention.mgpu_decode import paged_attention_mgpu, reference  # noqa: E402
 from pallas_kernels.mgpu_tuning import MgpuDecodeConfig  # noqa: E402
 
 KVH, LAYERS, WIDTH = 2, 2, 5

@@ -1,7 +1,7 @@
 """Ragged chunked-prefill paged attention on Pallas Mosaic GPU (Hopper: TMA + wgmma), the successor
 of the Triton `paged_prefill` (jax 0.11 deprecates the Pallas Triton backend).
 
-Same call, same semantics as `paged_prefill.paged_prefill_attention` (a ragged chunk of new tokens
+Same call, same semantics as `triton_prefill.paged_prefill_attention` (a ragged chunk of new tokens
 per row, causal against the row's pages, whose own K/V the model has already written; the whole
 stacked pool and a traced `layer`, GQA, scale, soft-cap, traced sliding window, int8/fp8 pages
 with per-token scales). Dataflow of `paged_prefill_mgpu` (B rows, T tokens, H = KVH * G query
@@ -38,7 +38,7 @@ GQA groups over 64 heads, and configs whose SMEM exceeds the 227 KiB of a Hopper
 
 `interpret=True` runs the kernel in Mosaic GPU's interpreter on the CPU (SMEM, TMA, barriers and
 wgmma simulated). The tiles are an `MgpuPrefillConfig` (`mgpu_tuning`). `reference`
-(= `paged_prefill.paged_prefill_reference`) is the definition.
+(= `triton_prefill.paged_prefill_reference`) is the definition.
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.attention.triton_common import (
+    check_attention_options,
+    check_kv_inputs,
+    next_pow2,
+)
+from pallas_kernels.attention.triton_prefill import paged_prefill_reference
 from pallas_kernels.mgpu_common import (
     ROWS,
     KVRing,
@@ -62,8 +68,6 @@ from pallas_kernels.mgpu_common import (
     tiled_smem,
 )
 from pallas_kernels.mgpu_tuning import H100_MGPU_PREFILL, MgpuPrefillConfig
-from pallas_kernels.paged_common import check_attention_options, check_kv_inputs, next_pow2
-from pallas_kernels.paged_prefill import paged_prefill_reference
 
 _BIG = 1 << 30  # "no row" in the plan's min/max (far from overflow)
 
@@ -281,7 +285,7 @@ def paged_prefill_mgpu(
 ) -> jax.Array:
     """Causal attention of a ragged chunk of new tokens per row against its pages (Mosaic GPU).
 
-    The arguments and result of `paged_prefill.paged_prefill_attention` (whose docstring
+    The arguments and result of `triton_prefill.paged_prefill_attention` (whose docstring
     describes them), with `config` an `MgpuPrefillConfig`. `interpret=True` runs Mosaic GPU's
     interpreter on the CPU. Raises ValueError for f32 queries and what `check_mgpu_options` names.
     """
@@ -314,5 +318,5 @@ def paged_prefill_mgpu(
 
 
 reference = paged_prefill_reference
-"""The pure-jnp definition the kernel is held to (`paged_attention.paged_attention_reference`
+"""The pure-jnp definition the kernel is held to (`triton_decode.paged_attention_reference`
 under the prefill signature)."""

@@ -19,7 +19,7 @@ tiles [s * bps, min((s + 1) * bps, N)) with
 The window is read at run time (a traced i32, one program for sliding and global layers): a
 windowed layer never loads a page wholly before its window, and its splits share the window's
 tiles instead of idling, so its cost follows the window, not the sequence. Keys before a on page
-A are masked. Logits are `softcap(q.k * scale)` before the mask (`paged_common`).
+A are masked. Logits are `softcap(q.k * scale)` before the mask (`triton_common`).
 
 The kernel takes the whole stacked pool plus a traced `layer` index, so the model can call it inside
 `lax.scan` without slicing (and copying) a layer out of the cache. Rows with seq_len 0 run no
@@ -46,8 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.lowering import KernelCheck
-from pallas_kernels.paged_common import (
+from pallas_kernels.attention.triton_common import (
     MASK_VALUE,
     check_attention_options,
     check_kv_inputs,
@@ -57,7 +56,8 @@ from pallas_kernels.paged_common import (
     soft_cap,
     window_start,
 )
-from pallas_kernels.tuning import H200_DECODE, DecodeConfig
+from pallas_kernels.attention.tuning import H200_DECODE, DecodeConfig
+from pallas_kernels.lowering import KernelCheck
 
 # ------------------------------------------------------------------------------------------------
 # Kernel.
@@ -286,7 +286,7 @@ def paged_attention(
 
 
 def lowering_cases() -> list:
-    """Every decode configuration the engine uses (`paged_common.lowering_pools`)."""
+    """Every decode configuration the engine uses (`triton_common.lowering_pools`)."""
     sds = jax.ShapeDtypeStruct
     batch, width = 64, 64  # 64 slots, contexts up to 64 pages, a 4096-page pool
     cases = []

@@ -14,7 +14,7 @@ A sliding-window layer (window w > 0, a traced i32 read at run time) starts the 
 page holding the block's earliest visible key, max(min position in the block - w + 1, 0), so
 pages wholly before every row's window are never loaded: a block's cost is its own tokens plus
 the window, not the sequence. Inside the walked range each row masks keys s <= position - w.
-Logits are `softcap(q.k * scale)` before the mask (`paged_common`).
+Logits are `softcap(q.k * scale)` before the mask (`triton_common`).
 
 The chunk may start mid-sequence (chunked prefill) and its own K/V are already in the pages (the
 model writes them before attention), so "cached pages plus the chunk itself" is one causal mask over
@@ -24,14 +24,14 @@ zeros. Int8/fp8 pages are dequantized in the loop as in the decode kernel (K sca
 V scale on the probabilities).
 
 A decode row (T = 1) also works here, but with one token the block wastes Gp x (BR / Gp - 1) rows
-and never splits the keys, so the engine uses `paged_attention.paged_attention` for T == 1.
+and never splits the keys, so the engine uses `triton_decode.paged_attention` for T == 1.
 
 Lowered through Triton. A Mosaic GPU variant would stream pages with TMA into an SMEM ring
 (`plgpu.emit_pipeline`), run Q.K^T and P.V on wgmma with 64-row warpgroup tiles and keep P in
 registers (FlashAttention-3 style, as in jax's `attention_mgpu.py`), and skip tiles entirely above
 the causal diagonal per warpgroup instead of per program.
 
-The reference is the general `paged_attention.paged_attention_reference` (gather + einsum), which
+The reference is the general `triton_decode.paged_attention_reference` (gather + einsum), which
 defines decode and prefill alike; `paged_prefill_reference` below is that function under this
 kernel's signature.
 """
@@ -45,9 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.lowering import KernelCheck
-from pallas_kernels.paged_attention import paged_attention_reference
-from pallas_kernels.paged_common import (
+from pallas_kernels.attention.triton_common import (
     MASK_VALUE,
     check_attention_options,
     check_kv_inputs,
@@ -56,7 +54,9 @@ from pallas_kernels.paged_common import (
     paged_pallas_call,
     soft_cap,
 )
-from pallas_kernels.tuning import H200_PREFILL, PrefillConfig
+from pallas_kernels.attention.triton_decode import paged_attention_reference
+from pallas_kernels.attention.tuning import H200_PREFILL, PrefillConfig
+from pallas_kernels.lowering import KernelCheck
 
 
 def _prefill_kernel(
@@ -277,7 +277,7 @@ def paged_prefill_attention(
 
 
 def lowering_cases() -> list:
-    """Every prefill configuration the engine uses: `paged_common.lowering_pools` x chunk."""
+    """Every prefill configuration the engine uses: `triton_common.lowering_pools` x chunk."""
     sds = jax.ShapeDtypeStruct
     # (rows, chunk tokens, page-table width): the engine's default step (8 chunks of 64 tokens),
     # a 256-token chunk of one or two sequences, and many rows with a few tokens each.
