@@ -8,7 +8,7 @@ Steps, each printed and written to DIR/gpu_kernels.json and DIR/gpu_kernels.md:
 1. KV bytes per token (Llama-3-8B, 32 layers x 8 KV heads x 128), from the arrays `kv_cache.init`
    allocates: bf16 vs int8 vs fp8 (scales included) -- quantized should be about half.
 2. Copy bandwidth: a jitted `x + 1` over a large u32 buffer (read + write), the ceiling decode can reach.
-3. Correctness on the device: decode and prefill kernels against `paged_attention_reference` for
+3. Correctness on the device: decode and prefill kernels against `prefill_reference` for
    f32/bf16 queries x auto/int8/fp8 KV x page 16/32, ragged lengths (0, 1, ps-1, ps, ps+1, max) and
    chunk offsets (0, 1, mid-page), random permuted page tables.
 3b. Pools past 2^31 elements, pages at the pool's far end, decode and prefill against the reference:
@@ -57,7 +57,9 @@ from jaxserve.bench.device_loop import seconds_per_call
 from jaxserve.layers import kv_cache as kvc
 from pallas_kernels.attention.mgpu_decode import paged_attention_mgpu
 from pallas_kernels.attention.mgpu_prefill import paged_prefill_mgpu
-from pallas_kernels.attention.triton_decode import paged_attention, paged_attention_reference
+from pallas_kernels.attention.paged_kv import PagedKV
+from pallas_kernels.attention.reference import prefill_reference
+from pallas_kernels.attention.triton_decode import paged_attention
 from pallas_kernels.attention.triton_prefill import paged_prefill_attention
 
 log = logging.getLogger("gpu_kernels")
@@ -256,13 +258,12 @@ def check_correctness(interpret: bool, small: bool) -> list[dict]:
                     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
                 pt = page_table(ks_[1], b, w, pages)
                 q = jax.random.normal(ks_[2], (b, kvh * g, d), jnp.float32).astype(q_dt)
-                out = paged_attention(q, k, v, lens, pt, 1, ksc, vsc, interpret=interpret)
+                kv1 = PagedKV(k, v, ksc, vsc, 1)
+                out = paged_attention(q, kv1, lens, pt, interpret=interpret)
                 # The reference at full f32 ("highest": no TF32 on the GPU; JOURNAL.md 48b), so
                 # an f32 error left is the kernel's own rounding.
                 with jax.default_matmul_precision("highest"):
-                    ref = paged_attention_reference(
-                        q[:, None], k, v, lens[:, None] - 1, lens, pt, 1, ksc, vsc
-                    )
+                    ref = prefill_reference(q[:, None], kv1, lens[:, None] - 1, lens, pt)
                 dec_err = float(
                     jnp.max(jnp.abs(out.astype(jnp.float32) - ref[:, 0].astype(jnp.float32)))
                 )
@@ -273,11 +274,9 @@ def check_correctness(interpret: bool, small: bool) -> list[dict]:
                 seq = jnp.where(counts > 0, starts + counts, 0)
                 pos = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
                 qp = jax.random.normal(ks_[3], (b, t, kvh * g, d), jnp.float32).astype(q_dt)
-                outp = paged_prefill_attention(
-                    qp, k, v, pos, seq, pt, 1, ksc, vsc, interpret=interpret
-                )
+                outp = paged_prefill_attention(qp, kv1, pos, seq, pt, interpret=interpret)
                 with jax.default_matmul_precision("highest"):
-                    refp = paged_attention_reference(qp, k, v, pos, seq, pt, 1, ksc, vsc)
+                    refp = prefill_reference(qp, kv1, pos, seq, pt)
                 real = (jnp.arange(t)[None, :] < counts[:, None])[..., None, None]
                 pre_err = float(
                     jnp.max(
@@ -340,15 +339,16 @@ def check_large_pools(interpret: bool, small: bool) -> list[dict]:
         pt = used.reshape(b, w)
         lens = jnp.asarray([w * ps, w * ps - 3, ps + 1, 1][:b], jnp.int32)
         q = jax.random.normal(k4, (b, kvh * g, d), jnp.float32).astype(jnp.bfloat16)
-        out = paged_attention(q, k, v, lens, pt, 0, ksc, vsc, interpret=interpret)
-        ref = paged_attention_reference(q[:, None], k, v, lens[:, None] - 1, lens, pt, 0, ksc, vsc)
+        kv0 = PagedKV(k, v, ksc, vsc, 0)
+        out = paged_attention(q, kv0, lens, pt, interpret=interpret)
+        ref = prefill_reference(q[:, None], kv0, lens[:, None] - 1, lens, pt)
         dec_err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref[:, 0].astype(jnp.float32))))
         t = 8  # a prefill chunk of 8 at the end of each row's length
         pos = jnp.maximum(lens[:, None] - t, 0) + jnp.arange(t, dtype=jnp.int32)[None, :]
         seq = jnp.max(pos, axis=1) + 1
         qp = jax.random.normal(k4, (b, t, kvh * g, d), jnp.float32).astype(jnp.bfloat16)
-        outp = paged_prefill_attention(qp, k, v, pos, seq, pt, 0, ksc, vsc, interpret=interpret)
-        refp = paged_attention_reference(qp, k, v, pos, seq, pt, 0, ksc, vsc)
+        outp = paged_prefill_attention(qp, kv0, pos, seq, pt, interpret=interpret)
+        refp = prefill_reference(qp, kv0, pos, seq, pt)
         pre_err = float(jnp.max(jnp.abs(outp.astype(jnp.float32) - refp.astype(jnp.float32))))
         scale = float(jnp.max(jnp.abs(ref.astype(jnp.float32)))) + 1e-6
         tol = 3e-2 * max(scale, 1.0)
@@ -414,17 +414,17 @@ def bench_decode(batches, contexts, page_sizes, interpret, deadline, copy_gbs) -
     key = jax.random.key(1)
     kernel = jax.jit(
         lambda q, k, v, lens, pt, ks, vs: paged_attention(
-            q, k, v, lens, pt, 0, ks, vs, interpret=interpret
+            q, PagedKV(k, v, ks, vs), lens, pt, interpret=interpret
         )
     )
     ref = jax.jit(
-        lambda q, k, v, lens, pt, ks, vs: paged_attention_reference(
-            q[:, None], k, v, lens[:, None] - 1, lens, pt, 0, ks, vs
+        lambda q, k, v, lens, pt, ks, vs: prefill_reference(
+            q[:, None], PagedKV(k, v, ks, vs), lens[:, None] - 1, lens, pt
         )[:, 0]
     )
     mgpu = jax.jit(
         lambda q, k, v, lens, pt, ks, vs: paged_attention_mgpu(
-            q, k, v, lens, pt, 0, ks, vs, interpret=interpret
+            q, PagedKV(k, v, ks, vs), lens, pt, interpret=interpret
         )
     )
     for batch in batches:
@@ -519,17 +519,17 @@ def bench_prefill(batch, chunk, contexts, interpret, deadline) -> list[dict]:
     key = jax.random.key(2)
     kernel = jax.jit(
         lambda q, k, v, pos, lens, pt, ks, vs: paged_prefill_attention(
-            q, k, v, pos, lens, pt, 0, ks, vs, interpret=interpret
+            q, PagedKV(k, v, ks, vs), pos, lens, pt, interpret=interpret
         )
     )
     ref = jax.jit(
-        lambda q, k, v, pos, lens, pt, ks, vs: paged_attention_reference(
-            q, k, v, pos, lens, pt, 0, ks, vs
+        lambda q, k, v, pos, lens, pt, ks, vs: prefill_reference(
+            q, PagedKV(k, v, ks, vs), pos, lens, pt
         )
     )
     mgpu = jax.jit(
         lambda q, k, v, pos, lens, pt, ks, vs: paged_prefill_mgpu(
-            q, k, v, pos, lens, pt, 0, ks, vs, interpret=interpret
+            q, PagedKV(k, v, ks, vs), pos, lens, pt, interpret=interpret
         )
     )
     for ctx in contexts:

@@ -38,7 +38,8 @@ from jaxserve.layers.norm import rms_norm
 from jaxserve.loading import load_model
 from jaxserve.models import llama
 from jaxserve.resolve import REFERENCE_IMPL
-from pallas_kernels.attention.triton_decode import paged_attention_reference
+from pallas_kernels.attention.paged_kv import PagedKV
+from pallas_kernels.attention.reference import prefill_reference
 
 log = logging.getLogger("kv_quant_quality")
 PAGE_SIZE = 16
@@ -124,9 +125,9 @@ def attention_errors(qs, cache, b, t) -> dict:
 
     @jax.jit
     def rel_err(q, k32, v32, k, v, ks, vs, layer):
-        args = (meta.positions, meta.seq_lens, meta.page_table, layer)
-        ref = paged_attention_reference(q, k32, v32, *args)
-        out = paged_attention_reference(q, k, v, *args, ks, vs)
+        rows = (meta.positions, meta.seq_lens, meta.page_table)
+        ref = prefill_reference(q, PagedKV(k32, v32, layer=layer), *rows)
+        out = prefill_reference(q, PagedKV(k, v, ks, vs, layer), *rows)
         return jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)
 
     stored = {

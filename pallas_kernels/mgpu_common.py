@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.triton_common import MASK_VALUE, QUANTIZED_KV_DTYPES
+from pallas_kernels.attention.paged_kv import MASK_VALUE, QUANTIZED_KV_DTYPES
 
 SWIZZLE = 128  # bytes: rows of up to 128 bytes swizzled, the layout wgmma and TMA share
 ROWS = 64  # wgmma M tile (the attention kernels pad a KV head's query rows to it)

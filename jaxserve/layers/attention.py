@@ -15,13 +15,11 @@ from flax import struct
 
 from cpu_kernels import paged_decode_attention as cpu_attention
 from jaxserve.layers.kv_cache import KVCache
-from pallas_kernels.attention import mgpu_decode as mgpu
-from pallas_kernels.attention import mgpu_prefill
-from pallas_kernels.attention import triton_decode as pa
-from pallas_kernels.attention import triton_prefill as pp
+from pallas_kernels.attention import mgpu_decode, mgpu_prefill, triton_decode, triton_prefill
+from pallas_kernels.attention.paged_kv import PagedKV
+from pallas_kernels.attention.reference import prefill_reference
 from pallas_kernels.attention.xla import prefill_attention, ragged_decode_attention
-from pallas_kernels.mgpu_common import accepts, check_mgpu_options
-from pallas_kernels.mgpu_tuning import H100_MGPU_DECODE
+from pallas_kernels.mgpu_common import accepts
 
 
 @struct.dataclass
@@ -127,7 +125,8 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     'mgpu' / 'mgpu_interpret': the Mosaic GPU kernels (Hopper: TMA + wgmma): T == 1 the decode
     kernel (`pallas_kernels/attention/mgpu_decode.py`), T > 1 the prefill kernel
     (`mgpu_prefill.py`); where one refuses the call (f32 queries, a head dim other than
-    64 / 128 / 256, pages under 8 tokens: `check_mgpu_options`), its Triton twin as 'pallas'.
+    64 / 128 / 256, pages under 8 tokens: `check_mgpu_decode`, `check_mgpu_prefill`), its Triton
+    twin as 'pallas'.
     'cpu_kernel' (the CPU default where it builds): the C++ kernel of
     `cpu_kernels/paged_decode_attention.py`, which reads each row's pages of the whole pool at
     the traced `layer` in place; a prefill chunk's tokens run as decode rows at their positions
@@ -141,23 +140,20 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
     """
     opts = dict(window=window, softcap=softcap, scale=scale)
     decode = q.shape[1] == 1
-    # every kernel's paged-KV arguments, in one order: the query, the pool, what each row sees
-    # (a decode row: its kv_len; a chunk: its positions and lengths), its pages, the layer, scales
-    pool = (cache.k, cache.v)
-    scales = (cache.k_scale, cache.v_scale)
-    decode_args = (q[:, 0], *pool, _decode_kv_len(meta), meta.page_table, layer, *scales)
-    chunk_args = (q, *pool, meta.positions, meta.seq_lens, meta.page_table, layer, *scales)
+    # every form's arguments, in the family's one order: the query, the pool at this layer, what
+    # each row sees (a decode row: its kv_len; a chunk: its positions and lengths), its pages
+    kv = PagedKV(cache.k, cache.v, cache.k_scale, cache.v_scale, layer)
+    decode_args = (q[:, 0], kv, _decode_kv_len(meta), meta.page_table)
+    chunk_args = (q, kv, meta.positions, meta.seq_lens, meta.page_table)
     if impl == "cpu_kernel":
         if decode:
             return cpu_attention.paged_decode_attention(*decode_args, **opts)[:, None]
         return cpu_attention.paged_prefill_attention(*chunk_args, **opts)
     if impl == "ragged":
         if decode and meta.num_flat_pages > 0:
-            kv_len, table = _decode_kv_len(meta), meta.page_table
 
             def ragged(num_flat):
-                args = (q[:, 0], *pool, kv_len, table, num_flat, layer, *scales)
-                return ragged_decode_attention(*args, **opts)
+                return ragged_decode_attention(*decode_args, num_flat, **opts)
 
             small = meta.num_window_flat_pages
             if window is None or not 0 < small < meta.num_flat_pages:
@@ -172,16 +168,17 @@ def _attention_local(q, cache, layer, meta, impl, window, softcap, scale):
         impl = "reference"
     if impl in ("mgpu", "mgpu_interpret"):
         interpret = impl == "mgpu_interpret"
-        if decode and accepts(check_mgpu_options, q[:, 0], cache.k, H100_MGPU_DECODE):
-            out = mgpu.paged_attention_mgpu(*decode_args, **opts, interpret=interpret)
+        if decode and accepts(mgpu_decode.check_mgpu_decode, q[:, 0], kv):
+            out = mgpu_decode.paged_attention_mgpu(*decode_args, **opts, interpret=interpret)
             return out[:, None]  # (B, 1, H, D)
-        if not decode and accepts(mgpu_prefill.check_mgpu_prefill, q, cache.k):
+        if not decode and accepts(mgpu_prefill.check_mgpu_prefill, q, kv):
             return mgpu_prefill.paged_prefill_mgpu(*chunk_args, **opts, interpret=interpret)
     if impl in ("pallas", "pallas_interpret", "mgpu", "mgpu_interpret"):
         interpret = impl in ("pallas_interpret", "mgpu_interpret")
         if decode:
-            return pa.paged_attention(*decode_args, **opts, interpret=interpret)[:, None]
-        return pp.paged_prefill_attention(*chunk_args, **opts, interpret=interpret)
+            out = triton_decode.paged_attention(*decode_args, **opts, interpret=interpret)
+            return out[:, None]  # (B, 1, H, D)
+        return triton_prefill.paged_prefill_attention(*chunk_args, **opts, interpret=interpret)
     if impl == "reference":
-        return pa.paged_attention_reference(*chunk_args, **opts)
+        return prefill_reference(*chunk_args, **opts)
     raise ValueError(f"attention impl {impl!r} is not available")

@@ -2,8 +2,8 @@
 `paged_attention` (jax 0.11 deprecates the Pallas Triton backend).
 
 Same call, same semantics as `triton_decode.paged_attention` (one new query token per row
-against that row's KV pages, the whole stacked pool and a traced `layer`, GQA, scale, soft-cap,
-traced sliding window, int8/fp8 pages with per-token scales). Dataflow of `paged_attention_mgpu`
+against that row's KV pages, the whole stacked pool and a traced `layer` in a `PagedKV`, GQA,
+scale, soft-cap, traced sliding window, int8/fp8 pages with per-token scales). Dataflow of `paged_attention_mgpu`
 (B rows, H = KVH * G query heads, pool of P pages of ps tokens, BK = block_k keys per step):
 
     q [B, H, D] -> [B, KVH, 64, D]        the G heads of one KV head, zero-padded to the 64 rows
@@ -42,7 +42,7 @@ and masked. Lowering semantics: Warpgroup (jax's default), one warpgroup per blo
 warp specialization. At the 8B decode shape ptxas reports 238 registers, no spills (sm_90a); head_dim
 256 spills a few hundred bytes.
 
-Refused with a ValueError (the Triton kernel or the reference serves them; `check_mgpu_options`):
+Refused with a ValueError (the Triton kernel or the reference serves them; `check_mgpu_decode`):
 f32 queries (wgmma multiplies f32 only as tf32, short of the f32 kernels' accuracy), KV pages
 other than bf16/int8/fp8, page sizes below 8 (TMA boxes of 8-row tiles), head dims other than 64,
 128 or 256 (128-byte swizzled rows; wgmma N <= 256), GQA groups over 64 heads, and a config whose
@@ -56,8 +56,7 @@ Interpret mode (CPU): `interpret=True` runs the kernel in Mosaic GPU's interpret
 (`plgpu.InterpretGPUParams()`, passed as `plgpu.kernel(interpret=...)`), which simulates SMEM,
 TMA, barriers and wgmma.
 
-`reference` (= `triton_decode.paged_attention_reference`) is the pure-jnp definition the tests
-hold the kernel to.
+The kernel is held to `reference.decode_reference`, the pure-jnp definition (gather + einsum).
 """
 
 from __future__ import annotations
@@ -72,8 +71,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.triton_common import check_attention_options, check_kv_inputs
-from pallas_kernels.attention.triton_decode import decode_plan, paged_attention_reference
+from pallas_kernels.attention.paged_kv import (
+    PagedKV,
+    check_decode_inputs,
+    kernel_scalars,
+    pool_operands,
+    traced,
+)
+from pallas_kernels.attention.triton_decode import decode_plan
 from pallas_kernels.mgpu_common import (
     ROWS,
     KVRing,
@@ -192,24 +197,10 @@ def _decode_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("softcap", "scale", "config", "interpret"))
-def _decode_call(
-    q,
-    k_pages,
-    v_pages,
-    seq_lens,
-    page_table,
-    layer,
-    k_scale,
-    v_scale,
-    window,
-    softcap,
-    scale,
-    config,
-    interpret,
-):
+def _decode_call(q, kv, seq_lens, page_table, window, softcap, scale, config, interpret):
     """Jitted Mosaic GPU kernel wrapper: q [B, H, D] -> [B, H, D]."""
     b, h, d = q.shape
-    n_layers, kvh, n_pages, ps, _ = k_pages.shape
+    _, kvh, n_pages, ps, _ = kv.k_pages.shape
     g = h // kvh
     block_k = max(config.block_k, ps)
     ppb, splits, pps = decode_plan(
@@ -218,18 +209,7 @@ def _decode_call(
     wp = splits * pps + ppb  # a window's tiles start at its first page: one more tile of columns
     pt = jnp.pad(page_table, ((0, 0), (0, wp - page_table.shape[1])))
     qg = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, ROWS - g), (0, 0)))
-    rows = n_layers * kvh * n_pages
-    args = [
-        jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)]),
-        seq_lens,
-        pt,
-        qg,
-        k_pages.reshape(rows, ps, d),  # a bitcast, not a copy
-        v_pages.reshape(rows, ps, d),
-    ]
-    quantized = k_scale is not None
-    if quantized:
-        args += [k_scale.reshape(rows, ps), v_scale.reshape(rows, ps)]
+    args = [kernel_scalars(kv, window), seq_lens, pt, qg, *pool_operands(kv)]
     kernel = functools.partial(
         _decode_kernel,
         page_size=ps,
@@ -239,7 +219,7 @@ def _decode_call(
         num_buffers=config.num_buffers,
         num_kv_heads=kvh,
         num_pages=n_pages,
-        quantized=quantized,
+        quantized=kv.quantized,
         sm_scale=1.0 / math.sqrt(d) if scale is None else float(scale),
         softcap=None if softcap is None else float(softcap),
     )
@@ -266,15 +246,16 @@ def _decode_call(
     return o[:, :, :g].reshape(b, h, d).astype(q.dtype)
 
 
+def check_mgpu_decode(q, kv: PagedKV, config: MgpuDecodeConfig = H100_MGPU_DECODE) -> None:
+    """Raises ValueError naming what this kernel does not support (`check_mgpu_options`)."""
+    check_mgpu_options(q, kv.k_pages, config)
+
+
 def paged_attention_mgpu(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv: PagedKV,
     seq_lens: jax.Array,
     page_table: jax.Array,
-    layer: jax.Array | int = 0,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
     *,
     window: jax.Array | int | None = None,
     softcap: float | None = None,
@@ -286,31 +267,19 @@ def paged_attention_mgpu(
 
     The arguments and result of `triton_decode.paged_attention` (whose docstring describes
     them), with `config` an `MgpuDecodeConfig`. `interpret=True` runs Mosaic GPU's interpreter
-    on the CPU. Raises ValueError for f32 queries and the shapes `check_mgpu_options` names.
+    on the CPU. Raises ValueError for f32 queries and the shapes `check_mgpu_decode` names.
     """
-    if q.ndim != 3 or q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"q must be f32/bf16 [B, H, D], got {q.dtype}{list(q.shape)}")
-    b, h, d = q.shape
-    check_kv_inputs(h, d, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, b)
-    check_attention_options(window, softcap, scale)
-    check_mgpu_options(q, k_pages, config)
+    check_decode_inputs(q, kv, seq_lens, page_table, window, softcap, scale)
+    check_mgpu_decode(q, kv, config)
+    kv, window = traced(kv, window)
     return _decode_call(
         q,
-        k_pages,
-        v_pages,
+        kv,
         seq_lens,
         page_table,
-        jnp.asarray(layer, jnp.int32).reshape(()),
-        k_scale,
-        v_scale,
-        jnp.asarray(0 if window is None else window, jnp.int32).reshape(()),
+        window,
         softcap=softcap,
         scale=scale,
         config=config,
         interpret=interpret,
     )
-
-
-reference = paged_attention_reference
-"""The pure-jnp definition the kernel is held to: `triton_decode.paged_attention_reference`
-(gather + einsum) with q [B, 1, H, D] and positions seq_lens - 1 for decode."""

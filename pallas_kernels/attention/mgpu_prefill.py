@@ -3,8 +3,8 @@ of the Triton `paged_prefill` (jax 0.11 deprecates the Pallas Triton backend).
 
 Same call, same semantics as `triton_prefill.paged_prefill_attention` (a ragged chunk of new tokens
 per row, causal against the row's pages, whose own K/V the model has already written; the whole
-stacked pool and a traced `layer`, GQA, scale, soft-cap, traced sliding window, int8/fp8 pages
-with per-token scales). Dataflow of `paged_prefill_mgpu` (B rows, T tokens, H = KVH * G query
+stacked pool and a traced `layer` in a `PagedKV`, GQA, scale, soft-cap, traced sliding window,
+int8/fp8 pages with per-token scales). Dataflow of `paged_prefill_mgpu` (B rows, T tokens, H = KVH * G query
 heads, Gp = next_pow2(G), pool of P pages of ps tokens, BK = block_k keys per step):
 
     q [B, T, H, D] -> [B, KVH, Tp * Gp, D]   row r of (b, h) = token r // Gp, head r % Gp: tiles
@@ -37,8 +37,8 @@ queries, KV pages other than bf16/int8/fp8, page sizes below 8, head dims other 
 GQA groups over 64 heads, and configs whose SMEM exceeds the 227 KiB of a Hopper block.
 
 `interpret=True` runs the kernel in Mosaic GPU's interpreter on the CPU (SMEM, TMA, barriers and
-wgmma simulated). The tiles are an `MgpuPrefillConfig` (`mgpu_tuning`). `reference`
-(= `triton_prefill.paged_prefill_reference`) is the definition.
+wgmma simulated). The tiles are an `MgpuPrefillConfig` (`mgpu_tuning`). The kernel is held to
+`reference.prefill_reference`, the pure-jnp definition (gather + einsum).
 """
 
 from __future__ import annotations
@@ -52,12 +52,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.triton_common import (
-    check_attention_options,
-    check_kv_inputs,
-    next_pow2,
+from pallas_kernels.attention.paged_kv import (
+    PagedKV,
+    check_prefill_inputs,
+    kernel_scalars,
+    pool_operands,
+    traced,
 )
-from pallas_kernels.attention.triton_prefill import paged_prefill_reference
+from pallas_kernels.attention.triton_common import next_pow2
 from pallas_kernels.mgpu_common import (
     ROWS,
     KVRing,
@@ -193,24 +195,11 @@ def _tile_plan(pos, seq_lens, window, page_size: int, block_k: int):
 
 @functools.partial(jax.jit, static_argnames=("softcap", "scale", "config", "interpret"))
 def _prefill_call(
-    q,
-    k_pages,
-    v_pages,
-    positions,
-    seq_lens,
-    page_table,
-    layer,
-    k_scale,
-    v_scale,
-    window,
-    softcap,
-    scale,
-    config,
-    interpret,
+    q, kv, positions, seq_lens, page_table, window, softcap, scale, config, interpret
 ):
     """Jitted Mosaic GPU kernel wrapper: q [B, T, H, D] -> [B, T, H, D]."""
     b, t, h, d = q.shape
-    n_layers, kvh, n_pages, ps, _ = k_pages.shape
+    _, kvh, n_pages, ps, _ = kv.k_pages.shape
     g = h // kvh
     gp = next_pow2(g)
     tt = ROWS // gp  # tokens per row tile
@@ -223,19 +212,8 @@ def _prefill_call(
     qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, kvh, tp * gp, d)  # (B, KVH, Tp * Gp, D)
     pos = jnp.pad(positions, ((0, 0), (0, tp - t)), constant_values=-1)  # (B, Tp)
     plan = _tile_plan(pos.reshape(b, nt, tt), seq_lens, window, ps, block_k)
-    rows = n_layers * kvh * n_pages
-    args = [
-        jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)]),
-        seq_lens,
-        pt,
-        plan,
-        jnp.repeat(pos, gp, axis=1),  # (B, Tp * Gp)
-        qg,
-        k_pages.reshape(rows, ps, d),  # a bitcast, not a copy
-        v_pages.reshape(rows, ps, d),
-    ]
-    if k_scale is not None:
-        args += [k_scale.reshape(rows, ps), v_scale.reshape(rows, ps)]
+    pos_rows = jnp.repeat(pos, gp, axis=1)  # (B, Tp * Gp)
+    args = [kernel_scalars(kv, window), seq_lens, pt, plan, pos_rows, qg, *pool_operands(kv)]
     kernel = functools.partial(
         _prefill_kernel,
         page_size=ps,
@@ -260,22 +238,18 @@ def _prefill_call(
     return o.transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
-def check_mgpu_prefill(q, k_pages, config: MgpuPrefillConfig = H100_MGPU_PREFILL) -> None:
+def check_mgpu_prefill(q, kv: PagedKV, config: MgpuPrefillConfig = H100_MGPU_PREFILL) -> None:
     """Raises ValueError naming what this kernel does not support (the decode kernel's
     `check_mgpu_options`, with the SMEM of a tile's positions)."""
-    check_mgpu_options(q, k_pages, config, name="paged_prefill_mgpu", extra_smem=ROWS * 4)
+    check_mgpu_options(q, kv.k_pages, config, name="paged_prefill_mgpu", extra_smem=ROWS * 4)
 
 
 def paged_prefill_mgpu(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv: PagedKV,
     positions: jax.Array,
     seq_lens: jax.Array,
     page_table: jax.Array,
-    layer: jax.Array | int = 0,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
     *,
     window: jax.Array | int | None = None,
     softcap: float | None = None,
@@ -287,36 +261,20 @@ def paged_prefill_mgpu(
 
     The arguments and result of `triton_prefill.paged_prefill_attention` (whose docstring
     describes them), with `config` an `MgpuPrefillConfig`. `interpret=True` runs Mosaic GPU's
-    interpreter on the CPU. Raises ValueError for f32 queries and what `check_mgpu_options` names.
+    interpreter on the CPU. Raises ValueError for f32 queries and what `check_mgpu_prefill` names.
     """
-    if q.ndim != 4 or q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"q must be f32/bf16 [B, T, H, D], got {q.dtype}{list(q.shape)}")
-    b, t, h, d = q.shape
-    if tuple(positions.shape) != (b, t) or positions.dtype != jnp.int32:
-        raise ValueError(
-            f"positions must be i32[{b}, {t}], got {positions.dtype}{list(positions.shape)}"
-        )
-    check_kv_inputs(h, d, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, b)
-    check_attention_options(window, softcap, scale)
-    check_mgpu_prefill(q, k_pages, config)
+    check_prefill_inputs(q, kv, positions, seq_lens, page_table, window, softcap, scale)
+    check_mgpu_prefill(q, kv, config)
+    kv, window = traced(kv, window)
     return _prefill_call(
         q,
-        k_pages,
-        v_pages,
+        kv,
         positions,
         seq_lens,
         page_table,
-        jnp.asarray(layer, jnp.int32).reshape(()),
-        k_scale,
-        v_scale,
-        jnp.asarray(0 if window is None else window, jnp.int32).reshape(()),
+        window,
         softcap=softcap,
         scale=scale,
         config=config,
         interpret=interpret,
     )
-
-
-reference = paged_prefill_reference
-"""The pure-jnp definition the kernel is held to (`triton_decode.paged_attention_reference`
-under the prefill signature)."""

@@ -19,12 +19,13 @@ tiles [s * bps, min((s + 1) * bps, N)) with
 The window is read at run time (a traced i32, one program for sliding and global layers): a
 windowed layer never loads a page wholly before its window, and its splits share the window's
 tiles instead of idling, so its cost follows the window, not the sequence. Keys before a on page
-A are masked. Logits are `softcap(q.k * scale)` before the mask (`triton_common`).
+A are masked. Logits are `softcap(q.k * scale)` before the mask (`paged_kv`).
 
-The kernel takes the whole stacked pool plus a traced `layer` index, so the model can call it inside
-`lax.scan` without slicing (and copying) a layer out of the cache. Rows with seq_len 0 run no
-iterations and come out as zeros. Int8/fp8 pages are loaded as stored; K's per-token scale multiplies
-the logits and V's the probabilities inside the loop, so no dequantized page is ever written.
+The kernel takes the whole stacked pool plus a traced `layer` index (a `PagedKV`), so the model can
+call it inside `lax.scan` without slicing (and copying) a layer out of the cache. Rows with seq_len
+0 run no iterations and come out as zeros. Int8/fp8 pages are loaded as stored; K's per-token
+scale multiplies the logits and V's the probabilities inside the loop, so no dequantized page is
+ever written.
 
 Lowered through Triton (`pallas_call` with `triton.CompilerParams`; jax 0.11 deprecates this backend
 in favour of Mosaic GPU and warns on each call). A Mosaic GPU variant would
@@ -33,8 +34,7 @@ ring driven by `plgpu.emit_pipeline` (the page table read as scalars per step), 
 Q.K^T / P.V products on wgmma from SMEM with a warpgroup per KV head, and could drop the padding of
 the head group to 16 rows by packing several KV heads' groups into one 64-row wgmma tile.
 
-`paged_attention_reference` at the end of the file is the pure-jnp definition (gather + einsum) for
-decode and prefill alike; the engine's CPU path and every kernel test use it.
+The kernel is held to `reference.decode_reference`, the pure-jnp definition (gather + einsum).
 """
 
 from __future__ import annotations
@@ -46,16 +46,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention.triton_common import (
+from pallas_kernels.attention.paged_kv import (
     MASK_VALUE,
-    check_attention_options,
-    check_kv_inputs,
-    lowering_pools,
-    next_pow2,
-    paged_pallas_call,
+    PagedKV,
+    check_decode_inputs,
     soft_cap,
-    window_start,
+    traced,
 )
+from pallas_kernels.attention.triton_common import lowering_pools, next_pow2, paged_pallas_call
 from pallas_kernels.attention.tuning import H200_DECODE, DecodeConfig
 from pallas_kernels.lowering import KernelCheck
 
@@ -159,24 +157,10 @@ def decode_plan(batch: int, num_kv_heads: int, width: int, page_size: int, cfg: 
 
 
 @functools.partial(jax.jit, static_argnames=("softcap", "scale", "config", "interpret"))
-def _decode_call(
-    q,
-    k_pages,
-    v_pages,
-    seq_lens,
-    page_table,
-    layer,
-    k_scale,
-    v_scale,
-    window,
-    softcap,
-    scale,
-    config,
-    interpret,
-):
+def _decode_call(q, kv, seq_lens, page_table, window, softcap, scale, config, interpret):
     """Jitted pallas_call wrapper: q [B, H, D] -> [B, H, D]."""
     b, h, d = q.shape
-    kvh, ps = k_pages.shape[1], k_pages.shape[3]
+    kvh, ps = kv.k_pages.shape[1], kv.k_pages.shape[3]
     g = h // kvh
     gp = max(config.min_group_rows, next_pow2(g))
     ppb, splits, pps = decode_plan(b, kvh, page_table.shape[1], ps, config)
@@ -187,13 +171,9 @@ def _decode_call(
     o, m, l = paged_pallas_call(
         _decode_kernel,
         [(qg, pl.BlockSpec((None, None, gp, d), lambda i, j, s: (i, j, 0, 0)))],
-        k_pages,
-        v_pages,
+        kv,
         seq_lens,
         pt,
-        layer,
-        k_scale,
-        v_scale,
         window,
         softcap=softcap,
         scale=scale,
@@ -229,13 +209,9 @@ def _decode_call(
 # interpret).
 def paged_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv: PagedKV,
     seq_lens: jax.Array,
     page_table: jax.Array,
-    layer: jax.Array | int = 0,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
     *,
     window: jax.Array | int | None = None,
     softcap: float | None = None,
@@ -246,34 +222,25 @@ def paged_attention(
     """Decode attention of one new token per row against its pages.
 
     q:          [B, H, D]              f32 or bf16; H = KVH * G
-    k_pages,
-    v_pages:    [L, KVH, P, ps, D]     the whole pool (model dtype, int8 or fp8); ps, D powers of two
+    kv:         PagedKV                the whole pool [L, KVH, P, ps, D] (model dtype, int8 or fp8,
+                                       ps and D powers of two), the scales exactly for int8/fp8
+                                       pages, and the layer to read (traced inside lax.scan)
     seq_lens:   i32[B]                 visible KV length per row (keys 0..seq_len-1); 0 = inactive
     page_table: i32[B, W]              pages of each row; entries past a row's length are ignored
-    layer:      i32[] | int            which layer of the pool to read (traced inside lax.scan)
-    k_scale,
-    v_scale:    f32[L, KVH, P, ps] | None   per-token scales, required exactly for int8/fp8 pages
     window:     i32[] | int | None     sliding window: keys seq_len - window .. seq_len - 1 only (the
                                        query sits at seq_len - 1); <= 0 or None = global. Traced.
     softcap:    float | None           logit soft-cap, s -> softcap * tanh(s / softcap) (static)
     scale:      float | None           logit scale (static); None = 1 / sqrt(D)
     returns     [B, H, D] in q.dtype; zeros for rows with seq_len 0.
     """
-    if q.ndim != 3 or q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"q must be f32/bf16 [B, H, D], got {q.dtype}{list(q.shape)}")
-    b, h, d = q.shape
-    check_kv_inputs(h, d, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, b)
-    check_attention_options(window, softcap, scale)
+    check_decode_inputs(q, kv, seq_lens, page_table, window, softcap, scale)
+    kv, window = traced(kv, window)
     return _decode_call(
         q,
-        k_pages,
-        v_pages,
+        kv,
         seq_lens,
         page_table,
-        jnp.asarray(layer, jnp.int32).reshape(()),
-        k_scale,
-        v_scale,
-        jnp.asarray(0 if window is None else window, jnp.int32).reshape(()),
+        window,
         softcap=softcap,
         scale=scale,
         config=config,
@@ -291,103 +258,16 @@ def lowering_cases() -> list:
     batch, width = 64, 64  # 64 slots, contexts up to 64 pages, a 4096-page pool
     cases = []
     for c in lowering_pools(pages=4096):
-        k, v, ks, vs = c.pool
-        args = (
-            sds((batch, c.heads, c.head_dim), c.q_dtype),
-            k,
-            v,
-            sds((batch,), jnp.int32),
-            sds((batch, width), jnp.int32),
-            sds((), jnp.int32),
-        )
+        q = sds((batch, c.heads, c.head_dim), c.q_dtype)
+        args = (q, c.pool, sds((batch,), jnp.int32), sds((batch, width), jnp.int32))
         if c.window is None:
             fn = paged_attention
-            args += () if ks is None else (ks, vs)
         else:
             fn = functools.partial(_windowed_decode, **c.window)
-            args += (ks, vs, sds((), jnp.int32))  # the window a traced i32[] argument
+            args += (sds((), jnp.int32),)  # the window a traced i32[] argument
         cases.append(KernelCheck(f"decode/{c.label}{c.window_label}", fn, args))
     return cases
 
 
-def _windowed_decode(q, k, v, lens, pt, layer, ks, vs, window, *, softcap, scale):
-    return paged_attention(
-        q, k, v, lens, pt, layer, ks, vs, window=window, softcap=softcap, scale=scale
-    )
-
-
-# ------------------------------------------------------------------------------------------------
-# Reference.
-
-
-def paged_attention_reference(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    positions: jax.Array,
-    seq_lens: jax.Array,
-    page_table: jax.Array,
-    layer: jax.Array | int = 0,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
-    *,
-    window: jax.Array | int | None = None,
-    softcap: float | None = None,
-    scale: float | None = None,
-) -> jax.Array:
-    """Causal attention of new query tokens against their sequence's pages (gather + einsum).
-
-    q:          [B, T, H, D]            T new tokens per row (T=1 for decode), H = KVH * G
-    k_pages:    [L, KVH, P, ps, D]      the whole pool; `layer` picks the layer
-    v_pages:    [L, KVH, P, ps, D]
-    positions:  i32[B, T]               absolute position of each query token
-    seq_lens:   i32[B]                  KV length of each row after this step's writes; 0 = inactive
-    page_table: i32[B, W]               the first W pages of each row's sequence
-    k_scale,
-    v_scale:    f32[L, KVH, P, ps] | None   per-token scales of an int8/fp8 cache
-    window:     i32[] | int | None      sliding window (<= 0 or None = global)
-    softcap:    float | None            logit soft-cap (static)
-    scale:      float | None            logit scale (static); None = 1 / sqrt(D)
-    returns     [B, T, H, D] in q.dtype; a query with no visible key (inactive row) gives zeros.
-
-    Query (b, t) sees key positions s with s <= positions[b, t], s < seq_lens[b] and, under a
-    window w > 0, positions[b, t] - s < w. The definition: it gathers all W pages whatever the
-    window (the kernels and the ragged path skip the pages before it).
-    """
-    b, t, h, d = q.shape
-    kvh, ps = k_pages.shape[1], k_pages.shape[3]
-    g = h // kvh
-    w = page_table.shape[1]
-    s_len = w * ps
-
-    def gather(pages, scale):
-        x = pages[layer][:, page_table]  # (KVH, B, W, ps, D)
-        x = x.astype(jnp.float32)
-        if scale is not None:
-            x = x * scale[layer][:, page_table][..., None]
-        return x.reshape(kvh, b, s_len, d)  # (KVH, B, S, D)
-
-    k = gather(k_pages, k_scale)
-    v = gather(v_pages, v_scale)
-    qf = q.astype(jnp.float32).reshape(b, t, kvh, g, d)  # (B, T, KVH, G, D)
-    logits = jnp.einsum("btkgd,kbsd->bkgts", qf, k)
-    if scale is None:
-        logits = logits / jnp.sqrt(jnp.float32(d))
-    else:
-        logits = logits * jnp.float32(scale)
-    logits = soft_cap(logits, softcap)
-    s_idx = jnp.arange(s_len)
-    visible = (s_idx[None, None, :] <= positions[:, :, None]) & (
-        s_idx[None, None, :] < seq_lens[:, None, None]
-    )  # (B, T, S)
-    if window is not None:
-        visible &= s_idx[None, None, :] >= window_start(positions, window)[:, :, None]
-    visible = visible[:, None, None]  # (B, 1, 1, T, S)
-    logits = jnp.where(visible, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(visible, jnp.exp(logits - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bkgts,kbsd->btkgd", p, v)  # (B, T, KVH, G, D)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+def _windowed_decode(q, kv, lens, pt, window, *, softcap, scale):
+    return paged_attention(q, kv, lens, pt, window=window, softcap=softcap, scale=scale)

@@ -14,7 +14,7 @@ A sliding-window layer (window w > 0, a traced i32 read at run time) starts the 
 page holding the block's earliest visible key, max(min position in the block - w + 1, 0), so
 pages wholly before every row's window are never loaded: a block's cost is its own tokens plus
 the window, not the sequence. Inside the walked range each row masks keys s <= position - w.
-Logits are `softcap(q.k * scale)` before the mask (`triton_common`).
+Logits are `softcap(q.k * scale)` before the mask (`paged_kv`).
 
 The chunk may start mid-sequence (chunked prefill) and its own K/V are already in the pages (the
 model writes them before attention), so "cached pages plus the chunk itself" is one causal mask over
@@ -31,9 +31,7 @@ Lowered through Triton. A Mosaic GPU variant would stream pages with TMA into an
 registers (FlashAttention-3 style, as in jax's `attention_mgpu.py`), and skip tiles entirely above
 the causal diagonal per warpgroup instead of per program.
 
-The reference is the general `triton_decode.paged_attention_reference` (gather + einsum), which
-defines decode and prefill alike; `paged_prefill_reference` below is that function under this
-kernel's signature.
+The kernel is held to `reference.prefill_reference`, the pure-jnp definition (gather + einsum).
 """
 
 from __future__ import annotations
@@ -45,16 +43,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention.triton_common import (
+from pallas_kernels.attention.paged_kv import (
     MASK_VALUE,
-    check_attention_options,
-    check_kv_inputs,
-    lowering_pools,
-    next_pow2,
-    paged_pallas_call,
+    PagedKV,
+    check_prefill_inputs,
     soft_cap,
+    traced,
 )
-from pallas_kernels.attention.triton_decode import paged_attention_reference
+from pallas_kernels.attention.triton_common import lowering_pools, next_pow2, paged_pallas_call
 from pallas_kernels.attention.tuning import H200_PREFILL, PrefillConfig
 from pallas_kernels.lowering import KernelCheck
 
@@ -151,24 +147,11 @@ def prefill_plan(tokens: int, group: int, page_size: int, cfg: PrefillConfig):
 
 @functools.partial(jax.jit, static_argnames=("softcap", "scale", "config", "interpret"))
 def _prefill_call(
-    q,
-    k_pages,
-    v_pages,
-    positions,
-    seq_lens,
-    page_table,
-    layer,
-    k_scale,
-    v_scale,
-    window,
-    softcap,
-    scale,
-    config,
-    interpret,
+    q, kv, positions, seq_lens, page_table, window, softcap, scale, config, interpret
 ):
     """Jitted pallas_call wrapper: q [B, T, H, D] -> [B, T, H, D]."""
     b, t, h, d = q.shape
-    kvh, ps = k_pages.shape[1], k_pages.shape[3]
+    kvh, ps = kv.k_pages.shape[1], kv.k_pages.shape[3]
     g = h // kvh
     gp, block_t, ppb = prefill_plan(t, g, ps, config)
     tp = -(-t // block_t) * block_t
@@ -188,13 +171,9 @@ def _prefill_call(
             (pos, pl.BlockSpec((None, br), lambda i, j, r: (i, r))),
             (qg, pl.BlockSpec((None, None, br, d), lambda i, j, r: (i, j, r, 0))),
         ],
-        k_pages,
-        v_pages,
+        kv,
         seq_lens,
         pt,
-        layer,
-        k_scale,
-        v_scale,
         window,
         softcap=softcap,
         scale=scale,
@@ -216,14 +195,10 @@ def _prefill_call(
 # interpret).
 def paged_prefill_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv: PagedKV,
     positions: jax.Array,
     seq_lens: jax.Array,
     page_table: jax.Array,
-    layer: jax.Array | int = 0,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
     *,
     window: jax.Array | int | None = None,
     softcap: float | None = None,
@@ -234,41 +209,28 @@ def paged_prefill_attention(
     """Causal attention of a ragged chunk of new tokens per row against the row's pages.
 
     q:          [B, T, H, D]           f32 or bf16; H = KVH * G
-    k_pages,
-    v_pages:    [L, KVH, P, ps, D]     the whole pool, the chunk's own K/V already written
+    kv:         PagedKV                the whole pool [L, KVH, P, ps, D], the chunk's own K/V
+                                       already written; its scales and layer as in
+                                       `triton_decode.paged_attention`
     positions:  i32[B, T]              absolute position of each token (a row's chunk may start
                                        mid-sequence; padding tokens may hold anything)
     seq_lens:   i32[B]                 KV length of each row after the chunk's writes; 0 = inactive
     page_table: i32[B, W]              pages of each row
-    layer:      i32[] | int            which layer of the pool (traced inside lax.scan)
-    k_scale,
-    v_scale:    f32[L, KVH, P, ps] | None   per-token scales, required exactly for int8/fp8 pages
     window:     i32[] | int | None     sliding window (traced; <= 0 or None = global)
     softcap:    float | None           logit soft-cap, s -> softcap * tanh(s / softcap) (static)
     scale:      float | None           logit scale (static); None = 1 / sqrt(D)
     returns     [B, T, H, D] in q.dtype. Token (b, t) sees keys s <= positions[b, t], s < seq_lens[b]
                 and, under a window w > 0, s > positions[b, t] - w.
     """
-    if q.ndim != 4 or q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"q must be f32/bf16 [B, T, H, D], got {q.dtype}{list(q.shape)}")
-    b, t, h, d = q.shape
-    if tuple(positions.shape) != (b, t) or positions.dtype != jnp.int32:
-        raise ValueError(
-            f"positions must be i32[{b}, {t}], got {positions.dtype}{list(positions.shape)}"
-        )
-    check_kv_inputs(h, d, k_pages, v_pages, seq_lens, page_table, layer, k_scale, v_scale, b)
-    check_attention_options(window, softcap, scale)
+    check_prefill_inputs(q, kv, positions, seq_lens, page_table, window, softcap, scale)
+    kv, window = traced(kv, window)
     return _prefill_call(
         q,
-        k_pages,
-        v_pages,
+        kv,
         positions,
         seq_lens,
         page_table,
-        jnp.asarray(layer, jnp.int32).reshape(()),
-        k_scale,
-        v_scale,
-        jnp.asarray(0 if window is None else window, jnp.int32).reshape(()),
+        window,
         softcap=softcap,
         scale=scale,
         config=config,
@@ -284,61 +246,25 @@ def lowering_cases() -> list:
     shapes = ((8, 64, 64), (2, 256, 64), (16, 16, 64))
     cases = []
     for c in lowering_pools(pages=4096):
-        k, v, ks, vs = c.pool
         for batch, chunk, width in shapes if c.window is None else shapes[:2]:
             args = (
                 sds((batch, chunk, c.heads, c.head_dim), c.q_dtype),
-                k,
-                v,
+                c.pool,
                 sds((batch, chunk), jnp.int32),
                 sds((batch,), jnp.int32),
                 sds((batch, width), jnp.int32),
-                sds((), jnp.int32),
             )
             if c.window is None:
                 fn = paged_prefill_attention
-                args += () if ks is None else (ks, vs)
             else:
                 fn = functools.partial(_windowed_prefill, **c.window)
-                args += (ks, vs, sds((), jnp.int32))  # the window a traced i32[] argument
+                args += (sds((), jnp.int32),)  # the window a traced i32[] argument
             name = f"prefill/{c.label}/B{batch}xT{chunk}{c.window_label}"
             cases.append(KernelCheck(name, fn, args))
     return cases
 
 
-def _windowed_prefill(q, k, v, pos, lens, pt, layer, ks, vs, window, *, softcap, scale):
+def _windowed_prefill(q, kv, pos, lens, pt, window, *, softcap, scale):
     return paged_prefill_attention(
-        q, k, v, pos, lens, pt, layer, ks, vs, window=window, softcap=softcap, scale=scale
-    )
-
-
-def paged_prefill_reference(
-    q,
-    k_pages,
-    v_pages,
-    positions,
-    seq_lens,
-    page_table,
-    layer=0,
-    k_scale=None,
-    v_scale=None,
-    *,
-    window=None,
-    softcap=None,
-    scale=None,
-) -> jax.Array:
-    """The pure-jnp definition: `paged_attention_reference` (gather + einsum), same arguments."""
-    return paged_attention_reference(
-        q,
-        k_pages,
-        v_pages,
-        positions,
-        seq_lens,
-        page_table,
-        layer,
-        k_scale,
-        v_scale,
-        window=window,
-        softcap=softcap,
-        scale=scale,
+        q, kv, pos, lens, pt, window=window, softcap=softcap, scale=scale
     )

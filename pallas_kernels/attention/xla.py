@@ -1,12 +1,11 @@
 """Ragged paged decode attention in plain XLA: the CPU path whose cost follows the live tokens
 (beside the Pallas kernels it is the XLA form of; imports jax only).
 
-The reference (`pallas_kernels.attention.triton_decode.paged_attention_reference`) gathers a [B, W * ps]
-block per row, so a decode step costs B x W pages, W being the step's page-table width: the
-*longest* live sequence sets the cost of every row. Here the step's live pages are laid out end to
-end instead, F of them (a static bucket >= sum of the rows' pages), and attention is a segmented
-softmax over that flat list -- the cost follows the sum of the lengths, as the Pallas kernel's does
-on the GPU:
+The reference (`reference.decode_reference`) gathers a [B, W * ps] block per row, so a decode step
+costs B x W pages, W being the step's page-table width: the *longest* live sequence sets the cost
+of every row. Here the step's live pages are laid out end to end instead, F of them (a static
+bucket >= sum of the rows' pages), and attention is a segmented softmax over that flat list -- the
+cost follows the sum of the lengths, as the Pallas kernel's does on the GPU:
 
     a_b     = window_start(kv_len_b - 1, window) // ps   first page of row b's window (0 if global)
     n_b     = ceil(kv_len_b / ps) - a_b                  pages of row b       i32[B]
@@ -43,34 +42,31 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.triton_common import soft_cap, window_start
+from pallas_kernels.attention.paged_kv import PagedKV, soft_cap, window_start
 
 
 def ragged_decode_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv: PagedKV,
     kv_lens: jax.Array,
     page_table: jax.Array,
     num_flat_pages: int,
-    layer: jax.Array | int = 0,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
     *,
     window: jax.Array | int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
 ) -> jax.Array:
-    """q [B, H, D], pools [L, KVH, P, ps, D], kv_lens i32[B] (keys visible to each row's query,
-    which sits at position kv_len - 1), page_table i32[B, W] -> [B, H, D] in q.dtype.
+    """q [B, H, D], kv (`PagedKV`: pools [L, KVH, P, ps, D], scales, layer), kv_lens i32[B] (keys
+    visible to each row's query, which sits at position kv_len - 1), page_table i32[B, W]
+    -> [B, H, D] in q.dtype: `reference.decode_reference` up to f32 summation order.
 
     window: i32[] | int | None (<= 0 = global): keys kv_len - window .. kv_len - 1 only.
-    softcap, scale (static): as in `paged_attention_reference`.
+    softcap, scale (static): as in the reference.
     num_flat_pages (static) must be >= sum over rows of the pages from the window's first page to
     the last (all of ceil(kv_lens / ps) when global); pages beyond it would be dropped.
     """
     b, h, d = q.shape
-    kvh, ps = k_pages.shape[1], k_pages.shape[3]
+    kvh, ps = kv.k_pages.shape[1], kv.k_pages.shape[3]
     g = h // kvh
     w = page_table.shape[1]
     f = num_flat_pages
@@ -87,13 +83,13 @@ def ragged_decode_attention(
     page = jnp.where(live, page_table[row, jnp.clip(j, 0, w - 1)], 0)  # (F,)
 
     def gather(pages, scale):
-        x = pages[layer][:, page].astype(jnp.float32)  # (KVH, F, ps, D)
+        x = pages[kv.layer][:, page].astype(jnp.float32)  # (KVH, F, ps, D)
         if scale is not None:
-            x = x * scale[layer][:, page][..., None]
+            x = x * scale[kv.layer][:, page][..., None]
         return x
 
-    k = gather(k_pages, k_scale)
-    v = gather(v_pages, v_scale)
+    k = gather(kv.k_pages, kv.k_scale)
+    v = gather(kv.v_pages, kv.v_scale)
     # The barrier keeps XLA from fusing q's producers (the RoPE, with its sin/cos) into this
     # gather, which would recompute them for each of the F flat pages instead of the B rows: on
     # the CPU that fusion cost a fifth of a decode step (JOURNAL.md section 36).
@@ -121,36 +117,32 @@ def ragged_decode_attention(
 
 def prefill_attention(
     q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv: PagedKV,
     positions: jax.Array,
     seq_lens: jax.Array,
     page_table: jax.Array,
-    layer: jax.Array | int = 0,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
     *,
     window: jax.Array | int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
 ) -> jax.Array:
-    """`paged_attention_reference` (same arguments, same result up to f32 summation order) with
+    """`reference.prefill_reference` (same arguments, same result up to f32 summation order) with
     the CPU layout of the module docstring: q [B, T, H, D] -> [B, T, H, D] in q.dtype."""
     b, t, h, d = q.shape
-    kvh, ps = k_pages.shape[1], k_pages.shape[3]
+    kvh, ps = kv.k_pages.shape[1], kv.k_pages.shape[3]
     g = h // kvh
     s_len = page_table.shape[1] * ps
 
     w = page_table.shape[1]
 
     def gather(pages, scale):
-        x = pages[layer][:, page_table].astype(jnp.float32)  # (KVH, B, W, ps, D)
+        x = pages[kv.layer][:, page_table].astype(jnp.float32)  # (KVH, B, W, ps, D)
         if scale is not None:
-            x = x * scale[layer][:, page_table][..., None]
+            x = x * scale[kv.layer][:, page_table][..., None]
         return jnp.swapaxes(x, 0, 1)  # (B, KVH, W, ps, D)
 
-    k = gather(k_pages, k_scale)
-    v = gather(v_pages, v_scale)
+    k = gather(kv.k_pages, kv.k_scale)
+    v = gather(kv.v_pages, kv.v_scale)
     q = jax.lax.optimization_barrier(q)  # as in the decode path: RoPE is not fused into the copy
     qf = q.astype(jnp.float32).reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4)  # (B,KVH,G,T,D)
     # A query's result must not depend on the page-table width W (the other rows of its step, or

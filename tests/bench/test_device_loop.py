@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 from jaxserve.bench.device_loop import device_loop, seconds_per_call  # noqa: E402
 from jaxserve.bench.xla_text import array_shapes, attr, parse_module  # noqa: E402
+from pallas_kernels.attention.paged_kv import PagedKV  # noqa: E402
 from pallas_kernels.attention.triton_decode import paged_attention  # noqa: E402
 from pallas_kernels.xla_int4_matmul import SUBCHANNEL_FLAG, xla_int4_matmul  # noqa: E402
 
@@ -68,7 +69,7 @@ def test_the_kernel_runs_inside_the_loop(mesh):
         ((b,), jnp.int32),
         ((b, w), jnp.int32),
     )
-    run = device_loop(lambda q, k, v, lens, pt: paged_attention(q, k, v, lens, pt, 0), 4)
+    run = device_loop(lambda q, k, v, lens, pt: paged_attention(q, PagedKV(k, v), lens, pt), 4)
     program = deviceless.compile_for_gpu("loop", run, args, {}, mesh)
     body, rest = body_and_rest(program.hlo)
     assert any(ins.opcode == "custom-call" for ins in body), program.hlo

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.layers import kv_cache as kvc
+from pallas_kernels.attention.paged_kv import PagedKV
 
 # Absolute tolerances against the f32 reference. f32 queries: the kernel differs only in summation
 # order. bf16 queries: the kernel rounds the probabilities to bf16 before P.V (as FlashAttention
@@ -26,6 +27,14 @@ def make_pool(rng, layers, kvh, pages, ps, d, kv_cache_dtype, model_dtype):
     k, ks = kvc.quantize(kf, dt)
     v, vs = kvc.quantize(vf, dt)
     return k, v, ks, vs
+
+
+def with_kv(args: dict) -> dict:
+    """A kernel call's keyword arguments with the pool's (k_pages, v_pages, k_scale, v_scale,
+    layer) gathered into its `kv` (the input checks' cases replace any one of them)."""
+    rest = dict(args)
+    fields = {f: rest.pop(f) for f in PagedKV._fields if f in rest}
+    return {"kv": PagedKV(**fields), **rest}
 
 
 def permuted_page_table(rng, batch, width, pages):

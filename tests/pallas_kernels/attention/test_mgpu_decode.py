@@ -1,5 +1,5 @@
 """Mosaic GPU decode kernel (`pallas_kernels.attention.mgpu_decode`): Mosaic GPU interpret mode on
-the CPU against the reference, its refusals, and a deviceless compile for an H100.
+the CPU against `decode_reference`, its refusals, and a deviceless compile for an H100.
 
 Every interpret case batches the lengths 0, 1, ps-1, ps, ps+1 and the maximum (the whole page
 table) as separate rows of one call, over a randomly permuted page table, and reads layer 1 of a
@@ -24,9 +24,17 @@ deviceless.prepare()  # before jax starts its backends (the CUDA plugin needs no
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from paged_kv_testing import make_pool, np_seed, permuted_page_table, tolerance  # noqa: E402
+from paged_kv_testing import (  # noqa: E402
+    make_pool,
+    np_seed,
+    permuted_page_table,
+    tolerance,
+    with_kv,
+)
 
-from pallas_kernels.attention.mgpu_decode import paged_attention_mgpu, reference  # noqa: E402
+from pallas_kernels.attention.mgpu_decode import paged_attention_mgpu  # noqa: E402
+from pallas_kernels.attention.paged_kv import PagedKV  # noqa: E402
+from pallas_kernels.attention.reference import decode_reference  # noqa: E402
 from pallas_kernels.mgpu_tuning import MgpuDecodeConfig  # noqa: E402
 
 KVH, LAYERS, WIDTH = 2, 2, 5
@@ -66,8 +74,9 @@ def _case(name, kv, ps, d, group):
 )
 def test_decode_matches_reference_in_interpret_mode(kv, ps, d, group, config):
     q, k, v, lens, pt, ks, vs = _case("decode", kv, ps, d, group)
-    out = paged_attention_mgpu(q, k, v, lens, pt, 1, ks, vs, config=config, interpret=True)
-    ref = reference(q[:, None], k, v, lens[:, None] - 1, lens, pt, 1, ks, vs)[:, 0]
+    pool = PagedKV(k, v, ks, vs, 1)
+    out = paged_attention_mgpu(q, pool, lens, pt, config=config, interpret=True)
+    ref = decode_reference(q, pool, lens, pt)
 
     assert out.shape == q.shape and out.dtype == jnp.bfloat16
     out32 = np.asarray(out.astype(jnp.float32))
@@ -88,15 +97,16 @@ def test_window_softcap_scale_and_layer_traced_under_jit():
     opts = dict(softcap=30.0, scale=0.2)
     run = jax.jit(
         lambda layer, window: paged_attention_mgpu(
-            q, k, v, lens, pt, layer, window=window, config=SPLIT, interpret=True, **opts
+            q, PagedKV(k, v, layer=layer), lens, pt, window=window, config=SPLIT, interpret=True,
+            **opts,
         )
-    )
+    )  # fmt: skip
     for layer, window in ((1, 12), (0, 1), (1, 1000), (0, 0)):
         out = run(jnp.int32(layer), jnp.int32(window))
-        ref = reference(q[:, None], k, v, lens[:, None] - 1, lens, pt, layer, window=window, **opts)
+        ref = decode_reference(q, PagedKV(k, v, layer=layer), lens, pt, window=window, **opts)
         np.testing.assert_allclose(
             np.asarray(out.astype(jnp.float32)),
-            np.asarray(ref[:, 0].astype(jnp.float32)),
+            np.asarray(ref.astype(jnp.float32)),
             atol=tolerance(jnp.bfloat16, "auto"),
             rtol=0,
             err_msg=f"layer {layer} window {window}",
@@ -134,7 +144,7 @@ def _pool(ps=16, d=64, dtype=jnp.bfloat16):
 )
 def test_rejects_what_it_does_not_support(over, match):
     with pytest.raises(ValueError, match=match):
-        paged_attention_mgpu(**_args(**over), interpret=True)
+        paged_attention_mgpu(**with_kv(_args(**over)), interpret=True)
 
 
 def test_rejects_a_ring_larger_than_smem():
@@ -143,7 +153,7 @@ def test_rejects_a_ring_larger_than_smem():
     lens, pt = jnp.asarray([3], jnp.int32), jnp.asarray([[0]], jnp.int32)
     big = MgpuDecodeConfig(num_buffers=4)  # 4 x 64 keys x 256 x 2 bytes x (K, V) = 256 KiB
     with pytest.raises(ValueError, match="bytes of SMEM"):
-        paged_attention_mgpu(q, k, k, lens, pt, config=big)
+        paged_attention_mgpu(q, PagedKV(k, k), lens, pt, config=big)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -168,11 +178,11 @@ def test_compiles_deviceless_for_h100_at_8b_decode_shape(kv, tmp_path, monkeypat
 
     b, h, kvh, d, ps, positions, layers, pages = 8, 32, 8, 128, 16, 4096, 32, 4096
     kv_dt = jnp.bfloat16 if kv == "auto" else jnp.float8_e4m3fn
-    pool = sds((layers, kvh, pages, ps, d), kv_dt)
-    args = (sds((b, h, d), jnp.bfloat16), pool, pool)
-    args += (sds((b,), jnp.int32), sds((b, positions // ps), jnp.int32), sds((), jnp.int32))
-    if kv != "auto":
-        args += (sds((layers, kvh, pages, ps), jnp.float32),) * 2
+    pages_sds = sds((layers, kvh, pages, ps, d), kv_dt)
+    scale = None if kv == "auto" else sds((layers, kvh, pages, ps), jnp.float32)
+    pool = PagedKV(pages_sds, pages_sds, scale, scale, sds((), jnp.int32))
+    args = (sds((b, h, d), jnp.bfloat16), pool, sds((b,), jnp.int32))
+    args += (sds((b, positions // ps), jnp.int32),)
     program = deviceless.compile_for_gpu(
         "mgpu_decode", jax.jit(paged_attention_mgpu), args, {}, mesh
     )

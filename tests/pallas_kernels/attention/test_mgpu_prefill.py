@@ -1,5 +1,5 @@
 """Mosaic GPU prefill kernel (`pallas_kernels.attention.mgpu_prefill`): Mosaic GPU interpret mode on
-the CPU against the reference, its per-tile plan against brute force, its refusals, and a
+the CPU against `prefill_reference`, its per-tile plan against brute force, its refusals, and a
 deviceless compile for an H100 at the Llama-3-8B prefill shape.
 
 Every interpret case is one ragged batch over a randomly permuted page table, reading layer 1 of a
@@ -25,13 +25,17 @@ deviceless.prepare()  # before jax starts its backends (the CUDA plugin needs no
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from paged_kv_testing import make_pool, np_seed, permuted_page_table, tolerance  # noqa: E402
-
-from pallas_kernels.attention.mgpu_prefill import (  # noqa: E402
-    _tile_plan,
-    paged_prefill_mgpu,
-    reference,
+from paged_kv_testing import (  # noqa: E402
+    make_pool,
+    np_seed,
+    permuted_page_table,
+    tolerance,
+    with_kv,
 )
+
+from pallas_kernels.attention.mgpu_prefill import _tile_plan, paged_prefill_mgpu  # noqa: E402
+from pallas_kernels.attention.paged_kv import PagedKV  # noqa: E402
+from pallas_kernels.attention.reference import prefill_reference  # noqa: E402
 from pallas_kernels.mgpu_tuning import MgpuPrefillConfig  # noqa: E402
 
 KVH, LAYERS, T = 2, 2, 19  # T: chunk tokens per row (19 crosses pages, and 64-row tiles at G >= 4)
@@ -86,9 +90,10 @@ def _check(out, ref, real, kv="auto", msg=""):
 )
 def test_prefill_matches_reference_in_interpret_mode(kv, ps, d, group, width, config):
     q, k, v, pos, lens, pt, ks, vs, real = _case("prefill", kv, ps, d, group, width)
-    out = paged_prefill_mgpu(q, k, v, pos, lens, pt, 1, ks, vs, config=config, interpret=True)
+    pool = PagedKV(k, v, ks, vs, 1)
+    out = paged_prefill_mgpu(q, pool, pos, lens, pt, config=config, interpret=True)
     assert out.shape == q.shape and out.dtype == jnp.bfloat16
-    _check(out, reference(q, k, v, pos, lens, pt, 1, ks, vs), real, kv)
+    _check(out, prefill_reference(q, pool, pos, lens, pt), real, kv)
 
 
 def test_window_softcap_scale_and_layer_traced_under_jit():
@@ -100,12 +105,12 @@ def test_window_softcap_scale_and_layer_traced_under_jit():
     opts = dict(softcap=30.0, scale=0.2)
     run = jax.jit(
         lambda layer, window: paged_prefill_mgpu(
-            q, k, v, pos, lens, pt, layer, window=window, interpret=True, **opts
+            q, PagedKV(k, v, layer=layer), pos, lens, pt, window=window, interpret=True, **opts
         )
     )
     for layer, window in ((1, 12), (0, 1), (1, 40), (0, 128), (0, 1000), (1, 0)):
         out = run(jnp.int32(layer), jnp.int32(window))
-        ref = reference(q, k, v, pos, lens, pt, layer, window=window, **opts)
+        ref = prefill_reference(q, PagedKV(k, v, layer=layer), pos, lens, pt, window=window, **opts)
         _check(out, ref, real, msg=f"layer {layer} window {window}")
 
 
@@ -179,14 +184,14 @@ def _pool(ps=16, d=64, dtype=jnp.bfloat16):
 )
 def test_rejects_what_it_does_not_support(over, match):
     with pytest.raises(ValueError, match=match):
-        paged_prefill_mgpu(**_args(**over), interpret=True)
+        paged_prefill_mgpu(**with_kv(_args(**over)), interpret=True)
 
 
 def test_rejects_a_ring_larger_than_smem():
     big = MgpuPrefillConfig(num_buffers=4)  # 4 x 64 keys x 256 x 2 bytes x (K, V) = 256 KiB
     a = _args(q=jnp.zeros((2, 3, 4, 256), jnp.bfloat16), **_pool(d=256))
     with pytest.raises(ValueError, match="bytes of SMEM"):
-        paged_prefill_mgpu(**a, config=big)
+        paged_prefill_mgpu(**with_kv(a), config=big)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,11 +218,11 @@ def test_compiles_deviceless_for_h100_at_8b_prefill_shape(kv, max_spill, tmp_pat
 
     b, t, h, kvh, d, ps, positions, layers, pages = 2, 512, 32, 8, 128, 16, 4096, 32, 4096
     kv_dt = jnp.bfloat16 if kv == "auto" else jnp.float8_e4m3fn
-    pool = sds((layers, kvh, pages, ps, d), kv_dt)
-    args = (sds((b, t, h, d), jnp.bfloat16), pool, pool, sds((b, t), jnp.int32))
-    args += (sds((b,), jnp.int32), sds((b, positions // ps), jnp.int32), sds((), jnp.int32))
-    if kv != "auto":
-        args += (sds((layers, kvh, pages, ps), jnp.float32),) * 2
+    pages_sds = sds((layers, kvh, pages, ps, d), kv_dt)
+    scale = None if kv == "auto" else sds((layers, kvh, pages, ps), jnp.float32)
+    pool = PagedKV(pages_sds, pages_sds, scale, scale, sds((), jnp.int32))
+    args = (sds((b, t, h, d), jnp.bfloat16), pool, sds((b, t), jnp.int32))
+    args += (sds((b,), jnp.int32), sds((b, positions // ps), jnp.int32))
     program = deviceless.compile_for_gpu(
         "mgpu_prefill", jax.jit(paged_prefill_mgpu), args, {}, mesh
     )

@@ -1,7 +1,8 @@
 """The reference's sliding window, soft-cap and scale against a loop-by-loop numpy definition.
 
-`paged_attention_reference` defines every path (the kernels and the CPU ragged path are tested
-against it), so here it is checked against `naive_attention`: windows smaller than, equal to and
+`prefill_reference` defines every path (the kernels, the XLA forms and the CPU kernels are tested
+against it and `decode_reference`, itself at T = 1), so here it is checked against
+`naive_attention`: windows smaller than, equal to and
 larger than the sequence and not aligned to pages, a binding soft-cap, a custom scale, quantized
 pools; results the same whatever the page size; window <= 0 bit-for-bit global attention.
 """
@@ -14,10 +15,11 @@ import numpy as np
 import pytest
 from paged_kv_testing import naive_attention, np_seed, paged_from_dense
 
-from pallas_kernels.attention.triton_decode import paged_attention_reference
+from pallas_kernels.attention.paged_kv import PagedKV
+from pallas_kernels.attention.reference import prefill_reference
 
 L, KVH, G, D = 2, 2, 2, 16
-reference = jax.jit(paged_attention_reference, static_argnames=("softcap", "scale"))
+reference = jax.jit(prefill_reference, static_argnames=("softcap", "scale"))
 
 
 def rows(s):
@@ -55,9 +57,8 @@ def test_reference_matches_naive(window, softcap, scale, kv):
     s = 37
     q, k, v, ks, vs, pt = setup(s, 8, kv)
     pos, lens = rows(s)
-    got = reference(
-        q, k, v, pos, lens, pt, 1, ks, vs, window=jnp.int32(window), softcap=softcap, scale=scale
-    )
+    pool = PagedKV(k, v, ks, vs, 1)
+    got = reference(q, pool, pos, lens, pt, window=jnp.int32(window), softcap=softcap, scale=scale)
     want = naive_attention(q, k, v, ks, vs, pt, pos, lens, 1, window, softcap, scale)
     valid = np.asarray(pos) < np.asarray(lens)[:, None]  # (B, T): padding tokens see nothing real
     np.testing.assert_allclose(np.asarray(got)[valid], want[valid], atol=2e-5, rtol=1e-5)
@@ -71,8 +72,9 @@ def test_reference_is_the_same_whatever_the_page_size(window):
     outs = []
     for ps in (4, 8, 16, 32):
         q, k, v, ks, vs, pt = setup(s, ps)
+        kv = PagedKV(k, v, layer=0)
         outs.append(
-            np.asarray(reference(q, k, v, pos, lens, pt, 0, window=jnp.int32(window), softcap=5.0))
+            np.asarray(reference(q, kv, pos, lens, pt, window=jnp.int32(window), softcap=5.0))
         )
     for o in outs[1:]:
         np.testing.assert_allclose(o, outs[0], atol=1e-6, rtol=1e-6)
@@ -82,7 +84,8 @@ def test_window_at_most_zero_is_global_bit_for_bit():
     s = 30
     q, k, v, ks, vs, pt = setup(s, 8)
     pos, lens = rows(s)
-    plain = np.asarray(reference(q, k, v, pos, lens, pt, 1))
+    kv = PagedKV(k, v, layer=1)
+    plain = np.asarray(reference(q, kv, pos, lens, pt))
     for w in (0, -5):
-        same = np.asarray(reference(q, k, v, pos, lens, pt, 1, window=jnp.int32(w)))
+        same = np.asarray(reference(q, kv, pos, lens, pt, window=jnp.int32(w)))
         np.testing.assert_array_equal(same, plain)

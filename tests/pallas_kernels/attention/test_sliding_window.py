@@ -18,7 +18,9 @@ from paged_kv_testing import naive_attention, np_seed, paged_from_dense, toleran
 
 from jaxserve.layers import attention as attn
 from jaxserve.layers.kv_cache import KVCache
-from pallas_kernels.attention.triton_decode import paged_attention, paged_attention_reference
+from pallas_kernels.attention.paged_kv import PagedKV
+from pallas_kernels.attention.reference import decode_reference, prefill_reference
+from pallas_kernels.attention.triton_decode import paged_attention
 from pallas_kernels.attention.triton_prefill import paged_prefill_attention
 from pallas_kernels.attention.tuning import DecodeConfig, PrefillConfig
 from pallas_kernels.attention.xla import ragged_decode_attention
@@ -51,14 +53,10 @@ def decode_all(tiles, softcap, scale):
 
     def run(q, k, v, lens, pt, ks, vs, window):
         opts = dict(window=window, softcap=softcap, scale=scale)
-        kern = paged_attention(
-            q, k, v, lens, pt, 1, ks, vs, **opts, config=DECODE_TILES[tiles], interpret=True
-        )
-        flat = lens.shape[0] * pt.shape[1]
-        rag = ragged_decode_attention(q, k, v, lens, pt, flat, 1, ks, vs, **opts)
-        pos = jnp.maximum(lens - 1, 0)[:, None]
-        ref = paged_attention_reference(q[:, None], k, v, pos, lens, pt, 1, ks, vs, **opts)
-        return kern, rag, ref[:, 0]
+        kv = PagedKV(k, v, ks, vs, 1)
+        kern = paged_attention(q, kv, lens, pt, **opts, config=DECODE_TILES[tiles], interpret=True)
+        rag = ragged_decode_attention(q, kv, lens, pt, lens.shape[0] * pt.shape[1], **opts)
+        return kern, rag, decode_reference(q, kv, lens, pt, **opts)
 
     return jax.jit(run)
 
@@ -105,10 +103,11 @@ def prefill_rows(t):
 def prefill_both(tiles, softcap, scale):
     def run(q, k, v, pos, lens, pt, ks, vs, window):
         opts = dict(window=window, softcap=softcap, scale=scale)
+        kv = PagedKV(k, v, ks, vs, 1)
         kern = paged_prefill_attention(
-            q, k, v, pos, lens, pt, 1, ks, vs, **opts, config=PREFILL_TILES[tiles], interpret=True
+            q, kv, pos, lens, pt, **opts, config=PREFILL_TILES[tiles], interpret=True
         )
-        return kern, paged_attention_reference(q, k, v, pos, lens, pt, 1, ks, vs, **opts)
+        return kern, prefill_reference(q, kv, pos, lens, pt, **opts)
 
     return jax.jit(run)
 
@@ -155,10 +154,11 @@ def test_the_same_whatever_the_page_size():
     outs = []
     for ps in (8, 16, 32):
         k, v, _, _, pt = paged_from_dense(np_seed("ps-pages", ps), kd, vd, ps)
+        kv = PagedKV(k, v, layer=1)
         opts = dict(window=jnp.int32(window), softcap=softcap)
-        dec = paged_attention(q, k, v, jnp.asarray(lens), pt, 1, **opts, interpret=True)
-        rag = ragged_decode_attention(q, k, v, jnp.asarray(lens), pt, 4 * pt.shape[1], 1, **opts)
-        pre = paged_prefill_attention(qp, k, v, pos, plens, pt, 1, **opts, interpret=True)
+        dec = paged_attention(q, kv, jnp.asarray(lens), pt, **opts, interpret=True)
+        rag = ragged_decode_attention(q, kv, jnp.asarray(lens), pt, 4 * pt.shape[1], **opts)
+        pre = paged_prefill_attention(qp, kv, pos, plens, pt, **opts, interpret=True)
         want_d = naive_attention(
             q[:, None], k, v, None, None, pt, lens[:, None] - 1, lens, 1, window, softcap, None
         )[:, 0]
@@ -192,14 +192,16 @@ def test_pages_before_the_window_are_never_read(tiles):
     w = jnp.int32(window)
     dec = jax.jit(
         lambda k, v: paged_attention(
-            q, k, v, lens, pt, 1, window=w, config=DECODE_TILES[tiles], interpret=True
+            q, PagedKV(k, v, layer=1), lens, pt, window=w, config=DECODE_TILES[tiles],
+            interpret=True,
         )
-    )
+    )  # fmt: skip
     pre = jax.jit(
         lambda k, v: paged_prefill_attention(
-            qp, k, v, pos, lens, pt, 1, window=w, config=PREFILL_TILES[tiles], interpret=True
+            qp, PagedKV(k, v, layer=1), pos, lens, pt, window=w, config=PREFILL_TILES[tiles],
+            interpret=True,
         )
-    )
+    )  # fmt: skip
     clean_d, clean_p = np.asarray(dec(k, v)), np.asarray(pre(k, v))
     got_d = np.asarray(dec(poison(k, dec_first), poison(v, dec_first)))
     got_p = np.asarray(pre(poison(k, pre_first), poison(v, pre_first)))
@@ -207,7 +209,7 @@ def test_pages_before_the_window_are_never_read(tiles):
     np.testing.assert_array_equal(got_p, clean_p)
     # ... and one page later would be read: the poisoning reaches the result.
     assert np.isnan(np.asarray(dec(poison(k, dec_first + 1), poison(v, dec_first + 1)))).any()
-    ref = paged_attention_reference(qp, k, v, pos, lens, pt, 1, window=w)
+    ref = prefill_reference(qp, PagedKV(k, v, layer=1), pos, lens, pt, window=w)
     np.testing.assert_allclose(clean_p, np.asarray(ref), atol=2e-5, rtol=0)
 
 
@@ -291,11 +293,12 @@ def test_kernels_reject_bad_options(over, match):
     lens = jnp.asarray([3, 20], jnp.int32)
     pt = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
     with pytest.raises(ValueError, match=match):
-        paged_attention(q, k, k, lens, pt, **over, interpret=True)
+        paged_attention(q, PagedKV(k, k), lens, pt, **over, interpret=True)
     with pytest.raises(ValueError, match=match):
         paged_prefill_attention(
-            q[:, None], k, k, jnp.zeros((2, 1), jnp.int32), lens, pt, **over, interpret=True
-        )
+            q[:, None], PagedKV(k, k), jnp.zeros((2, 1), jnp.int32), lens, pt, **over,
+            interpret=True,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("tiles", ["h200", "small"])
@@ -308,7 +311,7 @@ def test_prefill_is_the_same_whatever_the_chunking(tiles):
     qs = jnp.asarray(rng.standard_normal((n, KVH * G, D)), jnp.float32)
     run = jax.jit(
         lambda q, pos, lens, pt: paged_prefill_attention(
-            q, k, v, pos, lens, pt, 1, window=jnp.int32(window), softcap=2.0,
+            q, PagedKV(k, v, layer=1), pos, lens, pt, window=jnp.int32(window), softcap=2.0,
             config=PREFILL_TILES[tiles], interpret=True,
         )
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""Decode kernel (interpret mode) against `paged_attention_reference`, plus its input checks.
+"""Decode kernel (interpret mode) against `decode_reference`, plus its input checks.
 
 The parameter product (q dtype x KV dtype x page size x head_dim x GQA group x tiling) is covered
 pairwise by 12 cases; every case batches the lengths 0, 1, ps-1, ps, ps+1 and the maximum (the
@@ -11,9 +11,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_kv_testing import make_pool, np_seed, pairwise_covered, permuted_page_table, tolerance
+from paged_kv_testing import (
+    make_pool,
+    np_seed,
+    pairwise_covered,
+    permuted_page_table,
+    tolerance,
+    with_kv,
+)
 
-from pallas_kernels.attention.triton_decode import paged_attention, paged_attention_reference
+from pallas_kernels.attention.paged_kv import PagedKV
+from pallas_kernels.attention.reference import decode_reference
+from pallas_kernels.attention.triton_decode import paged_attention
 from pallas_kernels.attention.tuning import DecodeConfig
 
 # jax warns on every Triton-backend pallas_call (upstream deprecation).
@@ -60,17 +69,16 @@ def test_decode_matches_reference(q, kv, ps, d, group, tiles):
     qa = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32).astype(dtype)
     seq_lens = jnp.asarray(lens)
 
-    out = paged_attention(qa, k, v, seq_lens, pt, 1, ks, vs, config=TILES[tiles], interpret=True)
-    ref = paged_attention_reference(
-        qa[:, None], k, v, seq_lens[:, None] - 1, seq_lens, pt, 1, ks, vs
-    )
+    pool = PagedKV(k, v, ks, vs, 1)
+    out = paged_attention(qa, pool, seq_lens, pt, config=TILES[tiles], interpret=True)
+    ref = decode_reference(qa, pool, seq_lens, pt)
 
     assert out.shape == (b, h, d) and out.dtype == dtype
     out32 = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out32).all()
     assert (out32[0] == 0).all()  # seq_len 0: zeros, never NaN
     np.testing.assert_allclose(
-        out32, np.asarray(ref[:, 0].astype(jnp.float32)), atol=tolerance(dtype, kv), rtol=0
+        out32, np.asarray(ref.astype(jnp.float32)), atol=tolerance(dtype, kv), rtol=0
     )
 
 
@@ -80,10 +88,12 @@ def test_decode_reads_the_given_layer_under_jit():
     q = jnp.asarray(rng.standard_normal((2, 1, 64)), jnp.float32)
     pt = permuted_page_table(rng, 2, 4, 8)
     lens = jnp.asarray([5, 30], jnp.int32)
-    run = jax.jit(lambda layer: paged_attention(q, k, v, lens, pt, layer, interpret=True))
+    run = jax.jit(
+        lambda layer: paged_attention(q, PagedKV(k, v, layer=layer), lens, pt, interpret=True)
+    )
     for layer in (0, 2):
-        ref = paged_attention_reference(q[:, None], k, v, lens[:, None] - 1, lens, pt, layer)
-        np.testing.assert_allclose(run(jnp.int32(layer)), ref[:, 0], atol=2e-5)
+        ref = decode_reference(q, PagedKV(k, v, layer=layer), lens, pt)
+        np.testing.assert_allclose(run(jnp.int32(layer)), ref, atol=2e-5)
 
 
 def _args(**over):
@@ -131,13 +141,13 @@ def _args(**over):
 )
 def test_decode_rejects_bad_input(over, match):
     with pytest.raises(ValueError, match=match):
-        paged_attention(**_args(**over), interpret=True)
+        paged_attention(**with_kv(_args(**over)), interpret=True)
 
 
 def test_decode_rejects_bad_scales_and_layer():
     k = jnp.zeros((1, 2, 8, 16, 64), jnp.int8)
     good = jnp.zeros((1, 2, 8, 16), jnp.float32)
     with pytest.raises(ValueError, match=r"k_scale must be f32\[1, 2, 8, 16\]"):
-        paged_attention(**_args(k_pages=k, v_pages=k), k_scale=good[..., :8], v_scale=good)
+        paged_attention(**with_kv(_args(k_pages=k, v_pages=k, k_scale=good[..., :8], v_scale=good)))
     with pytest.raises(ValueError, match=r"layer 1 is outside \[0, 1\)"):
-        paged_attention(**_args(), layer=1)
+        paged_attention(**with_kv(_args(layer=1)))

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from paged_kv_testing import make_pool, np_seed, pairwise_covered, permuted_page_table, tolerance
 
-from pallas_kernels.attention.triton_prefill import paged_prefill_attention, paged_prefill_reference
+from pallas_kernels.attention.paged_kv import PagedKV
+from pallas_kernels.attention.reference import prefill_reference
+from pallas_kernels.attention.triton_prefill import paged_prefill_attention
 from pallas_kernels.attention.tuning import PrefillConfig
 
 # jax warns on every Triton-backend pallas_call (upstream deprecation).
@@ -72,10 +74,10 @@ def test_prefill_matches_reference(q, kv, ps, d, group, tiles):
     both = jax.jit(
         lambda *a: (
             paged_prefill_attention(*a, config=TILES[tiles], interpret=True),
-            paged_prefill_reference(*a),
+            prefill_reference(*a),
         )
     )
-    out, ref = both(qa, k, v, positions, seq_lens, pt, jnp.int32(1), ks, vs)
+    out, ref = both(qa, PagedKV(k, v, ks, vs, jnp.int32(1)), positions, seq_lens, pt)
 
     assert out.shape == (b, t, h, d) and out.dtype == dtype
     out32 = np.asarray(out.astype(jnp.float32))
@@ -93,11 +95,13 @@ def test_prefill_rejects_bad_input():
     lens = jnp.asarray([3, 20], jnp.int32)
     pt = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
     pos = jnp.zeros((2, 4), jnp.int32)
+    kv = PagedKV(k, k)
     with pytest.raises(ValueError, match=r"positions must be i32\[2, 4\]"):
-        paged_prefill_attention(q, k, k, pos[:, :3], lens, pt)
+        paged_prefill_attention(q, kv, pos[:, :3], lens, pt)
     with pytest.raises(ValueError, match=r"q must be f32/bf16 \[B, T, H, D\]"):
-        paged_prefill_attention(q[0], k, k, pos, lens, pt)
+        paged_prefill_attention(q[0], kv, pos, lens, pt)
     with pytest.raises(ValueError, match=r"page_table\[0, 0\] = -1 points past the pool"):
-        paged_prefill_attention(q, k, k, pos, lens, pt.at[0, 0].set(-1))
+        paged_prefill_attention(q, kv, pos, lens, pt.at[0, 0].set(-1))
     with pytest.raises(ValueError, match=r"q heads \(4\) must be a multiple of the KV heads"):
-        paged_prefill_attention(q, k[:, :1].repeat(3, 1), k[:, :1].repeat(3, 1), pos, lens, pt)
+        k3 = k[:, :1].repeat(3, 1)
+        paged_prefill_attention(q, PagedKV(k3, k3), pos, lens, pt)

@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 
 from jaxserve.resolve import bucket_for, pow2_buckets
-from pallas_kernels.attention.triton_decode import paged_attention_reference
+from pallas_kernels.attention.paged_kv import PagedKV
+from pallas_kernels.attention.reference import decode_reference, prefill_reference
 from pallas_kernels.attention.xla import prefill_attention, ragged_decode_attention
 
 L, KVH, G, D, PS, P = 2, 2, 3, 16, 4, 64
-ragged = jax.jit(ragged_decode_attention, static_argnums=5)
-ragged_opts = jax.jit(
-    ragged_decode_attention, static_argnums=5, static_argnames=("softcap", "scale")
-)
+ragged = jax.jit(ragged_decode_attention, static_argnums=4, static_argnames=("softcap", "scale"))
+reference = jax.jit(decode_reference, static_argnames=("softcap", "scale"))
 
 
 def case(kv_lens, w, seed=0, quantized=False):
@@ -34,13 +33,11 @@ def case(kv_lens, w, seed=0, quantized=False):
         ks = vs = None
     pt = jnp.asarray(rng.permutation(P)[: b * w].reshape(b, w), jnp.int32)  # pages in any order
     q = jnp.asarray(rng.normal(size=(b, KVH * G, D)), jnp.float32)
-    return q, k, v, jnp.asarray(kv_lens, jnp.int32), pt, ks, vs
+    return q, PagedKV(k, v, ks, vs), jnp.asarray(kv_lens, jnp.int32), pt
 
 
-@jax.jit
-def reference(q, k, v, kv_lens, pt, layer, ks, vs):
-    pos = jnp.maximum(kv_lens - 1, 0)[:, None]
-    return paged_attention_reference(q[:, None], k, v, pos, kv_lens, pt, layer, ks, vs)[:, 0]
+def at(kv: PagedKV, layer: int) -> PagedKV:
+    return kv._replace(layer=jnp.int32(layer))
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -53,13 +50,13 @@ def reference(q, k, v, kv_lens, pt, layer, ks, vs):
     ],
 )
 def test_matches_reference(kv_lens, w, quantized):
-    q, k, v, lens, pt, ks, vs = case(kv_lens, w, quantized=quantized)
+    q, kv, lens, pt = case(kv_lens, w, quantized=quantized)
     total = int(sum(-(-n // PS) for n in kv_lens))
     tight = bucket_for(total, pow2_buckets(len(kv_lens) * w, start=8))  # as Resolved.decode_shape
     for f in {tight, len(kv_lens) * w}:  # tight and roomy buckets
         for layer in (0, 1):
-            got = ragged(q, k, v, lens, pt, f, jnp.int32(layer), ks, vs)
-            want = reference(q, k, v, lens, pt, layer, ks, vs)
+            got = ragged(q, at(kv, layer), lens, pt, f)
+            want = reference(q, at(kv, layer), lens, pt)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     if not any(kv_lens):
         assert not np.asarray(got).any()
@@ -67,20 +64,14 @@ def test_matches_reference(kv_lens, w, quantized):
 
 def test_row_result_does_not_depend_on_other_rows():
     """Batch invariance: a row's output is bitwise the same alone or among others, in any place."""
-    q, k, v, lens, pt, _, _ = case([13, 7, 30, 2], 8, seed=3)
-    fn = ragged
-    full = np.asarray(fn(q, k, v, lens, pt, 32))
+    q, kv, lens, pt = case([13, 7, 30, 2], 8, seed=3)
+    full = np.asarray(ragged(q, kv, lens, pt, 32))
     for i in range(4):
-        alone = np.asarray(fn(q[i : i + 1], k, v, lens[i : i + 1], pt[i : i + 1], 32))
+        alone = np.asarray(ragged(q[i : i + 1], kv, lens[i : i + 1], pt[i : i + 1], 32))
         np.testing.assert_array_equal(alone[0], full[i])
 
 
-@jax.jit
-def windowed_reference(q, k, v, kv_lens, pt, layer, ks, vs, window):
-    pos = jnp.maximum(kv_lens - 1, 0)[:, None]
-    return paged_attention_reference(
-        q[:, None], k, v, pos, kv_lens, pt, layer, ks, vs, window=window, softcap=2.0, scale=0.4
-    )[:, 0]
+OPTS = dict(softcap=2.0, scale=0.4)
 
 
 def window_pages(kv_lens, window, ps=PS):
@@ -95,53 +86,51 @@ def test_window_softcap_scale_match_reference(window, quantized):
     """Windows of one token, under / at / over a page, equal to and beyond the longest row,
     global; a binding cap (2.0) and a custom scale; F as tight as the windows allow."""
     kv_lens = [5, 0, 16, 1, 9, 32, 30]
-    q, k, v, lens, pt, ks, vs = case(kv_lens, 8, seed=4, quantized=quantized)
+    q, kv, lens, pt = case(kv_lens, 8, seed=4, quantized=quantized)
     q = q * 3  # logits of several units: the cap binds
-    want = windowed_reference(q, k, v, lens, pt, 1, ks, vs, jnp.int32(window))
+    want = reference(q, at(kv, 1), lens, pt, window=jnp.int32(window), **OPTS)
     for f in (window_pages(kv_lens, window), len(kv_lens) * 8):
-        got = ragged_opts(
-            q, k, v, lens, pt, f, 1, ks, vs, window=jnp.int32(window), softcap=2.0, scale=0.4
-        )
+        got = ragged(q, at(kv, 1), lens, pt, f, window=jnp.int32(window), **OPTS)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
 def test_far_beyond_the_window_reads_only_the_window():
     """A 120-token row with a 10-token window: 3 flat pages suffice, whatever sits before them."""
-    q, k, v, lens, pt, _, _ = case([120, 7], 30, seed=5)
+    q, kv, lens, pt = case([120, 7], 30, seed=5)
     f = window_pages([120, 7], 10)
     assert f == 3 + 2
-    want = windowed_reference(q, k, v, lens, pt, 0, None, None, jnp.int32(10))
-    got = ragged_opts(q, k, v, lens, pt, f, 0, window=jnp.int32(10), softcap=2.0, scale=0.4)
+    want = reference(q, at(kv, 0), lens, pt, window=jnp.int32(10), **OPTS)
+    got = ragged(q, at(kv, 0), lens, pt, f, window=jnp.int32(10), **OPTS)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     # NaN in the pages before row 0's window (its first 27 pages) changes nothing: never read
     # (a masked but gathered NaN value would still poison P.V).
-    k2 = k.at[0, :, pt[0, :27]].set(jnp.nan)
-    v2 = v.at[0, :, pt[0, :27]].set(jnp.nan)
-    got2 = ragged_opts(q, k2, v2, lens, pt, f, 0, window=jnp.int32(10), softcap=2.0, scale=0.4)
+    k2 = kv.k_pages.at[0, :, pt[0, :27]].set(jnp.nan)
+    v2 = kv.v_pages.at[0, :, pt[0, :27]].set(jnp.nan)
+    got2 = ragged(q, at(PagedKV(k2, v2), 0), lens, pt, f, window=jnp.int32(10), **OPTS)
     np.testing.assert_array_equal(np.asarray(got2), np.asarray(got))
 
 
 def test_window_at_most_zero_is_global_bit_for_bit():
-    q, k, v, lens, pt, _, _ = case([13, 7, 30, 2], 8, seed=3)
-    plain = np.asarray(ragged(q, k, v, lens, pt, 32))
+    q, kv, lens, pt = case([13, 7, 30, 2], 8, seed=3)
+    plain = np.asarray(ragged(q, kv, lens, pt, 32))
     for w in (0, -1):
-        same = ragged_opts(q, k, v, lens, pt, 32, window=jnp.int32(w))
+        same = ragged(q, kv, lens, pt, 32, window=jnp.int32(w))
         np.testing.assert_array_equal(np.asarray(same), plain)
 
 
 prefill = jax.jit(prefill_attention, static_argnames=("softcap", "scale"))
-reference_prefill = jax.jit(paged_attention_reference, static_argnames=("softcap", "scale"))
+reference_prefill = jax.jit(prefill_reference, static_argnames=("softcap", "scale"))
 
 
 def prefill_case(starts, lengths, t, w, seed=0, quantized=False):
     """Chunks of t query tokens: row b's tokens start at starts[b], lengths[b] of them are real
     (the rest padding, as the engine pads a chunk); seq_len = start + length, 0 for an empty row."""
-    q1, k, v, _, pt, ks, vs = case([0] * len(starts), w, seed=seed, quantized=quantized)
+    q1, kv, _, pt = case([0] * len(starts), w, seed=seed, quantized=quantized)
     rng = np.random.default_rng(seed + 100)
     q = jnp.asarray(rng.normal(size=(len(starts), t, KVH * G, D)), jnp.float32)
     pos = jnp.asarray(np.asarray(starts)[:, None] + np.arange(t)[None, :], jnp.int32)
     lens = jnp.asarray([s + n if n else 0 for s, n in zip(starts, lengths)], jnp.int32)
-    return q, k, v, pos, lens, pt, ks, vs
+    return q, kv, pos, lens, pt
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -154,10 +143,10 @@ def prefill_case(starts, lengths, t, w, seed=0, quantized=False):
     ],
 )
 def test_prefill_matches_reference(starts, lengths, t, w, quantized):
-    q, k, v, pos, lens, pt, ks, vs = prefill_case(starts, lengths, t, w, quantized=quantized)
+    q, kv, pos, lens, pt = prefill_case(starts, lengths, t, w, quantized=quantized)
     for layer in (0, 1):
-        got = prefill(q, k, v, pos, lens, pt, jnp.int32(layer), ks, vs)
-        want = reference_prefill(q, k, v, pos, lens, pt, jnp.int32(layer), ks, vs)
+        got = prefill(q, at(kv, layer), pos, lens, pt)
+        want = reference_prefill(q, at(kv, layer), pos, lens, pt)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     if not lengths[-1]:
         assert not np.asarray(got)[-1].any()  # an empty row gets zeros
@@ -165,22 +154,22 @@ def test_prefill_matches_reference(starts, lengths, t, w, quantized):
 
 @pytest.mark.parametrize("window", [1, 4, 9, 0, -2])
 def test_prefill_window_softcap_scale_match_reference(window):
-    q, k, v, pos, lens, pt, _, _ = prefill_case([0, 5, 17, 2], [8, 8, 8, 5], 8, 8, seed=6)
-    opts = dict(window=jnp.int32(window), softcap=2.0, scale=0.4)
-    got = prefill(q * 3, k, v, pos, lens, pt, 1, **opts)
-    want = reference_prefill(q * 3, k, v, pos, lens, pt, 1, **opts)
+    q, kv, pos, lens, pt = prefill_case([0, 5, 17, 2], [8, 8, 8, 5], 8, 8, seed=6)
+    opts = dict(window=jnp.int32(window), **OPTS)
+    got = prefill(q * 3, at(kv, 1), pos, lens, pt, **opts)
+    want = reference_prefill(q * 3, at(kv, 1), pos, lens, pt, **opts)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
 def test_prefill_row_result_does_not_depend_on_other_rows():
     """Batch invariance within one compiled shape (the engine's prefill programs have fixed rows),
     bitwise: a chunk's output is the same whatever the other rows hold, an empty row included."""
-    q, k, v, pos, lens, pt, _, _ = prefill_case([0, 9, 3, 14], [8, 8, 4, 8], 8, 8, seed=7)
-    q2, _, _, pos2, lens2, pt2, _, _ = prefill_case([5, 0, 1, 2], [3, 0, 8, 6], 8, 8, seed=8)
-    full = np.asarray(prefill(q, k, v, pos, lens, pt))
+    q, kv, pos, lens, pt = prefill_case([0, 9, 3, 14], [8, 8, 4, 8], 8, 8, seed=7)
+    q2, _, pos2, lens2, pt2 = prefill_case([5, 0, 1, 2], [3, 0, 8, 6], 8, 8, seed=8)
+    full = np.asarray(prefill(q, kv, pos, lens, pt))
     for i in range(4):
         mix = [b.at[i].set(a[i]) for a, b in ((q, q2), (pos, pos2), (lens, lens2), (pt, pt2))]
-        got = np.asarray(prefill(mix[0], k, v, mix[1], mix[2], mix[3]))
+        got = np.asarray(prefill(mix[0], kv, mix[1], mix[2], mix[3]))
         np.testing.assert_array_equal(got[i], full[i])
 
 
@@ -189,11 +178,11 @@ def test_prefill_result_does_not_depend_on_the_page_table_width():
     longer sequence, or a prefix-cache hit's narrower step), and at any row count. One dot over
     all W * ps keys summed in an order XLA picks by W, and differed (bf16 outputs, 5 in 5 draws)."""
     for seed in range(4):
-        q, k, v, pos, lens, pt, _, _ = prefill_case([0, 9], [8, 8], 8, 8, seed=seed)
-        q = q.astype(jnp.bfloat16)
-        wide = np.asarray(prefill(q, k, v, pos, lens, pt, 1).astype(jnp.float32))
+        q, kv, pos, lens, pt = prefill_case([0, 9], [8, 8], 8, 8, seed=seed)
+        q, kv = q.astype(jnp.bfloat16), at(kv, 1)
+        wide = np.asarray(prefill(q, kv, pos, lens, pt).astype(jnp.float32))
         for w in (5, 6, 7):  # row 1 holds 17 tokens: 5 pages of PS = 4
-            got = np.asarray(prefill(q, k, v, pos, lens, pt[:, :w], 1).astype(jnp.float32))
+            got = np.asarray(prefill(q, kv, pos, lens, pt[:, :w]).astype(jnp.float32))
             np.testing.assert_array_equal(got, wide)
-        one = prefill(q[1:], k, v, pos[1:], lens[1:], pt[1:, :5], 1).astype(jnp.float32)
+        one = prefill(q[1:], kv, pos[1:], lens[1:], pt[1:, :5]).astype(jnp.float32)
         np.testing.assert_array_equal(np.asarray(one)[0], wide[1])
