@@ -50,7 +50,7 @@ SMEM exceeds the 227 KiB of a Hopper block.
 
 The ring (`KVRing`, `kv_ring_scratch`), the online-softmax step (`attend`, `softmax_init`) and
 `check_mgpu_options` are in `mgpu_common`: the Mosaic GPU prefill kernel (`mgpu_prefill`)
-walks its key tiles with them too. The tiles are an `MgpuDecodeConfig` (`mgpu_tuning`).
+walks its key tiles with them too. The tiles are an `MgpuDecodeConfig` (`tuning`).
 
 Interpret mode (CPU): `interpret=True` runs the kernel in Mosaic GPU's interpreter
 (`plgpu.InterpretGPUParams()`, passed as `plgpu.kernel(interpret=...)`), which simulates SMEM,
@@ -71,6 +71,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.attention.mgpu_common import (
+    KVRing,
+    attend,
+    check_mgpu_options,
+    kv_ring_scratch,
+    softmax_init,
+)
 from pallas_kernels.attention.paged_kv import (
     PagedKV,
     check_decode_inputs,
@@ -79,16 +86,8 @@ from pallas_kernels.attention.paged_kv import (
     traced,
 )
 from pallas_kernels.attention.triton_decode import decode_plan
-from pallas_kernels.mgpu_common import (
-    ROWS,
-    KVRing,
-    attend,
-    check_mgpu_options,
-    kv_ring_scratch,
-    softmax_init,
-    tiled_smem,
-)
-from pallas_kernels.mgpu_tuning import H100_MGPU_DECODE, MgpuDecodeConfig
+from pallas_kernels.attention.tuning import H100_MGPU_DECODE, MgpuDecodeConfig
+from pallas_kernels.mgpu_common import ROWS, tiled_smem
 
 
 def _decode_kernel(
@@ -248,7 +247,7 @@ def _decode_call(q, kv, seq_lens, page_table, window, softcap, scale, config, in
 
 def check_mgpu_decode(q, kv: PagedKV, config: MgpuDecodeConfig = H100_MGPU_DECODE) -> None:
     """Raises ValueError naming what this kernel does not support (`check_mgpu_options`)."""
-    check_mgpu_options(q, kv.k_pages, config)
+    check_mgpu_options(q, kv, config)
 
 
 def paged_attention_mgpu(

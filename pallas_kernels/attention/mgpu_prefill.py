@@ -37,7 +37,7 @@ queries, KV pages other than bf16/int8/fp8, page sizes below 8, head dims other 
 GQA groups over 64 heads, and configs whose SMEM exceeds the 227 KiB of a Hopper block.
 
 `interpret=True` runs the kernel in Mosaic GPU's interpreter on the CPU (SMEM, TMA, barriers and
-wgmma simulated). The tiles are an `MgpuPrefillConfig` (`mgpu_tuning`). The kernel is held to
+wgmma simulated). The tiles are an `MgpuPrefillConfig` (`tuning`). The kernel is held to
 `reference.prefill_reference`, the pure-jnp definition (gather + einsum).
 """
 
@@ -52,6 +52,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.attention.mgpu_common import (
+    KVRing,
+    attend,
+    check_mgpu_options,
+    kv_ring_scratch,
+    softmax_init,
+)
 from pallas_kernels.attention.paged_kv import (
     PagedKV,
     check_prefill_inputs,
@@ -60,16 +67,8 @@ from pallas_kernels.attention.paged_kv import (
     traced,
 )
 from pallas_kernels.attention.triton_common import next_pow2
-from pallas_kernels.mgpu_common import (
-    ROWS,
-    KVRing,
-    attend,
-    check_mgpu_options,
-    kv_ring_scratch,
-    softmax_init,
-    tiled_smem,
-)
-from pallas_kernels.mgpu_tuning import H100_MGPU_PREFILL, MgpuPrefillConfig
+from pallas_kernels.attention.tuning import H100_MGPU_PREFILL, MgpuPrefillConfig
+from pallas_kernels.mgpu_common import ROWS, tiled_smem
 
 _BIG = 1 << 30  # "no row" in the plan's min/max (far from overflow)
 
@@ -241,7 +240,7 @@ def _prefill_call(
 def check_mgpu_prefill(q, kv: PagedKV, config: MgpuPrefillConfig = H100_MGPU_PREFILL) -> None:
     """Raises ValueError naming what this kernel does not support (the decode kernel's
     `check_mgpu_options`, with the SMEM of a tile's positions)."""
-    check_mgpu_options(q, kv.k_pages, config, name="paged_prefill_mgpu", extra_smem=ROWS * 4)
+    check_mgpu_options(q, kv, config, name="paged_prefill_mgpu", extra_smem=ROWS * 4)
 
 
 def paged_prefill_mgpu(

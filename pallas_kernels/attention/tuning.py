@@ -1,6 +1,8 @@
-"""Tuning configurations of the paged-attention kernels, frozen so they can be static jit arguments.
+"""Tuning configurations of the paged-attention kernels, frozen so they can be static jit arguments:
+the Triton kernels' (`DecodeConfig`, `PrefillConfig`) and the Mosaic GPU kernels'
+(`MgpuDecodeConfig`, `MgpuPrefillConfig`, below them).
 
-The defaults target the NVIDIA H200 (132 SMs, 228 KB shared memory per SM, ~4.8 TB/s HBM3e):
+The Triton defaults target the NVIDIA H200 (132 SMs, 228 KB shared memory per SM, ~4.8 TB/s HBM3e):
 
 Decode is bandwidth bound: every KV byte is read once per step and the arithmetic (a 16-row dot
 per page block) is negligible. What matters is keeping enough loads in flight on every SM:
@@ -23,7 +25,9 @@ group) against ``block_k = 64`` keys per iteration is the classic FlashAttention
 head_dim 128 on Hopper with the Triton backend (num_warps 4, num_stages 2).
 
 These are starting points chosen from the hardware numbers above, not yet measured on an H200:
-``experiments/gpu_kernels.py`` times them.
+``experiments/gpu_kernels.py`` times them. The Mosaic GPU defaults (`H100_MGPU_*`, an H100 or H200
+block: 227 KiB of SMEM, 132 SMs) were chosen from the hardware numbers and the ptxas register
+counts in each kernel's docstring, not yet timed on a GPU either.
 """
 
 from __future__ import annotations
@@ -77,3 +81,54 @@ class PrefillConfig:
 
 H200_DECODE = DecodeConfig()
 H200_PREFILL = PrefillConfig()
+
+
+def _check_ring(config) -> None:
+    """The key tiles and SMEM ring both attention kernels walk (`mgpu_common.KVRing`)."""
+    if config.block_k <= 0 or config.block_k % 64 or config.block_k & (config.block_k - 1):
+        raise ValueError(f"block_k must be a power of two multiple of 64, got {config.block_k}")
+    if config.num_buffers < 2:
+        raise ValueError(f"num_buffers must be >= 2, got {config.num_buffers}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuDecodeConfig:
+    """Tiles of the Mosaic GPU decode kernel.
+
+    block_k:         keys per step (a whole number of pages; a multiple of 64, the swizzled K
+                     dimension of the P . V product)
+    num_buffers:     slots of the K/V SMEM ring (>= 2: NBUF - 1 tiles in flight)
+    target_programs: split the pages over programs until B * KVH * splits reaches this (132 SMs)
+    max_splits:      upper bound on the split-K factor
+    """
+
+    block_k: int = 64
+    num_buffers: int = 2
+    target_programs: int = 528
+    max_splits: int = 16
+
+    def __post_init__(self):
+        _check_ring(self)
+        if self.target_programs <= 0 or self.max_splits <= 0:
+            raise ValueError("target_programs and max_splits must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuPrefillConfig:
+    """Tiles of the Mosaic GPU prefill kernel.
+
+    block_k:     keys per step (a whole number of pages; a power of two multiple of 64, the
+                 swizzled K dimension of the P . V product)
+    num_buffers: slots of the K/V SMEM ring (>= 2). 2 at head_dim 128: 88 KiB of SMEM, two
+                 blocks per SM, one's softmax overlapping the other's wgmma.
+    """
+
+    block_k: int = 64
+    num_buffers: int = 2
+
+    def __post_init__(self):
+        _check_ring(self)
+
+
+H100_MGPU_DECODE = MgpuDecodeConfig()
+H100_MGPU_PREFILL = MgpuPrefillConfig()

@@ -35,7 +35,7 @@ from paged_kv_testing import (  # noqa: E402
 from pallas_kernels.attention.mgpu_decode import paged_attention_mgpu  # noqa: E402
 from pallas_kernels.attention.paged_kv import PagedKV  # noqa: E402
 from pallas_kernels.attention.reference import decode_reference  # noqa: E402
-from pallas_kernels.mgpu_tuning import MgpuDecodeConfig  # noqa: E402
+from pallas_kernels.attention.tuning import MgpuDecodeConfig  # noqa: E402
 
 KVH, LAYERS, WIDTH = 2, 2, 5
 # max_splits 2: the pages of a row are split over two programs (the log-sum-exp combine runs);

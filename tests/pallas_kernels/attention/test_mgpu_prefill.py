@@ -36,7 +36,7 @@ from paged_kv_testing import (  # noqa: E402
 from pallas_kernels.attention.mgpu_prefill import _tile_plan, paged_prefill_mgpu  # noqa: E402
 from pallas_kernels.attention.paged_kv import PagedKV  # noqa: E402
 from pallas_kernels.attention.reference import prefill_reference  # noqa: E402
-from pallas_kernels.mgpu_tuning import MgpuPrefillConfig  # noqa: E402
+from pallas_kernels.attention.tuning import MgpuPrefillConfig  # noqa: E402
 
 KVH, LAYERS, T = 2, 2, 19  # T: chunk tokens per row (19 crosses pages, and 64-row tiles at G >= 4)
 DEFAULT = MgpuPrefillConfig()  # 64 keys a tile, 2 ring slots
