@@ -187,10 +187,13 @@ def test_kernels_import_jax_only():
 # below its own, never above (`test_imports_run_down_the_layers`). A module belongs to the longest
 # entry that prefixes its name; a new package must be placed here.
 LAYERS = (
-    # the kernels: jax only (`test_kernels_import_jax_only`); the CPU kernels' references borrow
-    # the GPU ones'
-    "pallas_kernels",
+    # the kernels: jax only (`test_kernels_import_jax_only`). First the attention family's one
+    # paged-KV argument and its references (no Pallas), which every form of it takes: the C++ CPU
+    # kernels import those and nothing else of the Pallas kernels
+    "pallas_kernels.attention.paged_kv",
+    "pallas_kernels.attention.reference",
     "cpu_kernels",
+    "pallas_kernels",
     # the settings, host only (jaxserve/config/, the package last: its re-exports): a model's
     # fields, config.json's, the presets, the model's config; a setting's checks, the settings,
     # vLLM's speculative_config, the engine's config; then the choices made from them
