@@ -7,6 +7,7 @@ over a paged KV cache. A family is a ModelConfig and its switches, never a copy 
 
 `decoder_layer` is written once: `forward` scans it over the paged cache, calibration
 (`quant/calibration.py`) runs it with a dense causal attention to collect the linears' inputs.
+Its MLP, dense, mixture of experts or one per layer, is `models/mlp.py`.
 
 Params are a plain pytree passed into jit (never closed over). Per-layer weights are stacked on a
 leading layer axis and the layers run under `lax.scan`, so compile time does not depend on depth:
@@ -65,9 +66,9 @@ from jaxserve.layers import lora
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.embedding import embed, is_quantized
 from jaxserve.layers.linear import TransposedWeight, linear, linears
-from jaxserve.layers.moe import moe_mlp
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
+from jaxserve.models.mlp import mlp, mlp_rows
 from jaxserve.models.params import check_params, init_params, model_dtype, param_shapes  # noqa: F401
 from jaxserve.resolve import REFERENCE_IMPL, ModelImpl
 
@@ -215,13 +216,6 @@ def paged_attend(
     return attend
 
 
-def gate_activation(config: ModelConfig) -> Callable:
-    """The MLP gate's activation, f32 -> f32: SiLU (SwiGLU) or tanh-GELU (Gemma's GeGLU)."""
-    if config.mlp_activation == "gelu_tanh":
-        return lambda a: jax.nn.gelu(a, approximate=True)
-    return jax.nn.silu
-
-
 def decoder_layer(
     lp: dict,
     x: jax.Array,
@@ -248,7 +242,7 @@ def decoder_layer(
       them as one call, `layers.linear.linears`);
     expert(name) -> the layer's expert stack `name` [E, K, N], plain or quantized as stored
       (default: lp[name]; `moe.moe_mlp` dequantizes what its path needs);
-    sparse: whether the MLP is the mixture of experts (`moe_block`) or the dense SwiGLU: None
+    sparse: whether the MLP (`models/mlp.py`) is the mixture of experts or the dense one: None
       (from the config, when all its layers are one kind), a Python bool, or a traced bool[]
       (a model mixing both: `lax.cond` runs one of the two, both compiled once);
     inv_freq: the layer's RoPE table f32[Dh/2] (`layer_constants`; default: the config's, which
@@ -298,90 +292,13 @@ def decoder_layer(
     x = x + (norm(attn_out, "post_attn_norm") if c.sandwich_norms else attn_out)
     m_in = norm(x, "mlp_norm")
     taps = {"attn": a_in, "q": q, "o": o_in, "mlp": m_in}
-    # --- mixture-of-experts: the MLP is dense, sparse, or (mixed models) chosen per layer ---
     if expert is None:
         expert = lambda name: lp[name]  # noqa: E731
-    if sparse is None:
-        if c.moe_layers and c.dense_layers:
-            raise ValueError(
-                "this config mixes dense and sparse layers (mlp_only_layers / "
-                "decoder_sparse_step): decoder_layer needs sparse= for each layer"
-            )
-        sparse = bool(c.moe_layers)
-
-    def dense(m):
-        act = gate_activation(c)
-        gate, up = projs(m, ("w_gate", "w_up"))
-        d_in = act(gate.astype(jnp.float32)).astype(dtype) * up
-        return proj(d_in, "w_down"), d_in
-
-    if sparse is True:
-        y = moe_block(m_in, proj, expert, c, moe_matmul)
-    elif sparse is False:
-        y, taps["down"] = dense(m_in)
-    else:
-        y = jax.lax.cond(
-            sparse,
-            lambda m: moe_block(m, proj, expert, c, moe_matmul),
-            lambda m: dense(m)[0],
-            m_in,
-        )
-    # --- end mixture-of-experts ---
+    y, down_in = mlp(m_in, proj, projs, expert, c, sparse, moe_matmul)
+    if down_in is not None:
+        taps["down"] = down_in
     x = x + (norm(y, "post_mlp_norm") if c.sandwich_norms else y)
     return x, aux, taps
-
-
-# --- mixture-of-experts ---
-MOE_PARAMS = ("router", "we_gate", "we_up", "we_down")
-DENSE_MLP_PARAMS = ("w_gate", "w_up", "w_down")
-
-
-def moe_block(
-    m_in: jax.Array,
-    proj: Callable,
-    expert: Callable,
-    config: ModelConfig,
-    moe_matmul: str = "ragged_dot",
-) -> jax.Array:
-    """The sparse MLP: m_in [B, T, D] -> [B, T, D]. Router logits in the activation dtype (as
-    HF), then `moe.moe_mlp` over the B*T tokens (padding rows too: dropless, they take no
-    capacity from real tokens)."""
-    b, t, d = m_in.shape
-    flat = m_in.reshape(b * t, d)  # (N, D)
-    logits = proj(flat, "router")  # (N, E)
-    y = moe_mlp(
-        flat,
-        logits,
-        expert("we_gate"),
-        expert("we_up"),
-        expert("we_down"),
-        config.num_experts_per_tok,
-        config.norm_topk_prob,
-        moe_matmul,
-    )
-    return y.reshape(b, t, d)
-
-
-def mlp_rows(config: ModelConfig) -> dict[str, np.ndarray]:
-    """{MLP param: i32[L], the row of its stack holding layer l (0 for the other kind's layers)}
-    for a model mixing dense and sparse layers; {} when every layer is one kind (the stacks then
-    hold every layer, [L, ...], and are scanned like the rest).
-
-    Why compact stacks and `lax.cond` rather than both MLPs stacked over every layer: no layer
-    stores (or loads, or quantizes) weights it never uses, the scan stays one loop body whatever
-    the pattern, and the conditional costs a predicate per layer."""
-    c = config
-    if not (c.moe_layers and c.dense_layers):
-        return {}
-    out = {}
-    for names, held in ((DENSE_MLP_PARAMS, c.dense_layers), (MOE_PARAMS, c.moe_layers)):
-        row = np.zeros(c.num_layers, np.int32)
-        row[list(held)] = np.arange(len(held), dtype=np.int32)
-        out.update({n: row for n in names})
-    return out
-
-
-# --- end mixture-of-experts ---
 
 
 def compute_logits(
