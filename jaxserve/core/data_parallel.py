@@ -106,12 +106,9 @@ class DataParallelScheduler:
             for f in dataclasses.fields(SchedulerOutput):
                 if f.name in (
                     "num_decode_steps",
-                    "grammar_bitmask",
-                    "grammar_rows",
-                    "grammar_deferred",
                     "speculative",  # (never with data shards: EngineConfig refuses it)
                 ):
-                    continue  # (the grammar fields are set by the engine on the merged plan)
+                    continue
                 mine, theirs = getattr(out, f.name), getattr(p, f.name)
                 if isinstance(mine, dict):
                     mine.update(theirs)

@@ -11,9 +11,10 @@
                                                         retire (slot and pages freed at once)
                        -> outputs of finished requests (and snapshots of streamed ones)
 
-Structured outputs (`structured_outputs.py`): a plan carries the packed masks of its constrained
-sampling rows, made once the previous tokens are known (so no async scheduling while a constrained
-request runs), while the step's decode forward runs where the runner can (`overlaps_grammar`).
+Structured outputs (`structured_outputs.py`): the packed masks of a plan's constrained sampling
+rows go to the runner beside the plan, made once the previous tokens are known (so no async
+scheduling while a constrained request runs), while the step's decode forward runs where the
+runner can (`overlaps_grammar`: `dispatch(plan, masks_later=True)`, then `complete(handle, masks)`).
 
 Tokens become text, log-probs and stop decisions in `output_processor.py`. The runner is anything
 implementing `runner_api.Runner` (`dispatch(plan)`, `fetch(handle) -> StepResult`, its decode row
@@ -221,16 +222,15 @@ class LLMEngine:
             return None
         if plan.has_work:
             self._record_occupancy()
-            rows = self.structured.sampling_rows(plan)
-            if rows and plan.decode and self.runner.overlaps_grammar:
-                # vLLM's overlap: the decode forward runs while the host computes the masks
-                plan.grammar_deferred = True
-                handle = self.runner.dispatch(plan)
-                self.structured.attach_masks(plan, rows, self.config.num_slots)
-                return plan, self.runner.complete(handle, plan)
-            if rows:
-                self.structured.attach_masks(plan, rows, self.config.num_slots)
-        return plan, self.runner.dispatch(plan)
+        rows = self.structured.sampling_rows(plan)  # slot -> grammar of each constrained row
+        if not rows:
+            return plan, self.runner.dispatch(plan)
+        if plan.decode and self.runner.overlaps_grammar:
+            # vLLM's overlap: the decode forward runs while the host computes the masks
+            handle = self.runner.dispatch(plan, masks_later=True)
+            masks = self.structured.masks(rows, self.config.num_slots)
+            return plan, self.runner.complete(handle, masks)
+        return plan, self.runner.dispatch(plan, self.structured.masks(rows, self.config.num_slots))
 
     def _constrained_running(self) -> bool:
         return any(r.grammar is not None for r in self.scheduler.running)

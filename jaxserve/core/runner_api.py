@@ -1,7 +1,11 @@
 """The seam between the host loop and the device: what `LLMEngine` needs of a runner.
 
-    handle = runner.dispatch(plan)    queue one plan's device work (asynchronously)
-    result = runner.fetch(handle)     wait for it; ONE device->host transfer -> StepResult
+    handle = runner.dispatch(plan, masks)    queue one plan's device work (asynchronously), with
+                                             the grammar masks of its constrained rows (or None)
+    result = runner.fetch(handle)            wait for it; ONE device->host transfer -> StepResult
+
+A runner that `overlaps_grammar` also takes the masks late, so the host computes them while the
+step's decode forward runs: handle = runner.complete(runner.dispatch(plan, masks_later=True), masks).
 
 `jaxserve.runner.runner.ModelRunner` is the real one; `jaxserve.testing.fake_runner.FakeRunner` is
 a numpy stand-in whose tokens are computable by hand (JetStream's mock engine). Host only.
@@ -15,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.core.structured_outputs import GrammarMasks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,13 +101,15 @@ class Runner(Protocol):
     slot_buckets: tuple[int, ...]
     num_h2d_transfers: int
     num_d2h_transfers: int
-    # True: `dispatch` of a plan with grammar_deferred runs only the decode forward, and
-    # `complete(handle, plan)` then takes the grammar masks the engine computed meanwhile
+    # True: `dispatch(plan, masks_later=True)` of a plan that decodes queues only the decode
+    # forward, and `complete(handle, masks)` then takes the masks the engine computed meanwhile
     overlaps_grammar: bool
 
-    def dispatch(self, plan: SchedulerOutput) -> Any: ...
+    def dispatch(
+        self, plan: SchedulerOutput, masks: GrammarMasks | None = None, masks_later: bool = False
+    ) -> Any: ...
 
-    def complete(self, handle: Any, plan: SchedulerOutput) -> Any: ...
+    def complete(self, handle: Any, masks: GrammarMasks) -> Any: ...
 
     def fetch(self, handle: Any) -> StepResult: ...
 

@@ -11,14 +11,13 @@ A plan says two things, applied by the runner in this order:
 
 `preempted` lists the requests this plan sent back to the waiting queue. decode_slots,
 decode_steps and forced are fixed by `Scheduler._commit` as the plan is made (the requests move on
-before its results come back); the grammar fields are set by the engine once the plan is made.
+before its results come back). Nothing changes a plan once it is made: the step's grammar masks,
+computed by the engine from the plan, go to the runner beside it (`Runner.dispatch`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import numpy as np
 
 from jaxserve.core.request import Request
 
@@ -52,13 +51,6 @@ class SchedulerOutput:
     decode_slots: list[int] = dataclasses.field(default_factory=list)  # slot of each decode[i]
     decode_steps: list[int] = dataclasses.field(default_factory=list)  # tokens each decode[i] makes
     forced: list[bool] = dataclasses.field(default_factory=list)  # prefill[i] installs a token
-    # Set by the engine once the plan is made: the packed allowed-token mask of each slot that
-    # samples under a grammar (`core/structured_outputs.py`), i32[num_slots, ceil(V / 32)], and
-    # those slots' flags bool[num_slots]; None when no sampling row is constrained.
-    grammar_bitmask: np.ndarray | None = None
-    grammar_rows: np.ndarray | None = None
-    # the masks are computed while the decode forward runs (`Runner.complete` takes them)
-    grammar_deferred: bool = False
     # LoRA adapters to load into their device slots before the step (slot, `lora.peft.LoRAAdapter`)
     lora_loads: list = dataclasses.field(default_factory=list)
 

@@ -4,6 +4,8 @@ grammar, with llguidance as the grammar engine (no torch).
     SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))     vLLM's names
     StructuredOutputManager(tokenizer, vocab_size)        one per engine (host only)
       .compile(params) -> Grammar                         ValueError naming the problem
+      .sampling_rows(plan) -> {slot: Grammar}             a plan's constrained rows that sample
+      .masks(rows, num_slots) -> GrammarMasks             their next-token masks, for the runner
       .fill_bitmask(grammars_by_row, num_rows) -> i32[num_rows, ceil(V / 32)]
     Grammar.accept(token) / .copy() / .is_terminated
 
@@ -197,6 +199,15 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
         raise ValueError(f"structured_outputs.{params.kind}: {e}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class GrammarMasks:
+    """One step's masks, what the engine hands the runner with the step's plan: the packed allowed
+    tokens of each slot that samples under a grammar, and those slots."""
+
+    bitmask: np.ndarray  # i32[num_slots, ceil(V / 32)]: bit t of word t // 32 allows token t
+    rows: np.ndarray  # bool[num_slots]: the slot samples under its grammar's mask
+
+
 class Grammar:
     """One request's matcher: which tokens may come next, advanced by each sampled token."""
 
@@ -295,11 +306,11 @@ class StructuredOutputManager:
                 rows[chunk.request.slot] = chunk.request.grammar
         return rows
 
-    def attach_masks(self, plan, rows: dict[int, Grammar], num_slots: int) -> None:
-        """Sets plan.grammar_bitmask (the rows' next-token masks) and plan.grammar_rows."""
-        plan.grammar_bitmask = self.fill_bitmask(rows, num_slots)
-        plan.grammar_rows = np.zeros((num_slots,), bool)
-        plan.grammar_rows[list(rows)] = True
+    def masks(self, rows: dict[int, Grammar], num_slots: int) -> GrammarMasks:
+        """The step's masks of `rows` (`sampling_rows`), over every slot."""
+        flags = np.zeros((num_slots,), bool)
+        flags[list(rows)] = True
+        return GrammarMasks(self.fill_bitmask(rows, num_slots), flags)
 
     def fill_bitmask(self, rows: dict[int, Grammar], num_rows: int) -> np.ndarray:
         """i32[num_rows, ceil(V / 32)]: row r holds the allowed next tokens of rows[r]; the rows

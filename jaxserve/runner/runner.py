@@ -1,13 +1,15 @@
 """`ModelRunner`: the one device-facing object. It owns the params, the paged KV cache and the slot
 state, and runs scheduler plans through the jitted steps of `steps.py`.
 
-    dispatch(plan)   queues one engine step, in this order: release / move / insert / page-table
-                     sync (host mirrors, one `sync` transfer), then `generate` (the slots that
-                     were decoding before this step), then `prefill`; returns a handle
-    complete(handle, plan)
-                     for a plan whose structured-output masks come late (plan.grammar_deferred):
-                     dispatch ran only the decode forward; this installs the masks the host
-                     computed meanwhile, samples, then queues the prefill
+    dispatch(plan, masks)
+                     queues one engine step, in this order: release / move / insert / page-table
+                     sync (host mirrors, one `sync` transfer), the step's grammar masks, then
+                     `generate` (the slots that were decoding before this step), then `prefill`;
+                     returns a handle
+    dispatch(plan, masks_later=True), then complete(handle, masks)
+                     for a step whose structured-output masks come late: dispatch runs only the
+                     decode forward; complete installs the masks the host computed meanwhile,
+                     samples, then queues the prefill
                      (a plan whose decode rows speculate runs `spec_decode.speculate` instead
                      of `generate`: up to k + 1 tokens a row)
     fetch(handle)    ONE device->host transfer of the step's new tokens (and log-probs when a
@@ -40,6 +42,7 @@ from jaxserve.core.request import Request
 from jaxserve.core.runner_api import StepResult
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.core.slot_row import make_slot_row
+from jaxserve.core.structured_outputs import GrammarMasks
 from jaxserve.layers.embedding import is_quantized
 from jaxserve.parallel import partition
 from jaxserve.resolve import (
@@ -308,12 +311,17 @@ class ModelRunner:
             self._dirty = False
 
     # -- one engine step ------------------------------------------------------------------------
-    def dispatch(self, plan: SchedulerOutput) -> StepHandle:
-        """Queues the plan's device work (asynchronously) and returns the handle to fetch."""
+    def dispatch(
+        self, plan: SchedulerOutput, masks: GrammarMasks | None = None, masks_later: bool = False
+    ) -> StepHandle:
+        """Queues the plan's device work (asynchronously) and returns the handle to fetch.
+        masks: the grammar masks of the step's constrained rows. masks_later: they come by
+        `complete` (a plan that decodes, on a runner that `overlaps_grammar`): only the decode
+        forward is queued now."""
         with self._on_mesh():
-            return self._dispatch(plan)
+            return self._dispatch(plan, masks, masks_later)
 
-    def _dispatch(self, plan: SchedulerOutput) -> StepHandle:
+    def _dispatch(self, plan: SchedulerOutput, masks, masks_later: bool) -> StepHandle:
         for slot in plan.released:
             self._active[slot] = False
             self._dirty = True
@@ -326,11 +334,11 @@ class ModelRunner:
         for slot, pages in plan.page_updates.items():
             self._set_pages(slot, pages)
         self._flush()
-        deferred = plan.grammar_deferred and bool(plan.decode)
+        deferred = masks_later and bool(plan.decode)
         if deferred and not self.overlaps_grammar:
             raise ValueError("this runner computes a step's grammar masks before it (no overlap)")
         if not deferred:
-            self._set_grammar(plan)
+            self._set_grammar(masks)
 
         handle = StepHandle()
         r = self.resolved
@@ -349,30 +357,28 @@ class ModelRunner:
                 self._dispatch_prefill(plan, handle)
                 return handle
             if deferred:
-                handle.pending = (self._decode_forward(shape), shape)
+                handle.pending = (plan, self._decode_forward(shape), shape)
                 return handle  # `complete` samples once the masks are in
             handle.decode = self.generate(shape, handle.decode_top)
         self._dispatch_prefill(plan, handle)
         return handle
 
-    def complete(self, handle: StepHandle, plan: SchedulerOutput) -> StepHandle:
-        """Finishes a deferred step: installs plan's grammar masks, samples the decode rows from
-        the forward's logits, then queues the prefill (as `dispatch` would have)."""
+    def complete(self, handle: StepHandle, masks: GrammarMasks) -> StepHandle:
+        """Finishes a step dispatched with masks_later: installs its grammar masks, samples the
+        decode rows from the forward's logits, then queues the prefill (as `dispatch` would)."""
         with self._on_mesh():
-            logits, shape = handle.pending
+            plan, logits, shape = handle.pending
             handle.pending = None
-            self._set_grammar(plan)
+            self._set_grammar(masks)
             self.state, handle.decode = self._jit(steps.decode_sample)(
                 self.state, logits, np.bool_(handle.decode_top), num_top=shape.num_top
             )
             self._dispatch_prefill(plan, handle)
         return handle
 
-    def _set_grammar(self, plan: SchedulerOutput) -> None:
-        if plan.grammar_bitmask is not None:
-            self.state = self._jit(slot_state.set_grammar)(
-                self.state, plan.grammar_bitmask, plan.grammar_rows
-            )
+    def _set_grammar(self, masks: GrammarMasks | None) -> None:
+        if masks is not None:
+            self.state = self._jit(slot_state.set_grammar)(self.state, masks.bitmask, masks.rows)
             self.num_h2d_transfers += 1
 
     def _dispatch_prefill(self, plan: SchedulerOutput, handle: StepHandle) -> None:

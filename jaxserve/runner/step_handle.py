@@ -30,8 +30,8 @@ class StepHandle:
     prefill: steps.PrefillOutput | None = None
     prefill_top: bool = False
     prefill_rows: list[int] | None = None  # packed row of each plan.prefill[i]
-    # (logits, shape) of a decode forward whose sampling waits for the step's grammar masks
-    # (`ModelRunner.complete`)
+    # (plan, logits, shape) of a decode forward whose sampling waits for the step's grammar
+    # masks (`ModelRunner.complete`)
     pending: tuple | None = None
 
     def arrays(self) -> dict[str, jax.Array]:

@@ -54,7 +54,7 @@ class FakeRunner:
         self.decode_steps, self.rows, self.chunk = decode_steps, rows, chunk
         self.num_h2d_transfers = 0
         self.num_d2h_transfers = 0
-        self.overlaps_grammar = False  # plans reach it with their grammar masks already made
+        self.overlaps_grammar = False  # the masks come with the plan (and are not applied)
         self.plans: list[SchedulerOutput] = []  # every plan executed, for assertions
         self.log: list[dict] = []  # what each plan held when it ran (requests mutate later)
 
@@ -76,13 +76,15 @@ class FakeRunner:
         self.max_total[s] = req.max_total_len
         self.seed[s] = req.seed
 
-    def dispatch(self, plan: SchedulerOutput) -> StepResult:
+    def dispatch(self, plan: SchedulerOutput, masks=None, masks_later=False) -> StepResult:
+        if masks_later:
+            raise RuntimeError("FakeRunner computes a step at dispatch: its masks come with it")
         return self._run(plan)  # computed at once; the engine still fetches it a step later
 
     def fetch(self, handle: StepResult) -> StepResult:
         return handle
 
-    def complete(self, handle: StepResult, plan: SchedulerOutput) -> StepResult:
+    def complete(self, handle: StepResult, masks) -> StepResult:
         raise RuntimeError("FakeRunner computes a step at dispatch: no step is ever deferred")
 
     def warmup(self) -> float:
