@@ -12,11 +12,15 @@ program inspector (`bench/gpu_programs.py`) builds the same pool and slot state 
         how they split over the mesh: the pool by pages over 'data', the slots per data shard
     allocate(init_cache, init_state, mesh, data_shards) -> (cache, state)
         each device allocates only its share
+    on_device(tree, mesh)
+        host arrays onto the device, replicated over the mesh (a step's inputs two programs read)
 """
 
 from __future__ import annotations
 
 import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig
 from jaxserve.layers import linear
@@ -98,3 +102,10 @@ def allocate(init_cache, init_state, mesh, data_shards: int):
     cache = jax.jit(init_cache, out_shardings=partition.named(mesh, cache_specs))()
     state = jax.jit(init_state, out_shardings=partition.named(mesh, slot_specs))()
     return cache, state
+
+
+def on_device(tree, mesh):
+    """Host arrays onto the device (replicated over `mesh`, None: one device)."""
+    if mesh is None:
+        return jax.device_put(tree)
+    return jax.tree.map(lambda x: partition.place(x, NamedSharding(mesh, P())), tree)

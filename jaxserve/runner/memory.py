@@ -22,11 +22,9 @@ import logging
 import os
 
 import jax
-import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.layers import kv_cache
-from jaxserve.runner import input_batch, steps
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +106,7 @@ def memory_plan(runner) -> dict:
         "kv_pool_bytes_per_device": bytes_on_device(runner.cache, dev),
         "slot_state_bytes_per_device": bytes_on_device(runner.state, dev),
         "workspace_bytes_per_device": runner.workspace_bytes,
-        "kv_pages_per_data_shard": runner.cache.num_pages // runner.data_shards,
+        "kv_pages_per_data_shard": runner.cache.num_pages // runner.shards.count,
         "device_memory_bytes": stats.get("bytes_limit"),
     }
 
@@ -133,38 +131,11 @@ def describe(plan: dict) -> str:
 def workspace_bytes(runner, decode, prefill) -> int | None:
     """XLA's temporary bytes per device of the largest decode and prefill programs (their
     executables are cached by the warm-up: lowering them again compiles nothing)."""
-    rows, local = prefill.rows * runner.data_shards, runner.slots_per_shard
-    batch = input_batch.padding_batch(rows, local, prefill.chunk)
-    common = dict(config=runner.model_config, impl=runner.resolved.model)
-    no = np.bool_(False)
-    if runner.overlaps_grammar:  # the forward is the large one of the decode's two programs
-        decode_program = runner._jit(steps.decode_forward).lower(
-            runner.params, runner.cache, runner.state, shape=decode, **common
-        )
-    else:
-        decode_program = runner._jit(runner.step_fns.generate).lower(
-            runner.params,
-            runner.cache,
-            runner.state,
-            no,
-            shape=decode,
-            num_steps=runner.config.decode_steps,
-            **common,
-        )
-    if runner.splits_prefill:  # the forward is the large one of the prefill's two programs
-        prefill_program = runner._jit(steps.prefill_forward).lower(
-            runner.params,
-            runner.cache,
-            runner.state,
-            runner.on_device(batch),
-            shape=prefill,
-            **common,
-        )
-    else:
-        prefill_program = runner._jit(runner.step_fns.prefill).lower(
-            runner.params, runner.cache, runner.state, batch, no, shape=prefill, **common
-        )
-    programs = [decode_program, prefill_program]
+    arrays = runner.params, runner.cache, runner.state
+    programs = [
+        runner.structured.lower(*arrays, decode),
+        runner.prefill_strategy.lower(*arrays, runner.shards.padding_batch(prefill), prefill),
+    ]
     sizes = []
     for lowered in programs:
         analysis = lowered.compile().memory_analysis()

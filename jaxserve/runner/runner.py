@@ -3,39 +3,37 @@ state, and runs scheduler plans through the jitted steps of `steps.py`.
 
     dispatch(plan, masks)
                      queues one engine step, in this order: release / move / insert / page-table
-                     sync (host mirrors, one `sync` transfer), the step's grammar masks, then
-                     `generate` (the slots that were decoding before this step), then `prefill`;
-                     returns a handle
+                     sync (host mirrors, one `sync` transfer), the step's grammar masks, then the
+                     decode step (the slots that were decoding before this step), then the
+                     prefill; returns a handle
     dispatch(plan, masks_later=True), then complete(handle, masks)
-                     for a step whose structured-output masks come late: dispatch runs only the
-                     decode forward; complete installs the masks the host computed meanwhile,
-                     samples, then queues the prefill
-                     (a plan whose decode rows speculate runs `spec_decode.speculate` instead
-                     of `generate`: up to k + 1 tokens a row)
+                     the same, where the masks are computed while the decode forward runs
     fetch(handle)    ONE device->host transfer of the step's new tokens (and log-probs when a
                      request asked) -> StepResult
+
+The step's features are objects of their own, built once with the engine's choices:
+
+    shards           `DataShards`: data parallelism (the step shapes and batches of D shards)
+    structured       `StructuredDecoding`: the grammar masks, and the decode step's program(s)
+    prefill_strategy `PrefillStrategy`: the prefill step as one program or two
+    speculative      `SpeculativeDecoding`: n-gram drafts verified in one step (a plan that
+                     speculates runs it instead of the decode step)
+    lora             `LoRAStacks`: the adapters' device slots (with enable_lora)
 
 JAX dispatch is asynchronous, so the engine can dispatch the next step before fetching this one.
 Each step runs in the smallest compiled shape that holds it (`jaxserve.resolve`: decode row, width
 and flat-page buckets; prefill row and width buckets); `warmup()` compiles every shape
 `Resolved.decode_shapes()` / `prefill_shapes()` lists, after which nothing recompiles
-(tests/runner/test_runner.py). On one device group (no data shards) a decode step is two
-programs, the forward (one per shape) then the sampling (one per row bucket:
-`steps.decode_sample`); so is a prefill step where there are page-table width buckets
-(`prefill_sample`), so the sampler is not compiled again into every width's program.
-Every host->device and device->host transfer is counted.
+(tests/runner/test_runner.py). Every host->device and device->host transfer is counted.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.request import Request
@@ -55,18 +53,19 @@ from jaxserve.resolve import (
 from jaxserve.runner import (
     compile_cache,
     cpu_backend,
-    data_parallel,
     device_state,
     input_batch,
     lora_stacks,
     memory,
     slot_state,
-    spec_decode,
     steps,
     warmup,
 )
-from jaxserve.runner.memory import check_memory, device_memory_bytes, state_bytes  # noqa: F401
-from jaxserve.runner.step_handle import StepHandle, fetch_outputs
+from jaxserve.runner.data_shards import DataShards
+from jaxserve.runner.prefill_strategy import PrefillStrategy
+from jaxserve.runner.speculative_decoding import SpeculativeDecoding
+from jaxserve.runner.step_handle import StepHandle
+from jaxserve.runner.structured_decoding import StructuredDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +100,7 @@ class ModelRunner:
             kv_cols = lora_stacks.kv_columns(model_config, t)
             params, model_config = partition.replicate_kv_heads(params, model_config, t)
         self.mesh = mesh
-        self.data_shards = d
-        self.slots_per_shard = engine_config.num_slots // d
-        if num_pages % d:
-            raise ValueError(
-                f"num_pages ({num_pages}) must be a multiple of data_parallel_size ({d})"
-            )
+        self.shards = DataShards(engine_config.num_slots, num_pages, d)
         shard_config = data_shard_config(engine_config)  # the step shapes are one shard's
         backend = backend or jax.default_backend()
         self.compilation_cache_dir = compile_cache.enable(engine_config.compilation_cache)
@@ -123,7 +117,6 @@ class ModelRunner:
             autotune_cache_dir=autotune,
             device_kind=jax.devices()[0].device_kind if backend == "gpu" else None,
         )
-        self.step_fns = data_parallel if d > 1 else steps  # generate / prefill (one shard or all)
         r = self.resolved
         params = device_state.layout_params(params, model_config, r, mesh)
         self.lora = None
@@ -135,20 +128,13 @@ class ModelRunner:
         self.config = engine_config
         self.num_slots = engine_config.num_slots
         self.slot_buckets = r.slot_buckets
-        # One token per step on one device group: every decode step runs as two programs,
-        # forward then sample (steps.decode_forward / decode_sample, equal to generate's one
-        # step), so a structured-output step's host masks can overlap its forward pass.
-        self.overlaps_grammar = d == 1 and engine_config.decode_steps == 1
-        # Prefill likewise (steps.prefill_forward / prefill_sample, equal to prefill) where it
-        # saves compiling: with page-table width buckets (a GPU's 8-10) the sampler is compiled
-        # once per row bucket instead of into every width's program (JOURNAL.md 45: 'ragged' on
-        # CPU warms up in 0.53-0.55x the time). With one width (the C++ CPU kernel) it would
-        # save nothing and cost a program launch per step, so that prefill stays one program.
-        self.splits_prefill = d == 1 and len({s.width for s in r.prefill_shapes()}) > 1
+        self.structured = StructuredDecoding(engine_config, r, model_config, self.shards)
+        self.prefill_strategy = PrefillStrategy(r, model_config, self.shards, mesh)
+        self.speculative = SpeculativeDecoding(engine_config, r, model_config)
         if r.model.attention in ("pallas", "mgpu"):  # both run the Pallas prefill kernel
             num_pages = memory.pallas_pool_pages(num_pages, model_config, engine_config)
         self.num_pages = num_pages  # the pool's pages (the engine's allocator takes this count)
-        check_memory(model_config, engine_config, num_pages)  # before anything is allocated
+        memory.check_memory(model_config, engine_config, num_pages)  # before anything is allocated
 
         init = device_state.state_fns(model_config, engine_config, r, num_pages)
         self.cache, self.state = device_state.allocate(*init, mesh, d)
@@ -159,6 +145,11 @@ class ModelRunner:
         self.num_d2h_transfers = 0
         self.workspace_bytes: int | None = None  # XLA temp bytes of the largest steps (warm-up)
         logger.info(memory.describe(self.memory_plan()))
+
+    @property
+    def overlaps_grammar(self) -> bool:
+        """A step's grammar masks may come after its decode forward (`StructuredDecoding`)."""
+        return self.structured.overlaps
 
     def load_lora(self, slot: int, adapter) -> None:
         """Adapter `adapter` (None: zeros) into device slot `slot`, in place (no recompile)."""
@@ -177,87 +168,36 @@ class ModelRunner:
         """A step function (`runner.jit_step.Step`) jitted with this engine's XLA options."""
         return step.jit(self.resolved.compiler_options)
 
-    def on_device(self, tree):
-        """Host arrays onto the device (replicated over the mesh, if any), for a step's inputs
-        that two programs read."""
-        if self.mesh is None:
-            return jax.device_put(tree)
-        return jax.tree.map(lambda x: partition.place(x, NamedSharding(self.mesh, P())), tree)
-
     # -- the steps, one call each ------------------------------------------------------------------
     def generate(self, shape: DecodeShape, want_top: bool = False) -> steps.DecodeOutput:
+        """A decode step of the first shape.rows slots (`StructuredDecoding.decode`)."""
         with self._on_mesh():
-            if self.overlaps_grammar:
-                logits = self._decode_forward(shape)
-                self.state, out = self._jit(steps.decode_sample)(
-                    self.state, logits, np.bool_(want_top), num_top=shape.num_top
-                )
-                return out
-            self.cache, self.state, out = self._jit(self.step_fns.generate)(
-                self.params,
-                self.cache,
-                self.state,
-                np.bool_(want_top),
-                config=self.model_config,
-                impl=self.resolved.model,
-                shape=shape,
-                num_steps=self.config.decode_steps,
+            self.cache, self.state, out = self.structured.decode(
+                self.params, self.cache, self.state, want_top, shape
             )
         return out
 
     def speculate(self, shape: DecodeShape, limit: np.ndarray, drafts: int) -> steps.DecodeOutput:
         """A speculative decode step of the first shape.rows slots (`spec_decode.speculate`),
         `drafts` a row; limit i32[S]: the most tokens each slot may make (0 = it does not move)."""
-        c = self.config
         self.num_h2d_transfers += 1  # the limits
         with self._on_mesh():
-            self.cache, self.state, out = self._jit(spec_decode.speculate)(
-                self.params,
-                self.cache,
-                self.state,
-                limit,
-                config=self.model_config,
-                impl=self.resolved.model,
-                shape=shape,
-                num_spec=drafts,
-                min_n=c.prompt_lookup_min,
-                max_n=c.prompt_lookup_max,
+            self.cache, self.state, out = self.speculative(
+                self.params, self.cache, self.state, limit, shape, drafts
             )
         return out
 
     def speculative_shapes(self) -> list[tuple[DecodeShape, int]]:
         """`Resolved.speculative_shapes`: what a speculative step may run (none without)."""
-        return self.resolved.speculative_shapes(self.config)
-
-    def _decode_forward(self, shape: DecodeShape):
-        self.cache, logits = self._jit(steps.decode_forward)(
-            self.params,
-            self.cache,
-            self.state,
-            config=self.model_config,
-            impl=self.resolved.model,
-            shape=shape,
-        )
-        return logits
+        return self.speculative.shapes()
 
     def prefill(
         self, batch: input_batch.PrefillBatch, shape: PrefillShape, want_top: bool = False
     ) -> steps.PrefillOutput:
-        prefill = self._jit(self.step_fns.prefill)
-        if self.splits_prefill:  # forward then sample: one sampler program per row bucket
-            options = self.resolved.compiler_options
-            prefill = functools.partial(steps.prefill_in_two, options=options)
-            batch = self.on_device(batch)
+        """A prefill step of `batch` (`PrefillStrategy`: one program or two)."""
         with self._on_mesh():
-            self.cache, self.state, out = prefill(
-                self.params,
-                self.cache,
-                self.state,
-                batch,
-                np.bool_(want_top),
-                config=self.model_config,
-                impl=self.resolved.model,
-                shape=shape,
+            self.cache, self.state, out = self.prefill_strategy(
+                self.params, self.cache, self.state, batch, want_top, shape
             )
         return out
 
@@ -310,18 +250,8 @@ class ModelRunner:
             self.num_h2d_transfers += 1
             self._dirty = False
 
-    # -- one engine step ------------------------------------------------------------------------
-    def dispatch(
-        self, plan: SchedulerOutput, masks: GrammarMasks | None = None, masks_later: bool = False
-    ) -> StepHandle:
-        """Queues the plan's device work (asynchronously) and returns the handle to fetch.
-        masks: the grammar masks of the step's constrained rows. masks_later: they come by
-        `complete` (a plan that decodes, on a runner that `overlaps_grammar`): only the decode
-        forward is queued now."""
-        with self._on_mesh():
-            return self._dispatch(plan, masks, masks_later)
-
-    def _dispatch(self, plan: SchedulerOutput, masks, masks_later: bool) -> StepHandle:
+    def _change_slots(self, plan: SchedulerOutput) -> None:
+        """The plan's slot changes into the host mirrors and the state; one page-table sync."""
         for slot in plan.released:
             self._active[slot] = False
             self._dirty = True
@@ -334,33 +264,28 @@ class ModelRunner:
         for slot, pages in plan.page_updates.items():
             self._set_pages(slot, pages)
         self._flush()
-        deferred = masks_later and bool(plan.decode)
-        if deferred and not self.overlaps_grammar:
-            raise ValueError("this runner computes a step's grammar masks before it (no overlap)")
-        if not deferred:
-            self._set_grammar(masks)
 
-        handle = StepHandle()
-        r = self.resolved
-        if plan.decode:
-            # logprobs=0 too: the top entries give the sampled token's rank
-            handle.decode_top = any(q.sampling_params.logprobs is not None for q in plan.decode)
-            last = max(slot % self.slots_per_shard for slot in plan.decode_slots)  # in its shard
-            live = [0] * self.data_shards  # each shard's program lists its own rows' pages
-            for slot, q in zip(plan.decode_slots, plan.decode):
-                live[slot // self.slots_per_shard] += len(q.pages)
-            shape = r.decode_shape(last, [len(q.pages) for q in plan.decode], max(live))
-            if plan.speculative:
-                limit = np.zeros((self.num_slots,), np.int32)
-                limit[plan.decode_slots] = plan.decode_steps
-                handle.decode = self.speculate(shape, limit, plan.num_decode_steps - 1)
-                self._dispatch_prefill(plan, handle)
-                return handle
-            if deferred:
-                handle.pending = (plan, self._decode_forward(shape), shape)
-                return handle  # `complete` samples once the masks are in
-            handle.decode = self.generate(shape, handle.decode_top)
-        self._dispatch_prefill(plan, handle)
+    def _install(self, masks: GrammarMasks | None) -> None:
+        if masks is not None:
+            self.state = self.structured.install(self.state, masks)
+            self.num_h2d_transfers += 1
+
+    # -- one engine step ------------------------------------------------------------------------
+    def dispatch(
+        self, plan: SchedulerOutput, masks: GrammarMasks | None = None, masks_later: bool = False
+    ) -> StepHandle:
+        """Queues the plan's device work (asynchronously) and returns the handle to fetch.
+        masks: the grammar masks of the step's constrained rows. masks_later: they come by
+        `complete` (a plan that decodes, on a runner that `overlaps_grammar`): only the decode
+        forward is queued now."""
+        with self._on_mesh():
+            self._change_slots(plan)
+            handle = StepHandle.of(plan)
+            if masks_later:
+                return self._queue_forward(plan, handle)  # `complete` does the rest
+            self._install(masks)
+            self._dispatch_decode(plan, handle)
+            self._dispatch_prefill(plan, handle)
         return handle
 
     def complete(self, handle: StepHandle, masks: GrammarMasks) -> StepHandle:
@@ -369,46 +294,43 @@ class ModelRunner:
         with self._on_mesh():
             plan, logits, shape = handle.pending
             handle.pending = None
-            self._set_grammar(masks)
-            self.state, handle.decode = self._jit(steps.decode_sample)(
-                self.state, logits, np.bool_(handle.decode_top), num_top=shape.num_top
+            self._install(masks)
+            self.state, handle.decode = self.structured.sample(
+                self.state, logits, handle.decode_top, shape
             )
             self._dispatch_prefill(plan, handle)
         return handle
 
-    def _set_grammar(self, masks: GrammarMasks | None) -> None:
-        if masks is not None:
-            self.state = self._jit(slot_state.set_grammar)(self.state, masks.bitmask, masks.rows)
-            self.num_h2d_transfers += 1
+    def _queue_forward(self, plan: SchedulerOutput, handle: StepHandle) -> StepHandle:
+        shape = self.shards.decode_shape(self.resolved, plan)
+        self.cache, logits = self.structured.forward(self.params, self.cache, self.state, shape)
+        handle.pending = (plan, logits, shape)
+        return handle
+
+    def _dispatch_decode(self, plan: SchedulerOutput, handle: StepHandle) -> None:
+        if not plan.decode:
+            return
+        shape = self.shards.decode_shape(self.resolved, plan)
+        if plan.speculative:
+            limit = self.speculative.limits(plan, self.num_slots)
+            handle.decode = self.speculate(shape, limit, plan.num_decode_steps - 1)
+        else:
+            handle.decode = self.generate(shape, handle.decode_top)
 
     def _dispatch_prefill(self, plan: SchedulerOutput, handle: StepHandle) -> None:
-        r = self.resolved
         if plan.prefill:
-            handle.prefill_top = any(
-                c.request.sampling_params.logprobs is not None for c in plan.prefill
-            )
-            d = self.data_shards
-            shape = r.prefill_shape(
-                max(input_batch.shard_rows(plan, self.num_slots, d)) + 1,  # chunks per shard
-                max(c.length for c in plan.prefill),
-                max(len(c.request.pages) for c in plan.prefill),
-                input_batch.wants_prompt_logprobs(plan),
-            )
-            batch, handle.prefill_rows = input_batch.pack_prefill_shards(
-                plan, shape, self.num_slots, d
-            )
+            shape = self.shards.prefill_shape(self.resolved, plan)
+            batch, handle.prefill_rows = self.shards.pack_prefill(plan, shape)
             handle.prefill = self.prefill(batch, shape, handle.prefill_top)
             self.num_h2d_transfers += 1  # the packed batch
             for c in plan.prefill:
                 if c.is_last:
                     self._active[c.request.slot] = True  # the device activated it too
-        for x in handle.arrays().values():
-            if x.is_fully_addressable:  # (a multi-host step's outputs are gathered in fetch)
-                x.copy_to_host_async()  # the transfer starts as soon as the step is computed
+        handle.start_copies()
 
     def fetch(self, handle: StepHandle) -> StepResult:
         """Waits for a dispatched step and brings its outputs to the host in one transfer."""
-        host = fetch_outputs(handle, self.data_shards, self.slots_per_shard)
+        host = self.shards.to_host(handle)
         if host:
             self.num_d2h_transfers += 1  # the step's one device->host transfer
         return StepResult.from_arrays(host)

@@ -1,6 +1,8 @@
 """A dispatched step's device outputs (`StepHandle`) and their one trip to the host.
 
+    StepHandle.of(plan)                      an empty handle for a plan's outputs
     handle.arrays()                          the arrays to bring back, under StepResult's names
+    handle.start_copies()                    their device->host copies started (asynchronous)
     fetch_outputs(handle, shards, per_shard) -> {StepResult field: numpy array}, in the engine's
                                                 indexing: decode [S, k, ...] by global slot,
                                                 prefill / prompt rows in plan.prefill's order
@@ -18,6 +20,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.runner import steps
 
 
@@ -33,6 +36,21 @@ class StepHandle:
     # (plan, logits, shape) of a decode forward whose sampling waits for the step's grammar
     # masks (`ModelRunner.complete`)
     pending: tuple | None = None
+
+    @classmethod
+    def of(cls, plan: SchedulerOutput) -> StepHandle:
+        """An empty handle for `plan`, knowing which of its parts bring back top log-probs
+        (logprobs=0 too: the top entries give the sampled token's rank)."""
+        return cls(
+            decode_top=any(q.sampling_params.logprobs is not None for q in plan.decode),
+            prefill_top=any(c.request.sampling_params.logprobs is not None for c in plan.prefill),
+        )
+
+    def start_copies(self) -> None:
+        """Starts each output's device->host copy, to run as soon as the step is computed."""
+        for x in self.arrays().values():
+            if x.is_fully_addressable:  # (a multi-host step's outputs are gathered in fetch)
+                x.copy_to_host_async()
 
     def arrays(self) -> dict[str, jax.Array]:
         """The arrays to bring back, under StepResult's field names."""

@@ -7,6 +7,7 @@
     decode_forward / decode_sample    one decode step in two programs (forward -> logits, then
                                       sampling), so the host can compute structured-output masks
                                       while the forward runs; equal to generate's one step
+                                      (`structured_decoding.py` runs them)
     prefill(params, cache, state, batch, want_top; shape: PrefillShape)
                                       R fixed-size chunks [R, T] through the model, K/V into each
                                       slot's pages; a chunk completing a prompt samples the first
@@ -15,7 +16,7 @@
     prefill_forward / prefill_sample  the same in two programs, as decode: the forward (one per
                                       rows x page-table width) and the sampling (one per rows),
                                       so with width buckets the sampler is not compiled again
-                                      for every width
+                                      for every width (`prefill_strategy.py` runs them)
 
 Everything static is a hashable argument fixed when the engine is built (config, `ModelImpl`, the
 step's shape); everything per request is an array. Params are an argument, never closed over; the
@@ -329,15 +330,3 @@ def prefill_sample(
     batch without `tokens` and `targets`): one per prefill row bucket."""
     state, out = _prefill_advance(state, batch, logits, want_top, num_top)
     return pin_slots(state), _prefill_output(out, None)
-
-
-def prefill_in_two(params, cache, state, batch, want_top, *, config, impl, shape, options=()):
-    """`prefill`'s call and result, run as `prefill_forward` then `prefill_sample` (not a jit
-    program itself: two, compiled with XLA `options`). Put `batch` on the device first, so both
-    read one transfer."""
-    cache, logits, prompt = prefill_forward.jit(options)(
-        params, cache, state, batch, config=config, impl=impl, shape=shape
-    )
-    rows = batch.replace(tokens=None, targets=None)  # [R] fields only: one program for every T
-    state, out = prefill_sample.jit(options)(state, rows, logits, want_top, num_top=shape.num_top)
-    return cache, state, out.replace(prompt=prompt)

@@ -19,7 +19,8 @@ import numpy as np
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.slot_row import make_slot_row
-from jaxserve.runner import input_batch, memory, slot_state
+from jaxserve.core.structured_outputs import GrammarMasks
+from jaxserve.runner import memory, slot_state
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,8 @@ def warmup(runner) -> float:
         runner.state, pad, pad
     )  # every row padding: no move
     words = -(-runner.model_config.vocab_size // 32)
-    no_grammar = np.zeros((s,), bool)
-    runner.state = runner._jit(slot_state.set_grammar)(
-        runner.state, np.full((s, words), -1, np.int32), no_grammar
-    )
+    no_grammar = GrammarMasks(np.full((s, words), -1, np.int32), np.zeros((s,), bool))
+    runner.state = runner.structured.install(runner.state, no_grammar)
     decode, prefill = r.decode_shapes(), r.prefill_shapes()
     for shape in decode:
         runner.generate(shape)
@@ -54,8 +53,7 @@ def warmup(runner) -> float:
     for shape, drafts in speculative:
         runner.speculate(shape, np.zeros((s,), np.int32), drafts)
     for shape in prefill:
-        rows, local = shape.rows * runner.data_shards, runner.slots_per_shard
-        runner.prefill(input_batch.padding_batch(rows, local, shape.chunk), shape)
+        runner.prefill(runner.shards.padding_batch(shape), shape)
     runner._active[:] = saved
     runner._dirty = True
     runner._flush()

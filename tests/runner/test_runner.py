@@ -84,7 +84,7 @@ def test_no_recompilation_after_warmup(monkeypatch):
         if sp.greedy or sp.seed is not None:  # (an unseeded request draws a new seed)
             assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert llm.engine.runner.slot_buckets == (1, 4, 8, 12, 16, 24, 32)
-    assert not engine.runner.splits_prefill  # one page-table width (the C++ CPU kernel)
+    assert not engine.runner.prefill_strategy.splits  # one page-table width (the C++ CPU kernel)
     st = llm.stats()
     assert st["num_slot_moves"] > 0 and 2 < st["mean_decode_rows"] < 32
 
@@ -120,7 +120,7 @@ def test_sampling_compiles_once_per_row_bucket():
 
     shapes = runner.resolved.prefill_shapes()  # rows x widths, plus the prompt-logprobs variant
     rows = {s.rows for s in shapes}
-    assert runner.splits_prefill and len(shapes) > len(rows) > 1
+    assert runner.prefill_strategy.splits and len(shapes) > len(rows) > 1
     before = steps.prefill_sample._cache_size(), steps.prefill_forward._cache_size()
     for shape in shapes:  # what warm-up runs for prefill (every row padding)
         runner.prefill(input_batch.padding_batch(shape.rows, 8, shape.chunk), shape)
@@ -141,11 +141,11 @@ def test_split_prefill_equals_the_one_program_prefill():
     ]
     kw = {**KW, "attention_impl": "ragged"}  # width buckets: the engine splits its prefill
     llm = LLM("tiny", **kw)
-    assert llm.engine.runner.splits_prefill
+    assert llm.engine.runner.prefill_strategy.splits
     split = llm.generate(prompts, sps, use_tqdm=False)
 
     one = LLM("tiny", **kw)
-    one.engine.runner.splits_prefill = False  # the runner's one-program path (`steps.prefill`)
+    one.engine.runner.prefill_strategy.splits = False  # the one-program path (`steps.prefill`)
     fused = one.generate(prompts, sps, use_tqdm=False)
 
     def flat(lps):
