@@ -52,12 +52,18 @@ class AbstractEngine:
         return self.engine_config.data_parallel_size
 
     @property
-    def overlaps_grammar(self) -> bool:  # as ModelRunner: decode = forward, then sample
-        return self.data_shards == 1 and self.engine_config.decode_steps == 1
+    def overlaps_grammar(self) -> bool:
+        """Decode = forward, then sample: `ModelRunner.structured`'s decision."""
+        from jaxserve.runner import structured_decoding
+
+        return structured_decoding.overlaps(self.data_shards, self.engine_config.decode_steps)
 
     @property
-    def splits_prefill(self) -> bool:  # as ModelRunner: prefill = forward, then sample
-        return self.data_shards == 1 and len({s.width for s in self.resolved.prefill_shapes()}) > 1
+    def splits_prefill(self) -> bool:
+        """Prefill = forward, then sample: `ModelRunner.prefill_strategy`'s decision."""
+        from jaxserve.runner import prefill_strategy
+
+        return prefill_strategy.splits(self.resolved, self.data_shards)
 
 
 def model_config_for(engine_config):
