@@ -2,8 +2,11 @@
 
     state_bytes(model_config, engine_config, num_pages)   KV pool and slot state bytes (totals)
     device_memory_bytes()                                  the first local device's memory
-    check_memory(...)                                      ValueError before an allocation fails
+    pool_pages(num_pages, model_config, engine_config, attention)
+                                                           the pool's pages: for the Pallas
+                                                           kernels, and checked (below)
     pallas_pool_pages(num_pages, model_config, engine_config)   pages the Pallas kernels read right
+    check_memory(...)                                      ValueError before an allocation fails
     bytes_on_device(tree, device)                          bytes of `tree`'s shards on `device`
     memory_plan(runner) -> dict                            per device: params, KV pool, slot
                                                            state, workspace; pages per data shard
@@ -69,6 +72,16 @@ def pallas_pool_pages(num_pages: int, model_config: ModelConfig, engine_config: 
             e.kv_cache_dtype,
         )
     return safe
+
+
+def pool_pages(num_pages: int, model_config, engine_config, attention: str) -> int:
+    """The KV pool's pages: `num_pages`, lowered where the Pallas kernels would misread the pool
+    (`pallas_pool_pages`; 'pallas' and 'mgpu' attention both run the Pallas prefill kernel), and
+    checked against the device's memory (`check_memory`) before anything is allocated."""
+    if attention in ("pallas", "mgpu"):
+        num_pages = pallas_pool_pages(num_pages, model_config, engine_config)
+    check_memory(model_config, engine_config, num_pages)
+    return num_pages
 
 
 def check_memory(model_config: ModelConfig, engine_config: EngineConfig, num_pages: int) -> None:

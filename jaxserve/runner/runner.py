@@ -93,51 +93,53 @@ class ModelRunner:
     ):
         device_state.check_built(engine_config, mesh)
         t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
+        self.mesh = mesh
+        self.shards = DataShards(engine_config.num_slots, num_pages, d)
+        backend = backend or jax.default_backend()
+        # what this process and machine offer: the compilation cache, the C++ CPU kernels
+        self.compilation_cache_dir = compile_cache.enable(engine_config.compilation_cache)
+        autotune = (
+            compile_cache.autotune_dir(self.compilation_cache_dir) if backend == "gpu" else None
+        )
+        cpu_kernel = cpu_backend.attention_kernel(backend, engine_config)
+        cpu_matmul = cpu_backend.matmul_kernel(backend, engine_config, mesh)
         kv_cols = None
         if mesh is not None:
             # the KV heads copied up to T where T exceeds them; an adapter's wk / wv columns
             # follow the same map (`lora_stacks.LoRAStacks`)
             kv_cols = lora_stacks.kv_columns(model_config, t)
             params, model_config = partition.replicate_kv_heads(params, model_config, t)
-        self.mesh = mesh
-        self.shards = DataShards(engine_config.num_slots, num_pages, d)
-        shard_config = data_shard_config(engine_config)  # the step shapes are one shard's
-        backend = backend or jax.default_backend()
-        self.compilation_cache_dir = compile_cache.enable(engine_config.compilation_cache)
-        autotune = (
-            compile_cache.autotune_dir(self.compilation_cache_dir) if backend == "gpu" else None
-        )
         self.resolved: Resolved = resolve(
-            shard_config,
+            data_shard_config(engine_config),  # the step shapes are one data shard's
             model_config,
             backend,
-            cpu_kernel=cpu_backend.attention_kernel(backend, engine_config),
-            cpu_matmul=cpu_backend.matmul_kernel(backend, engine_config, mesh),
+            cpu_kernel=cpu_kernel,
+            cpu_matmul=cpu_matmul,
             plain_weights=not any(map(is_quantized, params["layers"].values())),
             autotune_cache_dir=autotune,
             device_kind=jax.devices()[0].device_kind if backend == "gpu" else None,
         )
         r = self.resolved
+        self.model_config = model_config
+        self.config = engine_config
+        self.num_slots = engine_config.num_slots
+        self.slot_buckets = r.slot_buckets
         params = device_state.layout_params(params, model_config, r, mesh)
         self.lora = None
         if engine_config.enable_lora:
             self.lora = lora_stacks.LoRAStacks(params, model_config, engine_config, mesh, kv_cols)
             params = {**params, "lora": self.lora.stacks}
         self.params = params
-        self.model_config = model_config
-        self.config = engine_config
-        self.num_slots = engine_config.num_slots
-        self.slot_buckets = r.slot_buckets
-        self.structured = StructuredDecoding(engine_config, r, model_config, self.shards)
-        self.prefill_strategy = PrefillStrategy(r, model_config, self.shards, mesh)
-        self.speculative = SpeculativeDecoding(engine_config, r, model_config)
-        if r.model.attention in ("pallas", "mgpu"):  # both run the Pallas prefill kernel
-            num_pages = memory.pallas_pool_pages(num_pages, model_config, engine_config)
-        self.num_pages = num_pages  # the pool's pages (the engine's allocator takes this count)
-        memory.check_memory(model_config, engine_config, num_pages)  # before anything is allocated
-
+        # the pool's pages (the engine's allocator takes this count), checked before allocating
+        self.num_pages = num_pages = memory.pool_pages(
+            num_pages, model_config, engine_config, r.model.attention
+        )
         init = device_state.state_fns(model_config, engine_config, r, num_pages)
         self.cache, self.state = device_state.allocate(*init, mesh, d)
+        # the step's features, which run the steps over what the runner holds
+        self.structured = StructuredDecoding(engine_config, r, model_config, self.shards)
+        self.speculative = SpeculativeDecoding(engine_config, r, model_config)
+        self.prefill_strategy = PrefillStrategy(r, model_config, self.shards, mesh)
         self._page_table = np.zeros((self.num_slots, r.max_pages), np.int32)  # host mirror
         self._active = np.zeros((self.num_slots,), bool)  # host mirror of state.active
         self._dirty = False
