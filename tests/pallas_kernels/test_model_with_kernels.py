@@ -125,7 +125,13 @@ def test_smollm2_greedy_mosaic_gpu_equals_triton_and_the_reference():
     triton = greedy(m.params, m.config, prompts, "pallas_interpret", "auto", 3, "bfloat16")
     mosaic = greedy(m.params, m.config, prompts, "mgpu_interpret", "auto", 3, "bfloat16")
     np.testing.assert_array_equal(mosaic[0], triton[0])
-    np.testing.assert_allclose(mosaic[1], triton[1], atol=0.05, rtol=0)
+    # Within bf16 rounding of each other, not bit-close: XLA's CPU code for the two interpreted
+    # kernels' bf16 dots differs by CPU (AMD Zen 5, with AVX512-BF16: 0.29-0.33 apart on the second
+    # prompt at every step, as far as each is from the f32 reference at the first; identical on
+    # the first prompt; Zen 4 gave < 0.05). A masking or paging error moves logits by units.
+    np.testing.assert_allclose(mosaic[1], triton[1], atol=0.5, rtol=0)
+    first_gap = np.abs(mosaic[1][:, 0] - triton[1][:, 0]).max()
+    assert first_gap <= 1.5 * np.abs(triton[1][:, 0] - ref[1][:, 0]).max(), first_gap
     np.testing.assert_allclose(mosaic[1][:, 0], ref[1][:, 0], atol=0.5, rtol=0)
     np.testing.assert_array_equal(mosaic[0][0], ref[0][0])  # no near-tie on the first prompt
 
