@@ -105,3 +105,22 @@ def test_the_suite_shares_one_compilation_cache_per_run(tmp_path, option, cached
         assert not pathlib.Path(next(iter(dirs))).exists()
     else:
         assert dirs == {"None"}, dirs
+
+
+def test_the_packages_under_test_are_the_repositorys_not_the_tests_folders():
+    """CI runs the venv's `pytest`, which puts `tests/` on sys.path (for model_testing.py) but not
+    the repository root; `tests/pallas_kernels/` then shadowed the real package for modules two
+    levels down (`pallas_kernels.attention.*`: 98 modules failed to import at ec957eb, JOURNAL.md
+    60a). Every package of the repository, imported in a test, comes from the repository."""
+    import importlib
+    import pkgutil
+
+    for top in ("jaxserve", "pallas_kernels", "cpu_kernels"):
+        package = importlib.import_module(top)
+        assert package.__file__ is not None, f"{top} imported as a namespace: {package.__path__}"
+        for info in pkgutil.walk_packages(package.__path__, prefix=top + "."):
+            if not info.ispkg:
+                continue
+            module = importlib.import_module(info.name)
+            path = pathlib.Path(module.__file__ or "").resolve()
+            assert module.__file__ and path.is_relative_to(ROOT / top), (info.name, module.__path__)
