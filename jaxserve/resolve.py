@@ -234,27 +234,20 @@ class Resolved:
             return [DecodeShape(b, self.max_pages, 0, self.num_top) for b in self.slot_buckets]
         return [DecodeShape(b, w, 0, self.num_top) for b in self.slot_buckets for w in self.widths]
 
-    def speculative_shapes(
-        self, speculative: SpeculativeConfig, num_slots: int
-    ) -> list[tuple[DecodeShape, int]]:
+    def speculative_shapes(self, speculative: SpeculativeConfig) -> list[tuple[DecodeShape, int]]:
         """The (decode shape, drafts a row) pairs a speculative step may run: the scheduler picks
-        the drafts by the number of requests holding a slot, of `num_slots`
-        (`SpeculativeConfig.draft_tokens`), and the step runs over the row bucket of its decoding
-        rows, at most that number's bucket. None without speculation (`speculative` is the
-        config's this was resolved from)."""
+        the drafts by the number of requests holding a slot (`SpeculativeConfig.draft_tokens`),
+        and the step runs over the row bucket of its decoding rows, at most that number's bucket.
+        None without speculation (`speculative`: the config's this was resolved from)."""
         if not speculative.num_speculative_tokens:
             return []
-        held = range(1, num_slots + 1)
+        held = range(1, self.slot_buckets[-1] + 1)  # the last bucket is num_slots
+        drafts = speculative.draft_tokens
         return [
             (s, k)
             for s in self.decode_shapes()
             for k in sorted(
-                {
-                    speculative.draft_tokens(n)
-                    for n in held
-                    if bucket_for(n, self.slot_buckets) >= s.rows
-                }
-                - {0},
+                {drafts(n) for n in held if bucket_for(n, self.slot_buckets) >= s.rows} - {0},
                 reverse=True,
             )
         ]

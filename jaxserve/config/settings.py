@@ -2,10 +2,9 @@
 
 `EngineConfig` (engine.py) is these settings plus the rules between them and `for_model`; import
 it, not this. A field is `setting(default, help, choices, check=..., group=...)` (checks.py):
-`LLM(model, **settings)` takes exactly these fields, the launch flags are generated from them
-(their help and choices), `__post_init__` runs each field's check, and `group` puts the field in
-the sub-config of the part that reads it (groups.py: `EngineConfig.cache`, `.scheduler`, ...), so
-a setting, its default, what it accepts and where it goes live here only.
+`LLM(model, **settings)` takes exactly these fields, the launch flags are generated from them,
+`__post_init__` runs each field's check, and `group` puts it in the sub-config its parts read
+(groups.py), so a setting, its default, what it accepts and where it goes live here only.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ MATMUL_IMPLS = ("auto", "cpu_kernel", "xla")
 QUANT_MATMUL_IMPLS = ("auto", "pallas", "pallas_interpret", "mgpu", "mgpu_interpret", "xla")
 LOAD_FORMATS = ("auto", "dummy")
 BATCHINGS = ("continuous", "static")
-
 
 MAX_LOGPROBS = 20  # max_logprobs' default: most top-n logprobs per token (vLLM's default)
 

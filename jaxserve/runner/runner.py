@@ -145,9 +145,7 @@ class ModelRunner:
         self.cache, self.state = device_state.allocate(*init, mesh, d)
         # the step's features, which run the steps over what the runner holds
         self.structured = StructuredDecoding(sched, r, model_config, self.shards)
-        self.speculative = SpeculativeDecoding(
-            engine_config.speculative, sched.num_slots, r, model_config
-        )
+        self.speculative = SpeculativeDecoding(engine_config.speculative, r, model_config)
         self.prefill_strategy = PrefillStrategy(r, model_config, self.shards, mesh)
         self._page_table = np.zeros((self.num_slots, r.max_pages), np.int32)  # host mirror
         self._active = np.zeros((self.num_slots,), bool)  # host mirror of state.active

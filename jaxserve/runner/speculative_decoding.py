@@ -24,17 +24,15 @@ from jaxserve.runner import spec_decode
 
 class SpeculativeDecoding:
     """The speculative step of an engine (`SpeculativeConfig.num_speculative_tokens`; none: it
-    has no shapes and never runs) of `num_slots` slots."""
+    has no shapes and never runs)."""
 
     def __init__(
         self,
         speculative: SpeculativeConfig,
-        num_slots: int,
         resolved: Resolved,
         model_config: ModelConfig,
     ):
         self._config = speculative
-        self._num_slots = num_slots
         self._resolved = resolved
         self._options = resolved.compiler_options
         self._static = dict(
@@ -47,7 +45,7 @@ class SpeculativeDecoding:
     def shapes(self) -> list[tuple[DecodeShape, int]]:
         """`Resolved.speculative_shapes`: the (shape, drafts) pairs a step may run (none without
         speculation)."""
-        return self._resolved.speculative_shapes(self._config, self._num_slots)
+        return self._resolved.speculative_shapes(self._config)
 
     @staticmethod
     def limits(plan: SchedulerOutput, num_slots: int) -> np.ndarray:
