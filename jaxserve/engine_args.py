@@ -3,10 +3,11 @@
 
 build_engine(model, mesh=None, **settings) -> BuiltEngine
     settings (EngineConfig's fields, vLLM's spellings) -> EngineConfig, checked before anything
-    loads -> the mesh (made here, once, unless the caller holds one) -> the weights, straight
-    onto their shards -> the config filled for the model (once) -> the KV budget ->
-    ModelRunner -> LLMEngine. The runner and the engine take these finished objects and derive
-    no config or mesh of their own.
+    loads -> the mesh (made here, once, unless the caller holds one; its `parallel` group) ->
+    the weights (its `load` group), straight onto their shards -> the config filled for the
+    model (once), whose groups the parts read (`config.scheduler`, `config.cache`, ...) -> the KV
+    budget -> ModelRunner -> LLMEngine. The runner and the engine take these finished objects
+    and derive no config or mesh of their own.
 
 vllm_settings(settings) -> (settings, VllmOptions)   max_num_seqs, block_size, dtype aliases,
                                                      speculative_config; gpu_memory_utilization,
@@ -61,19 +62,20 @@ def build_engine(model: str | ModelConfig | None = None, *, mesh=None, **setting
     if mesh is not None:
         settings = mesh_settings(mesh, settings)
     requested = EngineConfig(model=model, **settings)  # fails here, before the model loads
-    t, d = requested.tensor_parallel_size, requested.data_parallel_size
+    load, parallel = requested.load, requested.parallel
+    t, d = parallel.tensor_parallel_size, parallel.data_parallel_size
     if mesh is None and t * d > 1:
         from jaxserve.parallel.mesh import make_mesh
 
         mesh = make_mesh(t, d)  # before loading: tensors go straight onto their shards
     loaded = load_model(
-        requested.model,
-        dtype=requested.dtype,
-        load_format=requested.load_format,
-        quantization=requested.quantization,
+        load.model,
+        dtype=load.dtype,
+        load_format=load.load_format,
+        quantization=load.quantization,
         tensor_parallel_size=t,
         mesh=mesh,
-        revision=requested.revision,
+        revision=load.revision,
         token=vllm.hf_token,
     )
     config = loaded.config
@@ -99,7 +101,7 @@ def build_engine(model: str | ModelConfig | None = None, *, mesh=None, **setting
         engine_config,
         runner.num_pages,
         tokenizer=tokenizer,
-        seed=engine_config.seed,
+        seed=engine_config.requests.seed,
     )
     return BuiltEngine(
         engine=engine,
@@ -109,7 +111,7 @@ def build_engine(model: str | ModelConfig | None = None, *, mesh=None, **setting
         source=loaded.source,
         num_pages=runner.num_pages,
         default_sampling_params=SamplingParams(**gen) if gen else None,
-        warmup_seconds=runner.warmup() if engine_config.warmup else None,
+        warmup_seconds=runner.warmup() if engine_config.compilation.warmup else None,
     )
 
 
@@ -307,13 +309,14 @@ def apply_memory_utilization(engine_config: EngineConfig, config, params, utiliz
 
     from jaxserve.runner.memory import device_memory_bytes, state_bytes
 
-    if jax.local_devices()[0].platform == "cpu" or engine_config.num_pages is not None:
+    if jax.local_devices()[0].platform == "cpu" or engine_config.cache.num_pages is not None:
         logger.info("gpu_memory_utilization ignored (CPU, or num_pages given)")
         return engine_config
     from jaxserve.runner.memory import bytes_on_device
 
     # per device: the params are already on their shards; the pool is split over every device
-    devices = engine_config.tensor_parallel_size * engine_config.data_parallel_size
+    parallel = engine_config.parallel
+    devices = parallel.tensor_parallel_size * parallel.data_parallel_size
     param_bytes = bytes_on_device(params, jax.local_devices()[0])
     slot_state = state_bytes(config, engine_config, 0)["slot_state"]
     budget = kv_budget_bytes(utilization, device_memory_bytes(), param_bytes, slot_state)
@@ -322,26 +325,27 @@ def apply_memory_utilization(engine_config: EngineConfig, config, params, utiliz
 
 def resolve_num_pages(engine_config: EngineConfig, model_config) -> int:
     """num_pages, else kv_cache_memory // page bytes, else enough for every slot at max_model_len."""
-    if engine_config.num_pages is not None:
-        return engine_config.num_pages
-    if engine_config.kv_cache_memory is not None:
+    cache = engine_config.cache
+    if cache.num_pages is not None:
+        return cache.num_pages
+    if cache.kv_cache_memory is not None:
         c = model_config
         per_token = kv_cache.bytes_per_token(
             c.num_layers,
             c.num_kv_heads,
             c.head_dim,
-            engine_config.kv_cache_dtype,
-            engine_config.dtype,
+            cache.kv_cache_dtype,
+            engine_config.load.dtype,
         )
-        pages = engine_config.kv_cache_memory // (per_token * engine_config.page_size)
-        pages -= pages % engine_config.data_parallel_size  # an equal share per data shard
+        pages = cache.kv_cache_memory // (per_token * cache.page_size)
+        pages -= pages % engine_config.parallel.data_parallel_size  # an equal share per shard
         if pages < 1:
             raise ValueError(
-                f"kv_cache_memory={engine_config.kv_cache_memory} bytes holds no page "
-                f"({per_token * engine_config.page_size} bytes per page)"
+                f"kv_cache_memory={cache.kv_cache_memory} bytes holds no page "
+                f"({per_token * cache.page_size} bytes per page)"
             )
         return int(pages)
-    return engine_config.num_slots * engine_config.max_pages_per_seq
+    return engine_config.scheduler.num_slots * engine_config.max_pages_per_seq
 
 
 def mesh_settings(mesh, settings: dict) -> dict:

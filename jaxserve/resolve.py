@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig, gpu_choices
+from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig, SpeculativeConfig, gpu_choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +124,15 @@ def cpu_slot_buckets(num_slots: int) -> tuple[int, ...]:
 def data_shard_config(engine_config: EngineConfig) -> EngineConfig:
     """One data shard's config, whose slots the step programs hold: num_slots / D, data parallel
     1, the decode row buckets over its slots (each user bucket / D). The config itself at D 1."""
-    d = engine_config.data_parallel_size
+    d = engine_config.parallel.data_parallel_size
     if d == 1:
         return engine_config
-    buckets = engine_config.slot_buckets
+    buckets = engine_config.scheduler.slot_buckets
     if buckets != "auto":
         buckets = tuple(sorted({max(1, b // d) for b in buckets}))
     return dataclasses.replace(
         engine_config,
-        num_slots=engine_config.num_slots // d,
+        num_slots=engine_config.scheduler.num_slots // d,
         data_parallel_size=1,
         slot_buckets=buckets,
     )
@@ -234,21 +234,20 @@ class Resolved:
             return [DecodeShape(b, self.max_pages, 0, self.num_top) for b in self.slot_buckets]
         return [DecodeShape(b, w, 0, self.num_top) for b in self.slot_buckets for w in self.widths]
 
-    def speculative_shapes(self, engine_config: EngineConfig) -> list[tuple[DecodeShape, int]]:
+    def speculative_shapes(self, speculative: SpeculativeConfig) -> list[tuple[DecodeShape, int]]:
         """The (decode shape, drafts a row) pairs a speculative step may run: the scheduler picks
-        the drafts by the number of requests holding a slot (`EngineConfig.draft_tokens`), and
-        the step runs over the row bucket of its decoding rows, at most that number's bucket.
-        None without speculation (`engine_config` is the one this was resolved from)."""
-        c = engine_config
-        if not c.num_speculative_tokens:
+        the drafts by the number of requests holding a slot (`SpeculativeConfig.draft_tokens`),
+        and the step runs over the row bucket of its decoding rows, at most that number's bucket.
+        None without speculation (`speculative`: the config's this was resolved from)."""
+        if not speculative.num_speculative_tokens:
             return []
-        held = range(1, c.num_slots + 1)
+        held = range(1, self.slot_buckets[-1] + 1)  # the last bucket is num_slots
+        drafts = speculative.draft_tokens
         return [
             (s, k)
             for s in self.decode_shapes()
             for k in sorted(
-                {c.draft_tokens(n) for n in held if bucket_for(n, self.slot_buckets) >= s.rows}
-                - {0},
+                {drafts(n) for n in held if bucket_for(n, self.slot_buckets) >= s.rows} - {0},
                 reverse=True,
             )
         ]
@@ -332,9 +331,10 @@ def resolve(
     c, m = engine_config, model_config
     if not c.is_filled:
         raise ValueError("resolve needs a filled EngineConfig: call for_model(model_config) first")
+    kernels, sched, dtype = c.kernels, c.scheduler, c.load.dtype
     cpu = backend == "cpu"
     table = gpu_choices.for_device(device_kind) if backend == "gpu" else None
-    attention = c.attention_impl
+    attention = kernels.attention_impl
     if attention == "auto":
         if table is not None:
             attention = table.attention
@@ -345,29 +345,30 @@ def resolve(
             f"attention_impl='cpu_kernel' needs the CPU backend and the built C++ kernel "
             f"(backend {backend!r}, kernel built: {cpu_kernel})"
         )
-    matmul = c.matmul_impl
+    matmul = kernels.matmul_impl
     if matmul == "auto":
         fast = cpu_matmul in AUTO_CPU_MATMUL
-        matmul = "cpu_kernel" if cpu and fast and c.dtype == "bfloat16" else "xla"
-    if matmul == "cpu_kernel" and not (cpu and cpu_matmul and c.dtype == "bfloat16"):
+        matmul = "cpu_kernel" if cpu and fast and dtype == "bfloat16" else "xla"
+    if matmul == "cpu_kernel" and not (cpu and cpu_matmul and dtype == "bfloat16"):
         raise ValueError(
             f"matmul_impl='cpu_kernel' needs the CPU backend, the built C++ matmul, one device "
             f"and bfloat16 weights (backend {backend!r}, kernel path: {cpu_matmul}, "
-            f"dtype {c.dtype})"
+            f"dtype {dtype})"
         )
-    quant_matmul, kernel_rows = c.quant_matmul_impl, ()
+    quant_matmul, kernel_rows = kernels.quant_matmul_impl, ()
     if quant_matmul == "auto" and table is not None:
         quant_matmul, kernel_rows = table.quant_matmul, table.kernel_rows
     elif quant_matmul == "auto":
         quant_matmul = "xla"
-    if c.slot_buckets == "auto":
-        slot_buckets = cpu_slot_buckets(c.num_slots) if cpu else (c.num_slots,)
+    if sched.slot_buckets == "auto":
+        slot_buckets = cpu_slot_buckets(sched.num_slots) if cpu else (sched.num_slots,)
     else:
-        slot_buckets = tuple(c.slot_buckets)
+        slot_buckets = tuple(sched.slot_buckets)
     max_pages = c.max_pages_per_seq
-    max_rows = max(1, c.max_num_batched_tokens // c.prefill_chunk_size)
-    short = max(c.page_size, c.prefill_chunk_size // 4)
-    chunks = (short, c.prefill_chunk_size) if cpu and short < c.prefill_chunk_size else None
+    chunk = sched.prefill_chunk_size
+    short = max(c.cache.page_size, chunk // 4)
+    chunks = (short, chunk) if cpu and short < chunk else None
+    top = c.requests.max_logprobs
     return Resolved(
         backend=backend,
         model=ModelImpl(
@@ -380,13 +381,13 @@ def resolve(
         weight_layout="out_in" if cpu else "in_out",
         slot_buckets=slot_buckets,
         widths=pow2_buckets(max_pages),
-        prefill_rows=pow2_buckets(max_rows),
+        prefill_rows=pow2_buckets(sched.max_prefill_rows),
         # Not capped by the pool: a page shared through the prefix cache is listed once per
         # request reading it, so a step can list more pages than the pool holds.
-        max_flat=c.num_slots * max_pages if attention == "ragged" else 0,
+        max_flat=sched.num_slots * max_pages if attention == "ragged" else 0,
         max_pages=max_pages,
-        chunks=chunks or (c.prefill_chunk_size,),
-        num_top=m.vocab_size if c.max_logprobs == -1 else min(c.max_logprobs, m.vocab_size),
+        chunks=chunks or (chunk,),
+        num_top=m.vocab_size if top == -1 else min(top, m.vocab_size),
         compiler_options=(
             gpu_compiler_options(plain_weights, autotune_cache_dir) if backend == "gpu" else ()
         ),

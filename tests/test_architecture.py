@@ -18,6 +18,7 @@ checked through its own edges.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,7 +197,8 @@ LAYERS = (
     "pallas_kernels",
     # the settings, host only (jaxserve/config/, the package last: its re-exports): a model's
     # fields, config.json's, the presets, the model's config; a setting's checks, the settings,
-    # vLLM's speculative_config, the engine's config; then the choices made from them
+    # vLLM's speculative_config, the settings in groups, the engine's config; then the choices
+    # made from them
     "jaxserve.config.model_fields",
     "jaxserve.config.hf",
     "jaxserve.config.presets",
@@ -204,6 +206,7 @@ LAYERS = (
     "jaxserve.config.checks",
     "jaxserve.config.settings",
     "jaxserve.config.speculative",
+    "jaxserve.config.groups",
     "jaxserve.config.engine",
     "jaxserve.config",
     "jaxserve.resolve",
@@ -266,6 +269,197 @@ def test_no_package_file_is_over_max_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not big, f"files over {MAX_LINES} lines (split them): {big}"
+
+
+# The engine's parts read its config through the groups (`config.scheduler.num_slots`, a
+# `SchedulerConfig` argument), never a flat field (`config.num_slots`): jaxserve/config/groups.py.
+GROUPED_READERS = ("jaxserve/core", "jaxserve/runner", "jaxserve/layers", "jaxserve/resolve.py")
+
+
+def _flat_fields() -> dict[str, str]:
+    """EngineConfig's flat fields -> their group."""
+    from jaxserve.config import EngineConfig  # host only: no jax
+
+    return {f.name: f.metadata["group"] for f in dataclasses.fields(EngineConfig)}
+
+
+def _takes_engine_config(arg: ast.arg) -> bool:
+    note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+    return "EngineConfig" in note or arg.arg == "engine_config"
+
+
+def _pairs(target: ast.expr, value: ast.expr):
+    """(target, value) of an assignment, element-wise for `a, b = x, y`."""
+    if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
+        if len(target.elts) == len(value.elts):
+            return list(zip(target.elts, value.elts))
+    return [(target, value)]
+
+
+def _is_self_attr(node: ast.expr, attrs) -> bool:
+    """Whether `node` is `self.A` for an A in `attrs`."""
+    return isinstance(node, ast.Attribute) and _is_self(node.value) and node.attr in attrs
+
+
+def _is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _holds(value: ast.expr, names: set[str], attrs: set[str]) -> bool:
+    """Whether `value` is a holder: one of `names`, or `self.A` for an A in `attrs`."""
+    return (isinstance(value, ast.Name) and value.id in names) or _is_self_attr(value, attrs)
+
+
+def _holder_names(func: ast.FunctionDef, self_attrs: set[str]) -> set[str]:
+    """The names in `func` (nested functions included) that hold an EngineConfig: its parameters
+    annotated EngineConfig (or named engine_config), and names assigned from one (`c = config`,
+    `c, m = engine_config, model_config`, `e = self.config`)."""
+    args = func.args
+    every = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+    names = {a.arg for a in every if _takes_engine_config(a)}
+    changed = True
+    while changed:
+        changed = False
+        for node in ast.walk(func):
+            if not isinstance(node, ast.Assign):
+                continue
+            for target in node.targets:
+                for t, v in _pairs(target, node.value):
+                    if (
+                        isinstance(t, ast.Name)
+                        and _holds(v, names, self_attrs)
+                        and t.id not in names
+                    ):
+                        names.add(t.id)
+                        changed = True
+    return names
+
+
+def _functions(tree: ast.Module):
+    """(function, its class or None) for each module-level function and method."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node, None
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    yield item, node
+
+
+def _holder_attrs(cls: ast.ClassDef) -> set[str]:
+    """The attributes `self.A` that a class's methods set to an EngineConfig."""
+    attrs: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for func in cls.body:
+            if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            names = _holder_names(func, attrs)
+            for node in ast.walk(func):
+                if not isinstance(node, ast.Assign):
+                    continue
+                for target in node.targets:
+                    for t, v in _pairs(target, node.value):
+                        if (
+                            isinstance(t, ast.Attribute)
+                            and _is_self(t.value)
+                            and t.attr not in attrs
+                            and _holds(v, names, attrs)
+                        ):
+                            attrs.add(t.attr)
+                            changed = True
+    return attrs
+
+
+def flat_config_reads(sources: dict[str, str]) -> list[str]:
+    """Every `<an EngineConfig>.<flat field>` read in `sources` (name -> Python source), as
+    "name:line: expr (its group)". An EngineConfig is a parameter annotated so (or named
+    engine_config), a name assigned from one, a `self.A` its class set to one, and `X.A` for
+    any other X where some class sets `self.A` to one (`runner.config` in warmup.py)."""
+    flat = _flat_fields()
+    trees = {name: ast.parse(text, name) for name, text in sources.items()}
+    class_attrs = {
+        id(cls): _holder_attrs(cls)
+        for tree in trees.values()
+        for cls in ast.walk(tree)
+        if isinstance(cls, ast.ClassDef)
+    }
+    everywhere = set().union(*class_attrs.values())
+    found = []
+    for name, tree in trees.items():
+        for func, cls in _functions(tree):
+            attrs = class_attrs[id(cls)] if cls is not None else set()
+            names = _holder_names(func, attrs)
+            for node in ast.walk(func):
+                if not isinstance(node, ast.Attribute) or node.attr not in flat:
+                    continue
+                r = node.value
+                elsewhere = (
+                    isinstance(r, ast.Attribute) and not _is_self(r.value) and r.attr in everywhere
+                )
+                if _holds(r, names, attrs) or elsewhere:
+                    group = flat[node.attr]
+                    found.append(
+                        f"{name}:{node.lineno}: {ast.unparse(node)} (.{group}.{node.attr})"
+                    )
+    return found
+
+
+def _grouped_reader_sources(root: Path = ROOT) -> dict[str, str]:
+    out = {}
+    for entry in GROUPED_READERS:
+        path = root / entry
+        for p in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            out[str(p.relative_to(root))] = p.read_text()
+    return out
+
+
+def test_parts_read_the_engine_config_by_group():
+    """No module of core/, runner/, layers/ or resolve.py reads a flat EngineConfig field: each
+    reads the group holding it (`config.scheduler.num_slots`) or takes the group itself."""
+    found = flat_config_reads(_grouped_reader_sources())
+    assert not found, "flat EngineConfig reads (read them through the group):\n" + "\n".join(found)
+
+
+_FLAT_READS = """
+class Part:
+    def __init__(self, config: EngineConfig, scheduler: SchedulerConfig):
+        self.config = config
+        self.sched = scheduler
+        self.n = config.num_slots                     # 1: an annotated parameter
+        self.ok = config.scheduler.num_slots + scheduler.num_slots + self.sched.decode_steps
+
+    def step(self):
+        c = self.config
+        return self.config.page_size, c.seed          # 2, 3: its attribute, an alias
+def pages(model_config, engine_config):
+    c, m = engine_config, model_config
+    return c.max_model_len, m.num_layers, engine_config.cache.page_size   # 4: a tuple alias
+def warm(runner):
+    return runner.config.max_model_len, runner.config.scheduler.max_model_len   # 5: X.config
+"""
+
+
+def test_flat_reads_are_found():
+    """The check above can fail: a planted flat read is found in each form it looks for, and the
+    grouped ones beside them are not."""
+    found = flat_config_reads({"part.py": _FLAT_READS})
+    assert [f.split(": ", 1)[1] for f in found] == [
+        "config.num_slots (.scheduler.num_slots)",
+        "self.config.page_size (.cache.page_size)",
+        "c.seed (.requests.seed)",
+        "c.max_model_len (.scheduler.max_model_len)",
+        "runner.config.max_model_len (.scheduler.max_model_len)",
+    ], found
+    # and the real tree holds EngineConfigs where the check looks for them
+    sources = _grouped_reader_sources()
+    planted = {
+        name: text.replace(".scheduler.", ".")
+        for name, text in sources.items()
+        if name.endswith(("runner/runner.py", "core/engine.py"))
+    }
+    assert len(flat_config_reads(planted)) >= 2
 
 
 def summary(root: Path = ROOT) -> str:

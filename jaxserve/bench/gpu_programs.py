@@ -246,7 +246,7 @@ def warmup_programs(engine: AbstractEngine, kinds=KINDS) -> list[StepProgram]:
             )
     if "speculative" in kinds and e.num_speculative_tokens:
         limit = _spec(engine, (e.num_slots,), jnp.int32)
-        for s, k in r.speculative_shapes(e):  # the runner's warm-up set
+        for s, k in r.speculative_shapes(e.speculative):  # the runner's warm-up set
             static = {
                 **common,
                 "shape": s,

@@ -7,14 +7,34 @@
     checks.py        the checks a setting declares beside its default, and the loop running them
     settings.py      every engine setting with its default, help text and check
     speculative.py   vLLM's speculative_config and batch-size schedule -> the speculative settings
-    engine.py        EngineConfig: the settings, the rules between them, for_model
+    groups.py        the settings in groups, one frozen dataclass per part's concern (CacheConfig,
+                     SchedulerConfig, ...), built from the `group=` each setting declares
+    engine.py        EngineConfig: the settings, the rules between them, for_model, the groups
     gpu_choices.py   the GPU kernel table (gpu_kernel_choices.toml): 'auto' per chip and rows bucket
+
+The shape, as vLLM's (EngineArgs -> VllmConfig): the flat settings are the user's surface
+(`LLM(model, **settings)`, the launch flags, the server, in vLLM's spellings); `EngineConfig`
+takes them flat, checks them, and is filled once for the model (`for_model`); the engine's parts
+read them as grouped sub-configs of the filled config (`config.cache`, `config.scheduler`,
+`config.parallel`, `config.speculative`, `config.lora`, `config.kernels`, `config.load`, ...),
+each part taking the group(s) it reads, never a flat field.
 
 Import from here: `from jaxserve.config import EngineConfig, ModelConfig`. Which implementations
 and buckets a built engine uses is jaxserve/resolve.py's choice, made from a filled EngineConfig.
 """
 
 from jaxserve.config.engine import EngineConfig
+from jaxserve.config.groups import (
+    CacheConfig,
+    CompilationConfig,
+    KernelConfig,
+    LoadConfig,
+    LoRAConfig,
+    ParallelConfig,
+    RequestConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from jaxserve.config.model import PRESETS, ModelConfig
 from jaxserve.config.model_fields import SUPPORTED_ARCHITECTURES, RopeScaling
 from jaxserve.config.settings import (
@@ -33,8 +53,17 @@ __all__ = [
     "MATMUL_IMPLS",
     "QUANT_MATMUL_IMPLS",
     "BATCHINGS",
+    "CacheConfig",
+    "CompilationConfig",
     "DTYPES",
     "EngineConfig",
+    "KernelConfig",
+    "LoadConfig",
+    "LoRAConfig",
+    "ParallelConfig",
+    "RequestConfig",
+    "SchedulerConfig",
+    "SpeculativeConfig",
     "KV_CACHE_DTYPES",
     "LOAD_FORMATS",
     "PRESETS",

@@ -1,8 +1,9 @@
 """The check an `EngineConfig` field declares beside its default, and the loop that runs them.
 
-A field is `setting(default, help, choices=None, check=...)`; `check` is one `Check` or a tuple of
-them, run in order, and choices add `one_of(choices)` first. `run_checks(config)` runs every
-field's checks in field order; the first value to fail raises
+A field is `setting(default, help, choices=None, check=..., group=...)`; `check` is one `Check`
+or a tuple of them, run in order, and choices add `one_of(choices)` first; `group` names the
+sub-config holding the field (`groups.py`). `run_checks(config)` runs every field's checks in
+field order; the first value to fail raises
 
     ValueError: EngineConfig.<field> must be <check.what>, got <check.shown(value)>
 
@@ -65,12 +66,15 @@ def setting(
     text: str,
     choices: tuple[str, ...] | None = None,
     check: Check | tuple[Check, ...] = (),
+    *,
+    group: str,
 ) -> Any:
     """A config field: its default, its help text (which the launch flags show), for a string
-    picked from a fixed set the choices (checked, and offered as the flag's enum), and the checks
-    its value must pass (`run_checks`)."""
+    picked from a fixed set the choices (checked, and offered as the flag's enum), the checks
+    its value must pass (`run_checks`), and the group of settings it belongs to: the sub-config
+    of the engine's part that reads it (`groups.py`: "cache" -> `CacheConfig`)."""
     checks = (check,) if isinstance(check, Check) else tuple(check)
-    metadata: dict[str, Any] = {"help": text}
+    metadata: dict[str, Any] = {"help": text, "group": group}
     if choices is not None:
         metadata["choices"] = choices
         checks = (one_of(choices), *checks)

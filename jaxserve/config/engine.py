@@ -1,5 +1,5 @@
-"""`EngineConfig`: every engine setting once (settings.py), the rules between settings, and
-`for_model`, which fills the defaults that depend on the model.
+"""`EngineConfig`: every engine setting once (settings.py), the rules between settings,
+`for_model`, which fills the defaults that depend on the model, and the settings in groups.
 
 What to load, slots, pages, dtypes, chunk sizes, which attention implementation runs, speculation,
 LoRA, parallelism. `LLM(model, **settings)` takes exactly its fields and the launch flags are
@@ -7,15 +7,25 @@ generated from them. Defaults that depend on the model (max_model_len, the prefi
 step's token budget) stay None until `EngineConfig.for_model(model_config)` fills them; the
 engine's parts take only filled configs. Each field declares its check beside its default;
 `__post_init__` runs them, then the rules between fields, raising `ValueError` naming the field.
+
+The flat settings are the user's surface (vLLM's EngineArgs); the engine's parts read them in
+groups (groups.py, vLLM's VllmConfig): `config.load`, `.cache`, `.scheduler`, `.parallel`,
+`.speculative`, `.lora`, `.kernels`, `.compilation`, `.requests`, each a frozen dataclass built
+once from the filled config. A part takes the group it reads (`Scheduler(config.scheduler,
+config.cache, ...)`), or, reading several, the config and each through its group
+(`config.scheduler.num_slots`); no module of core/ or runner/ reads a flat field
+(tests/test_architecture.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-from jaxserve.config import speculative
+from jaxserve.config import groups
 from jaxserve.config.model import ModelConfig
 from jaxserve.config.settings import EngineSettings
+from jaxserve.config.speculative import checked_fields
 
 DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len None -> min(max_position_embeddings, this)
 DEFAULT_PREFILL_CHUNK_SIZE = 64  # capped at the smallest power of two >= max_model_len
@@ -40,6 +50,9 @@ class EngineConfig(EngineSettings):
     >= max_model_len) and max_num_batched_tokens (8 chunks). Change fields with
     `dataclasses.replace` on the unfilled config, then fill it: a filled config keeps the values
     derived from its old max_model_len. Bad values raise ValueError naming the field.
+
+    The engine's parts read the settings in groups (groups.py): `config.cache`,
+    `config.scheduler` (filled configs only), `config.parallel`, ..., each built once.
     """
 
     def __post_init__(self):
@@ -60,7 +73,7 @@ class EngineConfig(EngineSettings):
                 "EngineConfig.enable_lora needs data_parallel_size=1 (adapters are not yet "
                 "shared across data-parallel replicas)"
             )
-        for name, value in speculative.checked_fields(self).items():
+        for name, value in checked_fields(self).items():
             object.__setattr__(self, name, value)
         if self.num_speculative_tokens and (self.decode_steps > 1 or self.data_parallel_size > 1):
             raise ValueError(
@@ -125,11 +138,7 @@ class EngineConfig(EngineSettings):
     @property
     def is_filled(self) -> bool:
         """Whether `for_model` has filled the model-dependent defaults (what the engine needs)."""
-        return None not in (
-            self.max_model_len,
-            self.prefill_chunk_size,
-            self.max_num_batched_tokens,
-        )
+        return all(getattr(self, name) is not None for name in groups.FILLED_BY_MODEL)
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -141,14 +150,48 @@ class EngineConfig(EngineSettings):
             )
         return -(-self.max_model_len // self.page_size)
 
-    def draft_tokens(self, batch_size: int) -> int:
-        """Drafts a row proposes in a speculative step while `batch_size` requests hold a slot:
-        num_speculative_tokens, or the schedule's k (num_speculative_tokens_per_batch_size); 0
-        (decode plainly) past speculative_disable_by_batch_size."""
-        cap = self.speculative_disable_by_batch_size
-        if cap is not None and batch_size > cap:
-            return 0
-        k = self.num_speculative_tokens
-        return speculative.schedule_drafts(
-            self.num_speculative_tokens_per_batch_size, k, batch_size
-        )
+    # -- the settings in groups (groups.py), each built once, on first use ----------------------
+    @functools.cached_property
+    def load(self) -> groups.LoadConfig:
+        """What to load and as what (`LoadConfig`)."""
+        return groups.build(self, "load")
+
+    @functools.cached_property
+    def cache(self) -> groups.CacheConfig:
+        """The paged KV cache (`CacheConfig`)."""
+        return groups.build(self, "cache")
+
+    @functools.cached_property
+    def scheduler(self) -> groups.SchedulerConfig:
+        """How requests share slots and steps (`SchedulerConfig`); ValueError before `for_model`."""
+        return groups.build(self, "scheduler")
+
+    @functools.cached_property
+    def parallel(self) -> groups.ParallelConfig:
+        """The device mesh's sizes (`ParallelConfig`)."""
+        return groups.build(self, "parallel")
+
+    @functools.cached_property
+    def speculative(self) -> groups.SpeculativeConfig:
+        """Prompt-lookup speculative decoding (`SpeculativeConfig`, its `draft_tokens`)."""
+        return groups.build(self, "speculative")
+
+    @functools.cached_property
+    def lora(self) -> groups.LoRAConfig:
+        """Multi-LoRA serving (`LoRAConfig`)."""
+        return groups.build(self, "lora")
+
+    @functools.cached_property
+    def kernels(self) -> groups.KernelConfig:
+        """The implementations asked for, before `resolve` decides 'auto' (`KernelConfig`)."""
+        return groups.build(self, "kernels")
+
+    @functools.cached_property
+    def compilation(self) -> groups.CompilationConfig:
+        """The persistent compilation cache and the warm-up (`CompilationConfig`)."""
+        return groups.build(self, "compilation")
+
+    @functools.cached_property
+    def requests(self) -> groups.RequestConfig:
+        """What a request may ask and what becomes of it (`RequestConfig`)."""
+        return groups.build(self, "requests")

@@ -1,10 +1,10 @@
 """`EngineSettings`: the table of an engine's settings, each with its default, help text and check.
 
 `EngineConfig` (engine.py) is these settings plus the rules between them and `for_model`; import
-it, not this. A field is `setting(default, help, choices, check=...)` (checks.py): `LLM(model,
-**settings)` takes exactly these fields, the launch flags are generated from them (their help and
-choices), and `__post_init__` runs each field's check, so a setting, its default and what it
-accepts live here only.
+it, not this. A field is `setting(default, help, choices, check=..., group=...)` (checks.py):
+`LLM(model, **settings)` takes exactly these fields, the launch flags are generated from them,
+`__post_init__` runs each field's check, and `group` puts it in the sub-config its parts read
+(groups.py), so a setting, its default, what it accepts and where it goes live here only.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ QUANT_MATMUL_IMPLS = ("auto", "pallas", "pallas_interpret", "mgpu", "mgpu_interp
 LOAD_FORMATS = ("auto", "dummy")
 BATCHINGS = ("continuous", "static")
 
-
 MAX_LOGPROBS = 20  # max_logprobs' default: most top-n logprobs per token (vLLM's default)
 
 
@@ -69,18 +68,21 @@ class EngineSettings:
         "smollm2-135m, llama3.2-1b, llama3-8b, qwen2-7b) or, from Python, a ModelConfig. A path "
         "is kept as a str. Default: None (SmolLM2-135M-Instruct).",
         check=_A_MODEL,
+        group="load",
     )
     revision: str | None = setting(
         None,
         "With a Hugging Face Hub id as model (org/name): the branch, tag or commit to load "
         "(jaxserve.loading.hub). Default: None (the repository's main branch).",
         check=optional(a_str),
+        group="load",
     )
     load_format: str = setting(
         "auto",
         "auto: read the weights from model; dummy: random weights of the preset's (or "
         "ModelConfig's) shapes and no tokenizer, for tests and benchmarks. Default: auto.",
         LOAD_FORMATS,
+        group="load",
     )
     quantization: str | None = setting(
         None,
@@ -89,24 +91,28 @@ class EngineSettings:
         "imports a GGUF's Q4_0/Q4_1/Q8_0 blocks directly; for a converted checkpoint it must name "
         "the checkpoint's recipe. Default: None (the weights as stored).",
         check=optional(a_str),
+        group="load",
     )
     dtype: str = setting(
         "bfloat16",
         "Dtype of the float weights and the activations (weights are cast to it at load). "
         "Default: bfloat16.",
         DTYPES,
+        group="load",
     )
     kv_cache_dtype: str = setting(
         "auto",
         "Element dtype of the KV cache pages: auto = dtype; int8 / fp8 (e4m3) store K and V "
         "quantized with one f32 scale per token and KV head. Default: auto.",
         KV_CACHE_DTYPES,
+        group="cache",
     )
     num_slots: int = setting(
         32,
         "Requests decoded concurrently: the rows of a decode step; a further request waits for a "
         "free slot. Default: 32.",
         check=positive_int,
+        group="scheduler",
     )
     max_model_len: int | None = setting(
         None,
@@ -115,11 +121,13 @@ class EngineSettings:
         "table. Default: None = min(the model's max_position_embeddings, 2048); more than "
         "max_position_embeddings is an error.",
         check=optional(int_at_least(2)),
+        group="scheduler",
     )
     page_size: int = setting(
         16,
         "Tokens per KV cache page (a power of two). Default: 16.",
         check=(positive_int, power_of_two),
+        group="cache",
     )
     num_pages: int | None = setting(
         None,
@@ -127,12 +135,14 @@ class EngineSettings:
         "kv_cache_memory // the bytes of one page when kv_cache_memory is set, else num_slots * "
         "ceil(max_model_len / page_size), enough for every slot to reach max_model_len.",
         check=optional(positive_int),
+        group="cache",
     )
     kv_cache_memory: int | None = setting(
         None,
         "KV cache size in bytes (the flag reads 8GiB, 512MiB, 2e9), which sets num_pages when "
         "num_pages is None. Default: None (see num_pages).",
         check=optional(positive_int),
+        group="cache",
     )
     attention_impl: str = setting(
         "auto",
@@ -149,6 +159,7 @@ class EngineSettings:
         "they refuse); mgpu_interpret = the same in interpret modes (CPU tests). "
         "Default: auto.",
         ATTENTION_IMPLS,
+        group="kernels",
     )
     matmul_impl: str = setting(
         "auto",
@@ -158,6 +169,7 @@ class EngineSettings:
         "first use with $CXX; AVX512-BF16, AVX2 or portable loop), which reads each layer's "
         "weight in place, for every batch size; xla = XLA's dot. Default: auto.",
         MATMUL_IMPLS,
+        group="kernels",
     )
     quant_matmul_impl: str = setting(
         "auto",
@@ -169,6 +181,7 @@ class EngineSettings:
         "pallas_interpret / mgpu_interpret = the kernels in interpret mode (CPU tests). Prefill "
         "chunks always take XLA's path. Default: auto.",
         QUANT_MATMUL_IMPLS,
+        group="kernels",
     )
     max_num_batched_tokens: int | None = setting(
         None,
@@ -176,6 +189,7 @@ class EngineSettings:
         "prefill_chunk_size prompt chunks (at least one) are prefilled per step. Default: None = "
         "8 * prefill_chunk_size (8 chunks per step).",
         check=optional(positive_int),
+        group="scheduler",
     )
     prefill_chunk_size: int | None = setting(
         None,
@@ -188,12 +202,14 @@ class EngineSettings:
         "whose chunks are all short (max(page_size, chunk / 4) tokens or fewer: a prompt's tail "
         "after a prefix-cache hit, a short prompt) runs a program of that length instead.",
         check=(optional(positive_int), power_of_two),
+        group="scheduler",
     )
     decode_steps: int = setting(
         1,
         "Decode steps per host round trip (a lax.scan on the device); requests are admitted and "
         "stop conditions read between round trips. Default: 1.",
         check=positive_int,
+        group="scheduler",
     )
     num_speculative_tokens: int = setting(
         0,
@@ -205,18 +221,21 @@ class EngineSettings:
         "or log-probs speculate; the others decode as usual. Needs decode_steps=1 and "
         "data_parallel_size=1. Default: 0 (off).",
         check=int_at_least(0),
+        group="speculative",
     )
     prompt_lookup_max: int | None = setting(
         None,
         "Longest n-gram the proposer matches (vLLM's prompt_lookup_max). Default: None = "
         "prompt_lookup_min, or 5 when both are None (vLLM's defaults).",
         check=optional(positive_int),
+        group="speculative",
     )
     prompt_lookup_min: int | None = setting(
         None,
         "Shortest n-gram the proposer matches (vLLM's prompt_lookup_min). Default: None = "
         "prompt_lookup_max, or 5 when both are None.",
         check=optional(positive_int),
+        group="speculative",
     )
     speculative_disable_by_batch_size: int | None = setting(
         None,
@@ -224,6 +243,7 @@ class EngineSettings:
         "name): a large batch verifying k + 1 tokens a row costs about k + 1 steps on a CPU, "
         "more than the accepted drafts save. Default: None (every step).",
         check=optional(positive_int),
+        group="speculative",
     )
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = setting(
         None,
@@ -234,12 +254,14 @@ class EngineSettings:
         "drafts for a few rows, short or none for many (a CPU step's cost grows with its rows "
         "from about 8 up). As a flag, JSON: '[[1, 8, 3], [9, 16, 1], [17, 32, 0]]'. Default: "
         "None (num_speculative_tokens at every batch size).",
+        group="speculative",
     )
     batching: str = setting(
         "continuous",
         "continuous: a finished request's slot is refilled at the next step; static: slots are "
         "refilled only once the whole batch has finished (the baseline). Default: continuous.",
         BATCHINGS,
+        group="scheduler",
     )
     scheduling_policy: str = setting(
         "fcfs",
@@ -248,12 +270,14 @@ class EngineSettings:
         "then arrival), and the lowest-priority running one is preempted (vLLM's policies). "
         "Default: fcfs.",
         ("fcfs", "priority"),
+        group="scheduler",
     )
     async_scheduling: bool = setting(
         True,
         "Plan and dispatch step N+1 before reading step N's tokens back, so the host's work "
         "overlaps the device step. Default: True.",
         check=a_bool,
+        group="scheduler",
     )
     enable_prefix_caching: bool = setting(
         True,
@@ -263,12 +287,14 @@ class EngineSettings:
         "token's decode-written K/V round differently: a next turn recomputes the previous "
         "answer). Default: True (as vLLM v1).",
         check=a_bool,
+        group="cache",
     )
     enable_lora: bool = setting(
         False,
         "Serve LoRA adapters over the base model (vLLM's multi-LoRA): a request names its "
         "adapter with a LoRARequest (a PEFT folder); requests with different adapters, or none, "
         "share a batch (jaxserve.lora, layers/lora.py). Default: False.",
+        group="lora",
     )
     max_loras: int = setting(
         1,
@@ -276,18 +302,21 @@ class EngineSettings:
         "a request whose adapter finds no free slot waits, and an adapter no admitted request "
         "uses is evicted, least recently used first. Default: 1 (as vLLM).",
         check=positive_int,
+        group="lora",
     )
     max_lora_rank: int = setting(
         16,
         "With enable_lora: the largest adapter rank r served (adapters of a lower rank are "
         "zero-padded to it; a higher one is refused at load). Default: 16 (as vLLM).",
         check=positive_int,
+        group="lora",
     )
     max_cpu_loras: int | None = setting(
         None,
         "With enable_lora: adapters kept read on the host beyond those on the device. Default: "
         "None (max_loras).",
         check=optional(positive_int),
+        group="lora",
     )
     slot_buckets: tuple[int, ...] | str = setting(
         "auto",
@@ -298,6 +327,7 @@ class EngineSettings:
         "bucket of all slots elsewhere (a GPU decode step streams the "
         "weights whatever its rows); else increasing sizes ending at num_slots (the flag reads "
         "8,16,32). Default: auto.",
+        group="scheduler",
     )
     seed: int = setting(
         0,
@@ -305,6 +335,7 @@ class EngineSettings:
         "SamplingParams.seed samples with a seed drawn from it, so a run's sampled outputs "
         "repeat. Default: 0.",
         check=an_int,
+        group="requests",
     )
     max_logprobs: int = setting(
         MAX_LOGPROBS,
@@ -313,6 +344,7 @@ class EngineSettings:
         "whole vocabulary. It sizes the device's top-k, computed only in steps where some request "
         "asks for log-probs. Default: 20.",
         check=int_at_least(-1, "-1: the whole vocabulary"),
+        group="requests",
     )
     on_bad_request: str = setting(
         "output",
@@ -321,6 +353,7 @@ class EngineSettings:
         "so a batch never dies of one prompt; raise = raise ValueError naming the prompt, before "
         "anything runs, as vLLM does. Default: output.",
         ("output", "raise"),
+        group="requests",
     )
     compilation_cache: str = setting(
         "auto",
@@ -331,6 +364,7 @@ class EngineSettings:
         "(JAX_COMPILATION_CACHE_DIR, jax.config); a path = that folder; off = leave jax's "
         "setting alone. The cache is trusted code: never point it at a folder others can write. "
         "Default: auto.",
+        group="compilation",
     )
     warmup: bool = setting(
         False,
@@ -338,6 +372,7 @@ class EngineSettings:
         "no request waits for a compilation; LLM.warmup_seconds records the time. Default: False "
         "(a shape compiles when first used).",
         check=a_bool,
+        group="compilation",
     )
 
     tensor_parallel_size: int = setting(
@@ -347,6 +382,7 @@ class EngineSettings:
         "vocab-parallel embedding and lm_head. Must divide the query heads and the MLP width; KV "
         "heads are replicated when it exceeds them. Default: 1.",
         check=positive_int,
+        group="parallel",
     )
     data_parallel_size: int = setting(
         1,
@@ -354,6 +390,7 @@ class EngineSettings:
         "and its share of the KV pages, and the scheduler assigns each request to one. Needs "
         "tensor_parallel_size x data_parallel_size devices. Default: 1.",
         check=positive_int,
+        group="parallel",
     )
 
     def __post_init__(self):

@@ -27,9 +27,17 @@ from jaxserve.core.scheduler_output import SchedulerOutput
 
 def make_scheduler(config: EngineConfig, num_pages: int, slot_buckets=None, loras=None):
     """One Scheduler, or one per data shard behind the same interface (LoRA adapter slots
-    `loras` with one only: EngineConfig refuses enable_lora with data parallelism)."""
-    if config.data_parallel_size == 1:
-        return Scheduler(config, num_pages, slot_buckets, loras=loras)
+    `loras` with one only: EngineConfig refuses enable_lora with data parallelism); each given
+    the filled config's groups it reads."""
+    if config.parallel.data_parallel_size == 1:
+        return Scheduler(
+            config.scheduler,
+            config.cache,
+            num_pages,
+            slot_buckets,
+            loras=loras,
+            speculative=config.speculative,
+        )
     return DataParallelScheduler(config, num_pages, slot_buckets)
 
 
@@ -46,20 +54,25 @@ class DataParallelScheduler:
     """`Scheduler`'s interface over D shard schedulers (slots offset per shard, pages local)."""
 
     def __init__(self, config: EngineConfig, num_pages: int, slot_buckets=None):
-        d = config.data_parallel_size
+        d = config.parallel.data_parallel_size
         if num_pages % d:
             raise ValueError(
                 f"num_pages ({num_pages}) must be a multiple of data_parallel_size ({d})"
             )
-        self.config = config
-        self.slots_per_shard = config.num_slots // d
+        self.slots_per_shard = config.scheduler.num_slots // d
         self.pages_per_shard = num_pages // d
+        # one shard's slots (its decode row buckets are the runner's, `slot_buckets`)
         local = dataclasses.replace(
-            config, num_slots=self.slots_per_shard, data_parallel_size=1, slot_buckets="auto"
+            config.scheduler, num_slots=self.slots_per_shard, slot_buckets="auto"
         )
         self.shards = [
             Scheduler(
-                local, self.pages_per_shard, slot_buckets, slot_offset=i * self.slots_per_shard
+                local,
+                config.cache,
+                self.pages_per_shard,
+                slot_buckets,
+                slot_offset=i * self.slots_per_shard,
+                speculative=config.speculative,  # (off: EngineConfig refuses it with shards)
             )
             for i in range(d)
         ]

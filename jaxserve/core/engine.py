@@ -73,11 +73,12 @@ class LLMEngine:
         self.config = config
         self.num_pages = num_pages
         self.loras = None
-        if config.enable_lora:
+        lora = config.lora
+        if lora.enable_lora:
             self.loras = LoRASlots(
-                config.max_loras,
-                config.max_cpu_loras or config.max_loras,
-                lambda req: read_adapter(req, model_config, config.max_lora_rank),
+                lora.max_loras,
+                lora.max_cpu_loras or lora.max_loras,
+                lambda req: read_adapter(req, model_config, lora.max_lora_rank),
             )
         self.scheduler = make_scheduler(config, num_pages, runner.slot_buckets, self.loras)
         self._rng = np.random.default_rng(seed)  # seeds of unseeded requests
@@ -135,7 +136,7 @@ class LLMEngine:
         """Queues one request; invalid input becomes an error output (`request_checks.py`).
         priority: lower runs first under scheduling_policy="priority"; ValueError under fcfs
         (vLLM's rule: a priority the policy would ignore is a caller's mistake).
-        lora_request: the adapter to run with (EngineConfig.enable_lora; ValueError without it);
+        lora_request: the adapter to run with (LoRAConfig.enable_lora; ValueError without it);
         an adapter that cannot be read or does not fit the model is this request's error."""
         now = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._groups:
@@ -161,7 +162,7 @@ class LLMEngine:
         sp = sampling_params
         base_seed = sp.seed if sp.seed is not None else int(self._rng.integers(0, 2**32))
         prompt_token_ids = [int(t) for t in prompt_token_ids]
-        max_total = max_total_len(len(prompt_token_ids), sp, self.config.max_model_len)
+        max_total = max_total_len(len(prompt_token_ids), sp, self.config.scheduler.max_model_len)
         children = []
         for i in range(n):
             children.append(
@@ -228,9 +229,10 @@ class LLMEngine:
         if plan.decode and self.runner.overlaps_grammar:
             # vLLM's overlap: the decode forward runs while the host computes the masks
             handle = self.runner.dispatch(plan, masks_later=True)
-            masks = self.structured.masks(rows, self.config.num_slots)
+            masks = self.structured.masks(rows, self.config.scheduler.num_slots)
             return plan, self.runner.complete(handle, masks)
-        return plan, self.runner.dispatch(plan, self.structured.masks(rows, self.config.num_slots))
+        masks = self.structured.masks(rows, self.config.scheduler.num_slots)
+        return plan, self.runner.dispatch(plan, masks)
 
     def _constrained_running(self) -> bool:
         return any(r.grammar is not None for r in self.scheduler.running)
@@ -257,7 +259,7 @@ class LLMEngine:
         # and each a limit the device keeps to (a row it plans no tokens for does not move),
         # while a plain decode step would advance every active row, planned or not.
         if (
-            self.config.async_scheduling
+            self.config.scheduler.async_scheduling
             and self.scheduler.has_unfinished()
             and not self._constrained_running()
             and (not plan.speculative or self.scheduler.speculates())
@@ -347,7 +349,7 @@ class LLMEngine:
 
     def _record_occupancy(self) -> None:
         self.num_steps += 1
-        occ = len(self.scheduler.running) / self.config.num_slots
+        occ = len(self.scheduler.running) / self.config.scheduler.num_slots
         self._occupancy_sum += occ
         self._last_occupancy = occ
 
@@ -356,8 +358,9 @@ class LLMEngine:
         used = alloc.num_used_pages
         # a page shared by k requests (always a full one) holds its tokens once, not k times
         live = sum(r.num_computed_tokens for r in self.scheduler.running)
-        live -= alloc.num_shared_refs * self.config.page_size
-        util = live / (used * self.config.page_size) if used else None
+        page_size = self.config.cache.page_size
+        live -= alloc.num_shared_refs * page_size
+        util = live / (used * page_size) if used else None
         if util is not None:
             self._kv_util_sum += util
             self._kv_util_steps += 1

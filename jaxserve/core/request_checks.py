@@ -44,7 +44,7 @@ class RequestChecker:
     ):
         """The engine's own: `config` filled for the model, `num_pages` of the whole KV pool (a
         data shard's is its share), `structured` the engine's grammar cache, `loras` its adapter
-        slots (None without EngineConfig.enable_lora)."""
+        slots (None without LoRAConfig.enable_lora)."""
         self.model_config = model_config
         self.config = config
         self.num_pages = num_pages
@@ -58,7 +58,7 @@ class RequestChecker:
         "priority", 0 under "fcfs")."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        if priority and self.config.scheduling_policy != "priority":
+        if priority and self.config.scheduler.scheduling_policy != "priority":
             raise ValueError(
                 f"got priority {priority}, but priority scheduling is not enabled "
                 "(scheduling_policy='priority')"
@@ -113,7 +113,8 @@ class RequestChecker:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids):
             return f"prompt_token_ids must be ints in [0, vocab_size={vocab})"
-        max_len = self.config.max_model_len
+        c = self.config
+        max_len = c.scheduler.max_model_len
         if len(ids) >= max_len:
             return (
                 f"prompt has {len(ids)} tokens; max_model_len={max_len} leaves no room to "
@@ -121,18 +122,18 @@ class RequestChecker:
             )
         if sp.stop and self.tokenizer is None:
             return "stop strings need a tokenizer; this model has none (use stop_token_ids)"
-        if sp.structured_outputs is not None and self.config.decode_steps > 1:
+        if sp.structured_outputs is not None and c.scheduler.decode_steps > 1:
             return (
                 "structured_outputs need decode_steps=1 (each token's mask depends on the one "
-                f"before it); this engine runs decode_steps={self.config.decode_steps}"
+                f"before it); this engine runs decode_steps={c.scheduler.decode_steps}"
             )
         try:
-            sp.verify(len(ids), max_len, vocab, self.config.max_logprobs)
+            sp.verify(len(ids), max_len, vocab, c.requests.max_logprobs)
         except ValueError as e:
             return str(e)
         max_total = max_total_len(len(ids), sp, max_len)
-        need = pages_for(max_total - 1, self.config.page_size)
-        pool = self.num_pages // self.config.data_parallel_size  # a request lives on one shard
+        need = pages_for(max_total - 1, c.cache.page_size)
+        pool = self.num_pages // c.parallel.data_parallel_size  # a request lives on one shard
         if need > pool:
             where = "the pool has" if pool == self.num_pages else "a data shard's pool has"
             return (

@@ -4,9 +4,9 @@
 the engine runs it and calls `finish()` for the requests that stopped. A plan is made in five
 phases:
 
-  1. _compact: with decode row buckets (EngineConfig.slot_buckets) the decode step computes only
-     the first B slots. Admission takes the lowest free slot; when retirements leave few enough
-     requests for a smaller bucket, those in slots >= B move to free slots below it
+  1. _compact: with decode row buckets (SchedulerConfig.slot_buckets) the decode step computes
+     only the first B slots. Admission takes the lowest free slot; when retirements leave few
+     enough requests for a smaller bucket, those in slots >= B move to free slots below it
      (`plan.moves`, applied by the runner before anything else of the plan but the releases).
   2. _schedule_decodes: every running request whose prefill is done generates `decode_steps`
      tokens (fewer near its length limit). Pages are allocated for them first. When the pool is
@@ -20,7 +20,8 @@ phases:
   order and the preempted request is the running one of lowest priority (largest value), newest
   among equals; fcfs is that with every priority 0.
   4. _admit: waiting requests, oldest first, take the lowest free slots as the admission policy
-     (chosen once from EngineConfig.batching) allows, and their first chunk while rows are left:
+     (chosen once from SchedulerConfig.batching) allows, and their first chunk while rows are
+     left:
        ContinuousAdmission  while chunk rows and pages (with a small watermark) allow; with prefix
                             caching the children of an n > 1 request wait at the head of the queue
                             while child 0 prefills a prompt of a page or more, then share its pages
@@ -41,7 +42,7 @@ a second preemption, those its resumed prefill computed). A plan only reads page
 earlier plans, which the device runs first. Requests that want prompt log-probs compute their
 whole prompt.
 
-Plans may run one step ahead of the host (EngineConfig.async_scheduling): `_commit` advances
+Plans may run one step ahead of the host (SchedulerConfig.async_scheduling): `_commit` advances
 `num_computed_tokens` and `num_pending_tokens` when a plan is made, so the next plan is exact except
 that a request which stopped (EOS, stop string) in the step still in flight decodes one wasted
 token before it is retired. The device decodes every active slot; a slot left out of `plan.decode`
@@ -54,7 +55,7 @@ from __future__ import annotations
 
 import collections
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from jaxserve.core.admission import AdmissionPolicy, ContinuousAdmission, StaticAdmission
 from jaxserve.core.page_allocator import PageAllocator, pages_for
 from jaxserve.core.prefix_cache import PrefixCache
@@ -90,26 +91,31 @@ def _priority_key(req: Request) -> tuple[int, int]:
 class Scheduler:
     def __init__(
         self,
-        config: EngineConfig,
+        config: SchedulerConfig,
+        cache: CacheConfig,
         num_pages: int,
         slot_buckets: tuple[int, ...] | None = None,
         slot_offset: int = 0,
         loras: LoRASlots | None = None,
+        speculative: SpeculativeConfig | None = None,
     ):
-        """slot_offset: the first of this scheduler's config.num_slots slots (a data-parallel
-        shard's, `data_parallel.py`); buckets count slots from it. loras: the device's adapter
-        slots (EngineConfig.enable_lora)."""
+        """config: the engine's (`EngineConfig.scheduler`: slots, chunk, token budget, policies),
+        cache its KV pages' (page size, prefix caching). slot_offset: the first of this
+        scheduler's config.num_slots slots (a data-parallel shard's, `data_parallel.py`); buckets
+        count slots from it. loras: the device's adapter slots (LoRAConfig.enable_lora).
+        speculative: the engine's speculative decoding (None: none)."""
         self.config = config
+        self.speculative = speculative or SpeculativeConfig()
         self.slot_offset = slot_offset
         # Decode row buckets (the runner's): requests are packed into the lowest slots so a decode
         # step over the first B slots covers them all (`_compact`).
         self.slot_buckets = slot_buckets or (config.num_slots,)
-        self.page_size = config.page_size
+        self.page_size = cache.page_size
         self.chunk = config.prefill_chunk_size
-        self.max_prefill_rows = max(1, config.max_num_batched_tokens // config.prefill_chunk_size)
+        self.max_prefill_rows = config.max_prefill_rows
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(
-            self.allocator, self.page_size, enabled=config.enable_prefix_caching
+            self.allocator, self.page_size, enabled=cache.enable_prefix_caching
         )
         self.admission: AdmissionPolicy
         if config.batching == "static":
@@ -118,7 +124,7 @@ class Scheduler:
             self.admission = ContinuousAdmission(
                 watermark=max(1, num_pages // 100),  # free pages kept back at admission
                 page_size=self.page_size,
-                wait_for_leader=config.enable_prefix_caching,
+                wait_for_leader=cache.enable_prefix_caching,
             )
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
@@ -246,13 +252,13 @@ class Scheduler:
         """The drafts a row proposes if the next plan's decode rows speculate, else 0: they do
         when the engine speculates, every decoding request is a plain greedy one
         (`can_speculate`), and the number of requests holding a slot leaves drafts
-        (`EngineConfig.draft_tokens`: the batch-size schedule and cap)."""
-        if not self.config.num_speculative_tokens:
+        (`SpeculativeConfig.draft_tokens`: the batch-size schedule and cap)."""
+        if not self.speculative.num_speculative_tokens:
             return 0
         decoding = [r for r in self.running if r.prefill_done]
         if not decoding or not all(can_speculate(r) for r in decoding):
             return 0
-        return self.config.draft_tokens(sum(r.slot is not None for r in self.running))
+        return self.speculative.draft_tokens(sum(r.slot is not None for r in self.running))
 
     def _schedule_prefills(self, plan: SchedulerOutput) -> int:
         """The next chunk of each running request with prefill left, oldest first, while chunk

@@ -7,39 +7,39 @@ from __future__ import annotations
 
 import logging
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import KernelConfig
 
 logger = logging.getLogger(__name__)
 
 
-def attention_kernel(backend: str, engine_config: EngineConfig) -> bool:
+def attention_kernel(backend: str, kernels: KernelConfig) -> bool:
     """Whether the C++ CPU attention kernel is there to use: built only when the CPU backend's
     attention_impl asks for it ('auto' or 'cpu_kernel'); a failed build leaves 'auto' on the
     XLA 'ragged' path, with the compiler's reason logged."""
-    if backend != "cpu" or engine_config.attention_impl not in ("auto", "cpu_kernel"):
+    if backend != "cpu" or kernels.attention_impl not in ("auto", "cpu_kernel"):
         return False
     from cpu_kernels import paged_decode_attention as cpu_attention
 
     err = cpu_attention.build_error()
     if err is not None:
-        if engine_config.attention_impl == "cpu_kernel":
+        if kernels.attention_impl == "cpu_kernel":
             raise RuntimeError(f"attention_impl='cpu_kernel': the kernel is not available: {err}")
         logger.warning("CPU attention kernel not available, using 'ragged': %s", err)
     return err is None
 
 
-def matmul_kernel(backend: str, engine_config: EngineConfig, mesh) -> str | None:
+def matmul_kernel(backend: str, kernels: KernelConfig, mesh) -> str | None:
     """The loop the C++ CPU matmul runs here ('avx512bf16', 'avx2' or 'portable';
     `cpu_kernels.matmul.path()`) when it can run for this engine: on the CPU backend, one device
     (its weights are not partitioned), built here; else None. `jaxserve.resolve` decides from the
     path whether 'auto' uses it (the AVX512-BF16 and AVX2 loops). An explicit 'cpu_kernel' that cannot
     run is an error."""
-    if backend != "cpu" or engine_config.matmul_impl not in ("auto", "cpu_kernel"):
+    if backend != "cpu" or kernels.matmul_impl not in ("auto", "cpu_kernel"):
         return None
     from cpu_kernels import matmul as cpu_matmul
 
     err = cpu_matmul.build_error()
-    if engine_config.matmul_impl == "cpu_kernel" and (err is not None or mesh is not None):
+    if kernels.matmul_impl == "cpu_kernel" and (err is not None or mesh is not None):
         reason = err or "it runs on one device only (no mesh)"
         raise RuntimeError(f"matmul_impl='cpu_kernel': the kernel cannot run: {reason}")
     if err is not None:

@@ -39,7 +39,7 @@ def check_built(engine_config: EngineConfig, mesh) -> None:
             "the runner needs an EngineConfig filled for the model: "
             "engine_config.for_model(model_config) (engine_args.build_engine does it)"
         )
-    t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
+    t, d = engine_config.parallel.tensor_parallel_size, engine_config.parallel.data_parallel_size
     if mesh is None and t * d > 1:
         raise ValueError(
             f"tensor_parallel_size={t} x data_parallel_size={d} needs a mesh of {t * d} "
@@ -70,15 +70,18 @@ def state_fns(model_config, engine_config, resolved, num_pages):
     """(init_cache, init_state): the paged KV pool of `num_pages` and the slot state of every
     slot (its page table `resolved.max_pages` wide; the n-gram proposer's token history only
     when speculating, `spec_decode.py`)."""
-    e = engine_config
-    history_len = e.max_model_len if e.num_speculative_tokens else 0
+    cache, sched = engine_config.cache, engine_config.scheduler
+    history_len = sched.max_model_len if engine_config.speculative.num_speculative_tokens else 0
+    dtype = engine_config.load.dtype
 
     def init_cache():
-        return steps.init_cache(model_config, num_pages, e.page_size, e.kv_cache_dtype, e.dtype)
+        return steps.init_cache(
+            model_config, num_pages, cache.page_size, cache.kv_cache_dtype, dtype
+        )
 
     def init_state():
         return slot_state.init_slot_state(
-            e.num_slots, resolved.max_pages, model_config.vocab_size, history_len
+            sched.num_slots, resolved.max_pages, model_config.vocab_size, history_len
         )
 
     return init_cache, init_state

@@ -1,7 +1,7 @@
 """An engine's LoRA adapter stacks on the device (`layers/lora.py`): allocated and split over the
 mesh like their base weights, and each adapter written into its slot in place.
 
-    lora = LoRAStacks(params, model_config, engine_config, mesh, t_before)  (ModelRunner)
+    lora = LoRAStacks(params, model_config, lora_config, mesh, kv_cols)  (ModelRunner)
     params["lora"] = lora.stacks                 zeros, every slot
     params["lora"] = lora.write(params["lora"], slot, adapter)    one program, any slot / adapter
 """
@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import LoRAConfig, ModelConfig
 from jaxserve.layers import lora as lora_layers
 from jaxserve.models.params import model_dtype
 from jaxserve.parallel import partition
@@ -34,14 +34,14 @@ class LoRAStacks:
         self,
         params,
         model_config: ModelConfig,
-        engine_config: EngineConfig,
+        lora_config: LoRAConfig,
         mesh,
         kv_cols: np.ndarray | None,
     ):
         """model_config: the runner's (KV heads replicated up to T where T exceeds them);
         kv_cols: `kv_columns` of the checkpoint's config, or None: an adapter's wk / wv columns
         are copied the same way when it is written."""
-        c = engine_config
+        c = lora_config
         self.model_config, self.max_rank, self.kv_cols = model_config, c.max_lora_rank, kv_cols
 
         def init():

@@ -36,12 +36,13 @@ def state_bytes(model_config: ModelConfig, engine_config: EngineConfig, num_page
     """Device bytes of the KV pool and of the slot state (S slots, V vocab): the sampling state
     holds i32 token counts and three bool masks per slot and vocabulary entry, and the fixed-size
     logit_bias / bad_words arrays (about 2.6 KB)."""
-    c, e = model_config, engine_config
+    c, cache = model_config, engine_config.cache
     per_token = kv_cache.bytes_per_token(
-        c.num_layers, c.num_kv_heads, c.head_dim, e.kv_cache_dtype, e.dtype
+        c.num_layers, c.num_kv_heads, c.head_dim, cache.kv_cache_dtype, engine_config.load.dtype
     )
-    slots = e.num_slots * (7 * c.vocab_size + 4 * e.max_pages_per_seq + 2688)
-    return {"kv_pool": num_pages * e.page_size * per_token, "slot_state": slots}
+    per_slot = 7 * c.vocab_size + 4 * engine_config.max_pages_per_seq + 2688
+    slots = engine_config.scheduler.num_slots * per_slot
+    return {"kv_pool": num_pages * cache.page_size * per_token, "slot_state": slots}
 
 
 def device_memory_bytes() -> int:
@@ -56,12 +57,14 @@ def pallas_pool_pages(num_pages: int, model_config: ModelConfig, engine_config: 
     """num_pages, lowered (with a warning) where one device's int8 / fp8 pool array would hold
     2^31 elements or more but under 4 GiB, which the Pallas Triton kernels misread
     (`kv_cache.triton_safe_num_pages`). The pool stays within the bytes it was given."""
-    c, e = model_config, engine_config
-    itemsize = kv_cache.storage_dtype(e.kv_cache_dtype, e.dtype).itemsize
+    c, cache, parallel = model_config, engine_config.cache, engine_config.parallel
+    itemsize = kv_cache.storage_dtype(cache.kv_cache_dtype, engine_config.load.dtype).itemsize
     # one device's KV heads: the runner's config has them replicated up to T where T exceeds them
-    heads = max(1, c.num_kv_heads // e.tensor_parallel_size)
-    per_page = c.num_layers * heads * e.page_size * c.head_dim
-    safe = kv_cache.triton_safe_num_pages(num_pages, per_page, itemsize, e.data_parallel_size)
+    heads = max(1, c.num_kv_heads // parallel.tensor_parallel_size)
+    per_page = c.num_layers * heads * cache.page_size * c.head_dim
+    safe = kv_cache.triton_safe_num_pages(
+        num_pages, per_page, itemsize, parallel.data_parallel_size
+    )
     if safe != num_pages:
         logger.warning(
             "KV pool lowered from %d to %d pages: an %s pool array of 2^31 or more elements "
@@ -69,7 +72,7 @@ def pallas_pool_pages(num_pages: int, model_config: ModelConfig, engine_config: 
             "experiments/JOURNAL.md 48). A pool of 4 GiB or more per array is read right.",
             num_pages,
             safe,
-            e.kv_cache_dtype,
+            cache.kv_cache_dtype,
         )
     return safe
 
@@ -92,7 +95,7 @@ def check_memory(model_config: ModelConfig, engine_config: EngineConfig, num_pag
     if sum(need.values()) > have:
         gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
         raise ValueError(
-            f"num_slots={engine_config.num_slots} and num_pages={num_pages} need "
+            f"num_slots={engine_config.scheduler.num_slots} and num_pages={num_pages} need "
             f"{gib(need['kv_pool'])} of KV pages and {gib(need['slot_state'])} of slot state, "
             f"more than the device's {gib(have)}: lower num_slots, num_pages or kv_cache_memory"
         )
@@ -113,8 +116,8 @@ def memory_plan(runner) -> dict:
     stats = dev.memory_stats() or {}
     return {
         "devices": 1 if runner.mesh is None else runner.mesh.devices.size,
-        "tensor_parallel_size": runner.config.tensor_parallel_size,
-        "data_parallel_size": runner.config.data_parallel_size,
+        "tensor_parallel_size": runner.config.parallel.tensor_parallel_size,
+        "data_parallel_size": runner.config.parallel.data_parallel_size,
         "params_bytes_per_device": bytes_on_device(runner.params, dev),
         "kv_pool_bytes_per_device": bytes_on_device(runner.cache, dev),
         "slot_state_bytes_per_device": bytes_on_device(runner.state, dev),

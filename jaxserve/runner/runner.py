@@ -76,10 +76,12 @@ class ModelRunner:
     backend: the backend whose choices to make (`jaxserve.resolve`); default the one jax runs
     on, read once here. A test lowering a GPU engine's steps on the CPU passes "gpu".
     mesh: a ('data', 'model') `jax.sharding.Mesh` to run on (`jaxserve.parallel`); default one
-    of engine_config.data_parallel_size x tensor_parallel_size devices, needed when either
-    exceeds 1 (`engine_args.build_engine` makes it), else none (one device, nothing sharded).
+    of data_parallel_size x tensor_parallel_size devices (`EngineConfig.parallel`), needed when
+    either exceeds 1 (`engine_args.build_engine` makes it), else none (one device, nothing
+    sharded).
     engine_config: filled for the model (`EngineConfig.for_model`); the runner derives no config
-    of its own but one data shard's (`resolve.data_shard_config`).
+    of its own but one data shard's (`resolve.data_shard_config`), and hands each of its parts
+    the groups it reads (`config.scheduler`, `config.speculative`, ...).
     """
 
     def __init__(
@@ -92,17 +94,20 @@ class ModelRunner:
         mesh=None,
     ):
         device_state.check_built(engine_config, mesh)
-        t, d = engine_config.tensor_parallel_size, engine_config.data_parallel_size
+        parallel, sched = engine_config.parallel, engine_config.scheduler
+        t, d = parallel.tensor_parallel_size, parallel.data_parallel_size
         self.mesh = mesh
-        self.shards = DataShards(engine_config.num_slots, num_pages, d)
+        self.shards = DataShards(sched.num_slots, num_pages, d)
         backend = backend or jax.default_backend()
         # what this process and machine offer: the compilation cache, the C++ CPU kernels
-        self.compilation_cache_dir = compile_cache.enable(engine_config.compilation_cache)
+        self.compilation_cache_dir = compile_cache.enable(
+            engine_config.compilation.compilation_cache
+        )
         autotune = (
             compile_cache.autotune_dir(self.compilation_cache_dir) if backend == "gpu" else None
         )
-        cpu_kernel = cpu_backend.attention_kernel(backend, engine_config)
-        cpu_matmul = cpu_backend.matmul_kernel(backend, engine_config, mesh)
+        cpu_kernel = cpu_backend.attention_kernel(backend, engine_config.kernels)
+        cpu_matmul = cpu_backend.matmul_kernel(backend, engine_config.kernels, mesh)
         kv_cols = None
         if mesh is not None:
             # the KV heads copied up to T where T exceeds them; an adapter's wk / wv columns
@@ -122,12 +127,14 @@ class ModelRunner:
         r = self.resolved
         self.model_config = model_config
         self.config = engine_config
-        self.num_slots = engine_config.num_slots
+        self.num_slots = sched.num_slots
         self.slot_buckets = r.slot_buckets
         params = device_state.layout_params(params, model_config, r, mesh)
         self.lora = None
-        if engine_config.enable_lora:
-            self.lora = lora_stacks.LoRAStacks(params, model_config, engine_config, mesh, kv_cols)
+        if engine_config.lora.enable_lora:
+            self.lora = lora_stacks.LoRAStacks(
+                params, model_config, engine_config.lora, mesh, kv_cols
+            )
             params = {**params, "lora": self.lora.stacks}
         self.params = params
         # the pool's pages (the engine's allocator takes this count), checked before allocating
@@ -137,8 +144,8 @@ class ModelRunner:
         init = device_state.state_fns(model_config, engine_config, r, num_pages)
         self.cache, self.state = device_state.allocate(*init, mesh, d)
         # the step's features, which run the steps over what the runner holds
-        self.structured = StructuredDecoding(engine_config, r, model_config, self.shards)
-        self.speculative = SpeculativeDecoding(engine_config, r, model_config)
+        self.structured = StructuredDecoding(sched, r, model_config, self.shards)
+        self.speculative = SpeculativeDecoding(engine_config.speculative, r, model_config)
         self.prefill_strategy = PrefillStrategy(r, model_config, self.shards, mesh)
         self._page_table = np.zeros((self.num_slots, r.max_pages), np.int32)  # host mirror
         self._active = np.zeros((self.num_slots,), bool)  # host mirror of state.active
@@ -211,7 +218,7 @@ class ModelRunner:
             req.output_token_ids,
             req.eos_token_ids,
             req.seed,
-            self.config.max_model_len,
+            self.config.scheduler.max_model_len,
         )
         self.state = self._jit(slot_state.insert)(
             self.state,

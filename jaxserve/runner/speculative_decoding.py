@@ -16,30 +16,30 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import ModelConfig, SpeculativeConfig
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.resolve import DecodeShape, Resolved
 from jaxserve.runner import spec_decode
 
 
 class SpeculativeDecoding:
-    """The speculative step of an engine (`engine_config.num_speculative_tokens`; none: it has
-    no shapes and never runs)."""
+    """The speculative step of an engine (`SpeculativeConfig.num_speculative_tokens`; none: it
+    has no shapes and never runs)."""
 
     def __init__(
         self,
-        engine_config: EngineConfig,
+        speculative: SpeculativeConfig,
         resolved: Resolved,
         model_config: ModelConfig,
     ):
-        self._config = engine_config
+        self._config = speculative
         self._resolved = resolved
         self._options = resolved.compiler_options
         self._static = dict(
             config=model_config,
             impl=resolved.model,
-            min_n=engine_config.prompt_lookup_min,
-            max_n=engine_config.prompt_lookup_max,
+            min_n=speculative.prompt_lookup_min,
+            max_n=speculative.prompt_lookup_max,
         )
 
     def shapes(self) -> list[tuple[DecodeShape, int]]:

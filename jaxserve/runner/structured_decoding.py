@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import ModelConfig, SchedulerConfig
 from jaxserve.core.structured_outputs import GrammarMasks
 from jaxserve.resolve import DecodeShape, Resolved
 from jaxserve.runner import slot_state, steps
@@ -44,14 +44,14 @@ class StructuredDecoding:
 
     def __init__(
         self,
-        engine_config: EngineConfig,
+        scheduler: SchedulerConfig,
         resolved: Resolved,
         model_config: ModelConfig,
         shards: DataShards,
     ):
-        self.overlaps = overlaps(shards.count, engine_config.decode_steps)
+        self.overlaps = overlaps(shards.count, scheduler.decode_steps)
         self._generate = shards.steps.generate
-        self._num_steps = engine_config.decode_steps
+        self._num_steps = scheduler.decode_steps
         self._model = dict(config=model_config, impl=resolved.model)
         self._options = resolved.compiler_options
 

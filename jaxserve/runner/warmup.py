@@ -33,7 +33,8 @@ def warmup(runner) -> float:
     runner._active[:] = False
     runner._dirty = True
     runner._flush()
-    row = make_slot_row(SamplingParams(), [0], [], (), 0, runner.config.max_model_len)
+    max_len = runner.config.scheduler.max_model_len
+    row = make_slot_row(SamplingParams(), [0], [], (), 0, max_len)
     runner.state = runner._jit(slot_state.insert)(
         runner.state, np.int32(0), row, np.int32(0), np.int32(0), np.int32(-1)
     )

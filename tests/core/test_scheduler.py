@@ -22,7 +22,7 @@ def make(
         batching=batching,
         enable_prefix_caching=caching,
     )
-    return Scheduler(ec, num_pages)
+    return Scheduler(ec.scheduler, ec.cache, num_pages)
 
 
 def req(rid, n_prompt, max_tokens=8, **kw):

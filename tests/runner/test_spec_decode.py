@@ -159,8 +159,8 @@ def test_draft_tokens_follow_the_batch_size_schedule():
     schedule can reach, nothing recompiles, and the tokens are plain greedy decoding's."""
     schedule = [[1, 1, 3], [2, 4, 1], [5, 8, 0]]
     c = EngineConfig(num_speculative_tokens=3, num_speculative_tokens_per_batch_size=schedule)
-    assert [c.draft_tokens(n) for n in (1, 2, 4, 5, 8)] == [3, 1, 1, 0, 0]
-    assert EngineConfig(num_speculative_tokens=3).draft_tokens(32) == 3
+    assert [c.speculative.draft_tokens(n) for n in (1, 2, 4, 5, 8)] == [3, 1, 1, 0, 0]
+    assert EngineConfig(num_speculative_tokens=3).speculative.draft_tokens(32) == 3
     rng = np.random.default_rng(4)
     prompts = [{"prompt_token_ids": p["prompt_token_ids"].tolist()} for p in _prompts(rng, 8)]
     params = [
@@ -193,7 +193,7 @@ def test_speculation_settings_are_checked():
     with pytest.raises(ValueError, match="needs num_speculative_tokens > 0"):
         EngineConfig(num_speculative_tokens_per_batch_size=[[1, 8, 1]])
     c = EngineConfig(num_speculative_tokens=3, speculative_disable_by_batch_size=4)
-    assert [c.draft_tokens(n) for n in (1, 4, 5)] == [3, 3, 0]
+    assert [c.speculative.draft_tokens(n) for n in (1, 4, 5)] == [3, 3, 0]
 
 
 @pytest.mark.smollm2
