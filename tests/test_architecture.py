@@ -495,3 +495,58 @@ if __name__ == "__main__":  # python tests/test_architecture.py [ROOT of another
     import sys
 
     print(summary(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT))
+
+
+# What launches a kernel: a Pallas call (Triton or Mosaic GPU) or a C++ FFI call.
+KERNEL_CALLS = ("pallas_call(", "plgpu.kernel(", "ffi_call(")
+
+
+def _kernel_modules() -> list[Path]:
+    """Every module of pallas_kernels/ and cpu_kernels/ that launches a kernel, or is an XLA form
+    of one (xla.py, xla_int4_matmul.py), but the shared pieces (`*_common.py`)."""
+    found = []
+    for path in sorted([*ROOT.glob("pallas_kernels/**/*.py"), *ROOT.glob("cpu_kernels/*.py")]):
+        text = path.read_text()
+        if path.stem.endswith("_common") or path.stem == "__init__":
+            continue
+        if path.stem.startswith("xla") or any(call in text for call in KERNEL_CALLS):
+            found.append(path)
+    return found
+
+
+def _defines_reference(tree: ast.Module) -> bool:
+    """A top-level `reference = ...`, or a function or import named `*_reference`."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            if any(isinstance(t, ast.Name) and t.id == "reference" for t in node.targets):
+                return True
+        if isinstance(node, ast.FunctionDef) and node.name.endswith("_reference"):
+            return True
+        if isinstance(node, ast.ImportFrom):
+            if any((a.asname or a.name).endswith("_reference") for a in node.names):
+                return True
+    return False
+
+
+def test_every_kernel_file_carries_its_reference():
+    """The project's rule: a kernel's pure-jnp definition is at hand in the kernel's own file,
+    defined there or named there (`reference = decode_reference` for the attention family, whose
+    kernels share `attention/reference.py`)."""
+    modules = _kernel_modules()
+    names = {p.relative_to(ROOT).as_posix() for p in modules}
+    # the detection sees every backend's kernels (a rule that finds nothing checks nothing)
+    for expected in (
+        "pallas_kernels/attention/triton_decode.py",
+        "pallas_kernels/attention/mgpu_prefill.py",
+        "pallas_kernels/attention/xla.py",
+        "pallas_kernels/mgpu_w4_matmul.py",
+        "pallas_kernels/xla_int4_matmul.py",
+        "cpu_kernels/matmul.py",
+    ):
+        assert expected in names, (expected, sorted(names))
+    missing = [
+        p.relative_to(ROOT).as_posix()
+        for p in modules
+        if not _defines_reference(ast.parse(p.read_text()))
+    ]
+    assert not missing, f"kernel files without their reference: {missing}"

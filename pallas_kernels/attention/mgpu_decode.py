@@ -85,6 +85,7 @@ from pallas_kernels.attention.paged_kv import (
     pool_operands,
     traced,
 )
+from pallas_kernels.attention.reference import decode_reference
 from pallas_kernels.attention.triton_decode import decode_plan
 from pallas_kernels.attention.tuning import H100_MGPU_DECODE, MgpuDecodeConfig
 from pallas_kernels.mgpu_common import ROWS, tiled_smem
@@ -282,3 +283,8 @@ def paged_attention_mgpu(
         config=config,
         interpret=interpret,
     )
+
+
+reference = decode_reference
+"""The pure-jnp definition the Mosaic GPU decode kernel is held to (`attention/reference.py`, the one
+definition the family shares; tests/pallas_kernels/attention/ compare against it)."""

@@ -66,6 +66,7 @@ from pallas_kernels.attention.paged_kv import (
     pool_operands,
     traced,
 )
+from pallas_kernels.attention.reference import prefill_reference
 from pallas_kernels.attention.triton_common import next_pow2
 from pallas_kernels.attention.tuning import H100_MGPU_PREFILL, MgpuPrefillConfig
 from pallas_kernels.mgpu_common import ROWS, tiled_smem
@@ -277,3 +278,8 @@ def paged_prefill_mgpu(
         config=config,
         interpret=interpret,
     )
+
+
+reference = prefill_reference
+"""The pure-jnp definition the Mosaic GPU prefill kernel is held to (`attention/reference.py`, the one
+definition the family shares; tests/pallas_kernels/attention/ compare against it)."""

@@ -53,6 +53,7 @@ from pallas_kernels.attention.paged_kv import (
     soft_cap,
     traced,
 )
+from pallas_kernels.attention.reference import decode_reference
 from pallas_kernels.attention.triton_common import lowering_pools, next_pow2, paged_pallas_call
 from pallas_kernels.attention.tuning import H200_DECODE, DecodeConfig
 from pallas_kernels.lowering import KernelCheck
@@ -271,3 +272,8 @@ def lowering_cases() -> list:
 
 def _windowed_decode(q, kv, lens, pt, window, *, softcap, scale):
     return paged_attention(q, kv, lens, pt, window=window, softcap=softcap, scale=scale)
+
+
+reference = decode_reference
+"""The pure-jnp definition the paged decode kernel is held to (`attention/reference.py`, the one
+definition the family shares; tests/pallas_kernels/attention/ compare against it)."""

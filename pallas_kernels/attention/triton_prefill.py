@@ -50,6 +50,7 @@ from pallas_kernels.attention.paged_kv import (
     soft_cap,
     traced,
 )
+from pallas_kernels.attention.reference import prefill_reference
 from pallas_kernels.attention.triton_common import lowering_pools, next_pow2, paged_pallas_call
 from pallas_kernels.attention.tuning import H200_PREFILL, PrefillConfig
 from pallas_kernels.lowering import KernelCheck
@@ -268,3 +269,8 @@ def _windowed_prefill(q, kv, pos, lens, pt, window, *, softcap, scale):
     return paged_prefill_attention(
         q, kv, pos, lens, pt, window=window, softcap=softcap, scale=scale
     )
+
+
+reference = prefill_reference
+"""The pure-jnp definition the paged prefill kernel is held to (`attention/reference.py`, the one
+definition the family shares; tests/pallas_kernels/attention/ compare against it)."""

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.paged_kv import PagedKV, soft_cap, window_start
+from pallas_kernels.attention.reference import decode_reference, prefill_reference
 
 
 def ragged_decode_attention(
@@ -173,3 +174,8 @@ def prefill_attention(
     denom = jnp.sum(pt, axis=2)  # (B, KVH, GT)
     o = o.reshape(b, kvh, g, t, d) / jnp.where(denom > 0, denom, 1.0).reshape(b, kvh, g, t, 1)
     return o.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+
+
+reference = {"decode": decode_reference, "prefill": prefill_reference}
+"""The pure-jnp definitions the XLA forms are held to: `ragged_decode_attention` to
+`decode_reference`, `prefill_attention` to `prefill_reference` (`attention/reference.py`)."""
