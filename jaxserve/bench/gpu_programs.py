@@ -49,14 +49,16 @@ class AbstractEngine:
 
     @property
     def data_shards(self) -> int:
-        return self.engine_config.data_parallel_size
+        return self.engine_config.parallel.data_parallel_size
 
     @property
     def overlaps_grammar(self) -> bool:
         """Decode = forward, then sample: `ModelRunner.structured`'s decision."""
         from jaxserve.runner import structured_decoding
 
-        return structured_decoding.overlaps(self.data_shards, self.engine_config.decode_steps)
+        return structured_decoding.overlaps(
+            self.data_shards, self.engine_config.scheduler.decode_steps
+        )
 
     @property
     def splits_prefill(self) -> bool:
@@ -74,7 +76,7 @@ def model_config_for(engine_config):
 
     from jaxserve.config import ModelConfig
 
-    m = engine_config.model
+    m = engine_config.load.model
     if isinstance(m, ModelConfig):
         return m
     path = Path(str(m))
@@ -88,7 +90,9 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
     dtype, kv_cache_dtype, num_slots, max_model_len, TP, DP, ...) on compile-only GPUs."""
     target = deviceless.target(target) if isinstance(target, str) else target
     mesh = deviceless.gpu_mesh(
-        target, engine_config.tensor_parallel_size, engine_config.data_parallel_size
+        target,
+        engine_config.parallel.tensor_parallel_size,
+        engine_config.parallel.data_parallel_size,
     )
     import jax
     import jax.numpy as jnp
@@ -104,12 +108,12 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
 
     c = model_config_for(engine_config)
     e = engine_config.for_model(c)
-    t, d = e.tensor_parallel_size, e.data_parallel_size
-    dtype = jnp.dtype(e.dtype if e.dtype != "auto" else "bfloat16")
+    t, d = e.parallel.tensor_parallel_size, e.parallel.data_parallel_size
+    dtype = jnp.dtype(e.load.dtype if e.load.dtype != "auto" else "bfloat16")
     params = jax.eval_shape(lambda k: llama.init_params(c, k, dtype), jax.random.key(0))
-    if e.quantization:
+    if e.load.quantization:
         params = jax.eval_shape(
-            lambda p: quantize_params(p, c, e.quantization, row_shards=t), params
+            lambda p: quantize_params(p, c, e.load.quantization, row_shards=t), params
         )
     shard = data_shard_config(e)  # the step shapes are one data shard's, as ModelRunner's
     plain = not any(map(is_quantized, params["layers"].values()))
@@ -124,11 +128,14 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
 
     params = jax.eval_shape(partitioned, params)
     c, specs = rules["config"], rules["specs"]
-    if e.enable_lora:  # every adapter slot's stacks, split as ModelRunner splits them
-        stacks = jax.eval_shape(lambda: lora_layers.init(c, e.max_loras, e.max_lora_rank, dtype))
+    lora = e.lora
+    if lora.enable_lora:  # every adapter slot's stacks, split as ModelRunner splits them
+        stacks = jax.eval_shape(
+            lambda: lora_layers.init(c, lora.max_loras, lora.max_lora_rank, dtype)
+        )
         params = {**params, "lora": stacks}
         specs = {**specs, "lora": partition.lora_specs(stacks)}
-    num_pages = e.num_pages or e.num_slots * e.max_pages_per_seq
+    num_pages = e.cache.num_pages or e.scheduler.num_slots * e.max_pages_per_seq
     num_pages -= num_pages % d
     if r.model.attention in ("pallas", "mgpu"):
         num_pages = memory.pallas_pool_pages(num_pages, c, e)
@@ -226,7 +233,7 @@ def warmup_programs(engine: AbstractEngine, kinds=KINDS) -> list[StepProgram]:
                     )
                 )
             else:
-                static = {**common, "shape": s, "num_steps": e.decode_steps}
+                static = {**common, "shape": s, "num_steps": e.scheduler.decode_steps}
                 out.append(
                     StepProgram(
                         f"generate {name}", "decode", fns.generate, (p, cache, state, flag), static
@@ -244,15 +251,15 @@ def warmup_programs(engine: AbstractEngine, kinds=KINDS) -> list[StepProgram]:
                     {"num_top": r.num_top},
                 )
             )
-    if "speculative" in kinds and e.num_speculative_tokens:
-        limit = _spec(engine, (e.num_slots,), jnp.int32)
+    if "speculative" in kinds and e.speculative.num_speculative_tokens:
+        limit = _spec(engine, (e.scheduler.num_slots,), jnp.int32)
         for s, k in r.speculative_shapes(e.speculative):  # the runner's warm-up set
             static = {
                 **common,
                 "shape": s,
                 "num_spec": k,
-                "min_n": e.prompt_lookup_min,
-                "max_n": e.prompt_lookup_max,
+                "min_n": e.speculative.prompt_lookup_min,
+                "max_n": e.speculative.prompt_lookup_max,
             }
             out.append(
                 StepProgram(
@@ -313,7 +320,7 @@ def _slot_programs(engine: AbstractEngine) -> list[StepProgram]:
     from jaxserve.runner import slot_state
 
     e, c, state = engine.engine_config, engine.model_config, engine.state
-    s = e.num_slots
+    s = e.scheduler.num_slots
     i32 = lambda *shape: _spec(engine, shape, jnp.int32)  # noqa: E731
     words = -(-c.vocab_size // 32)
     row = _slot_row(engine)
@@ -346,7 +353,7 @@ def _slot_row(engine: AbstractEngine):
     from jaxserve.core.slot_row import make_slot_row
 
     e = engine.engine_config
-    row = make_slot_row(SamplingParams(), [0], [], (), 0, e.max_model_len)
+    row = make_slot_row(SamplingParams(), [0], [], (), 0, e.scheduler.max_model_len)
     return jax.tree.map(lambda x: _spec(engine, np.shape(x), np.asarray(x).dtype), row)
 
 
