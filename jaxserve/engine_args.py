@@ -95,14 +95,7 @@ def build_engine(model: str | ModelConfig | None = None, *, mesh=None, **setting
     runner = ModelRunner(
         loaded.params, config, engine_config, resolve_num_pages(engine_config, config), mesh=mesh
     )
-    engine = LLMEngine(
-        runner,
-        config,
-        engine_config,
-        runner.num_pages,
-        tokenizer=tokenizer,
-        seed=engine_config.requests.seed,
-    )
+    engine = LLMEngine(runner, config, engine_config, runner.num_pages, tokenizer=tokenizer)
     return BuiltEngine(
         engine=engine,
         engine_config=engine_config,

@@ -61,7 +61,6 @@ class LLMEngine:
         config: EngineConfig,
         num_pages: int,
         tokenizer=None,
-        seed: int = 0,
     ):
         self.runner = runner
         self.model_config = model_config
@@ -81,7 +80,8 @@ class LLMEngine:
                 lambda req: read_adapter(req, model_config, lora.max_lora_rank),
             )
         self.scheduler = make_scheduler(config, num_pages, runner.slot_buckets, self.loras)
-        self._rng = np.random.default_rng(seed)  # seeds of unseeded requests
+        # seeds of unseeded requests, drawn from the engine's seed (config.requests.seed)
+        self._rng = np.random.default_rng(config.requests.seed)
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))

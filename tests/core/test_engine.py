@@ -63,7 +63,7 @@ def make_engine(
     runner = FakeRunner(
         num_slots, num_pages, page_size, decode_steps, rule, rows, chunk, slot_buckets
     )
-    return LLMEngine(runner, mc, ec, num_pages, tokenizer=tokenizer, seed=0), runner
+    return LLMEngine(runner, mc, ec, num_pages, tokenizer=tokenizer), runner
 
 
 def run_all(engine, max_steps=10_000):

@@ -46,7 +46,7 @@ def make_engine(rule=default_rule, tokenizer=None, max_model_len=64, num_slots=4
         **settings,
     )
     runner = FakeRunner(num_slots, 128, 4, 1, rule, 2, 8, None)
-    return LLMEngine(runner, mc, ec, 128, tokenizer=tokenizer, seed=0)
+    return LLMEngine(runner, mc, ec, 128, tokenizer=tokenizer)
 
 
 def run_all(engine):

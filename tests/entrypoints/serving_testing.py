@@ -67,7 +67,7 @@ def fake_engine(num_slots=2, num_pages=64, page_size=4, max_model_len=64, runner
         prefill_chunk_size=8,
     )
     runner = runner_cls(num_slots, num_pages, page_size, 1, chunk=8)
-    return LLMEngine(runner, mc, ec, num_pages, seed=0)
+    return LLMEngine(runner, mc, ec, num_pages)
 
 
 def wait_idle(engine, timeout: float = 10.0) -> None:
