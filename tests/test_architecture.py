@@ -327,19 +327,19 @@ def _holder_names(func: ast.FunctionDef, self_attrs: set[str]) -> set[str]:
     changed = True
     while changed:
         changed = False
-        for node in ast.walk(func):
-            if not isinstance(node, ast.Assign):
-                continue
-            for target in node.targets:
-                for t, v in _pairs(target, node.value):
-                    if (
-                        isinstance(t, ast.Name)
-                        and _holds(v, names, self_attrs)
-                        and t.id not in names
-                    ):
-                        names.add(t.id)
-                        changed = True
+        for t, v in _assigned_pairs(func):
+            if isinstance(t, ast.Name) and _holds(v, names, self_attrs) and t.id not in names:
+                names.add(t.id)
+                changed = True
     return names
+
+
+def _assigned_pairs(func: ast.FunctionDef):
+    """(target, value) of every assignment in `func`, tuples unpacked (`_pairs`)."""
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                yield from _pairs(target, node.value)
 
 
 def _functions(tree: ast.Module):
@@ -363,19 +363,15 @@ def _holder_attrs(cls: ast.ClassDef) -> set[str]:
             if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
             names = _holder_names(func, attrs)
-            for node in ast.walk(func):
-                if not isinstance(node, ast.Assign):
-                    continue
-                for target in node.targets:
-                    for t, v in _pairs(target, node.value):
-                        if (
-                            isinstance(t, ast.Attribute)
-                            and _is_self(t.value)
-                            and t.attr not in attrs
-                            and _holds(v, names, attrs)
-                        ):
-                            attrs.add(t.attr)
-                            changed = True
+            for t, v in _assigned_pairs(func):
+                if (
+                    isinstance(t, ast.Attribute)
+                    and _is_self(t.value)
+                    and t.attr not in attrs
+                    and _holds(v, names, attrs)
+                ):
+                    attrs.add(t.attr)
+                    changed = True
     return attrs
 
 
