@@ -14,7 +14,6 @@ vllm_settings(settings) -> (settings, VllmOptions)   max_num_seqs, block_size, d
                                                      tokenizer, generation_config
 generation_defaults(model, generation_config)        default sampling params of the model
 kv_budget_bytes / apply_memory_utilization           vLLM's KV budget on an accelerator
-resolve_num_pages(engine_config, model_config)       the KV pool's pages
 mesh_settings(mesh, settings)                        a user's mesh -> the parallel sizes
 """
 
@@ -28,7 +27,6 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.config.speculative import merge_speculative_config
 from jaxserve.core.engine import LLMEngine
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.layers import kv_cache
 
 logger = logging.getLogger(__name__)
 _SETTINGS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
@@ -53,6 +51,7 @@ def build_engine(model: str | ModelConfig | None = None, *, mesh=None, **setting
     for an unknown setting, ValueError naming a bad value (before the model loads, except a
     max_model_len beyond the model's)."""
     from jaxserve.loading import load_model  # lazy: loading pulls in transformers and jax
+    from jaxserve.runner import memory
     from jaxserve.runner.runner import ModelRunner
 
     settings, vllm = vllm_settings(settings)  # vLLM's names -> EngineConfig's
@@ -93,7 +92,11 @@ def build_engine(model: str | ModelConfig | None = None, *, mesh=None, **setting
     if vllm.tokenizer is not None:
         tokenizer = _tokenizer(vllm.tokenizer, vllm.hf_token)
     runner = ModelRunner(
-        loaded.params, config, engine_config, resolve_num_pages(engine_config, config), mesh=mesh
+        loaded.params,
+        config,
+        engine_config,
+        memory.requested_pages(engine_config, config),
+        mesh=mesh,
     )
     engine = LLMEngine(runner, config, engine_config, runner.num_pages, tokenizer=tokenizer)
     return BuiltEngine(
@@ -314,31 +317,6 @@ def apply_memory_utilization(engine_config: EngineConfig, config, params, utiliz
     slot_state = state_bytes(config, engine_config, 0)["slot_state"]
     budget = kv_budget_bytes(utilization, device_memory_bytes(), param_bytes, slot_state)
     return dataclasses.replace(engine_config, kv_cache_memory=budget * devices)
-
-
-def resolve_num_pages(engine_config: EngineConfig, model_config) -> int:
-    """num_pages, else kv_cache_memory // page bytes, else enough for every slot at max_model_len."""
-    cache = engine_config.cache
-    if cache.num_pages is not None:
-        return cache.num_pages
-    if cache.kv_cache_memory is not None:
-        c = model_config
-        per_token = kv_cache.bytes_per_token(
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            cache.kv_cache_dtype,
-            engine_config.load.dtype,
-        )
-        pages = cache.kv_cache_memory // (per_token * cache.page_size)
-        pages -= pages % engine_config.parallel.data_parallel_size  # an equal share per shard
-        if pages < 1:
-            raise ValueError(
-                f"kv_cache_memory={cache.kv_cache_memory} bytes holds no page "
-                f"({per_token * cache.page_size} bytes per page)"
-            )
-        return int(pages)
-    return engine_config.scheduler.num_slots * engine_config.max_pages_per_seq
 
 
 def mesh_settings(mesh, settings: dict) -> dict:

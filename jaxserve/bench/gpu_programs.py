@@ -13,8 +13,8 @@ compile seconds).
 
 The engine is built as `ModelRunner` builds a GPU engine, from the same pieces: `resolve` with
 backend 'gpu', `with_matmul_impl`, `partition.replicate_kv_heads` / `param_specs` under a mesh,
-the pool and slot-state specs, `memory.pallas_pool_pages`; but from `jax.eval_shape`, so an 8B or
-70B model is never allocated. The programs are `ModelRunner.warmup`'s: on one device group a
+the pool's pages (`memory.requested_pages`, `memory.pallas_pool_pages`), the pool and slot-state
+specs; but from `jax.eval_shape`, so an 8B or 70B model is never allocated. The programs are `ModelRunner.warmup`'s: on one device group a
 decode step is `decode_forward` (one per decode shape) then `decode_sample` (one per row bucket);
 a prefill step `prefill_forward` + `prefill_sample` where there are page-table width buckets
 (`prefill` alone otherwise); the data-parallel steps otherwise; the speculative steps when the
@@ -106,7 +106,7 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
     from jaxserve.resolve import data_shard_config, resolve
     from jaxserve.runner import device_state, memory
 
-    c = model_config_for(engine_config)
+    c = loaded = model_config_for(engine_config)
     e = engine_config.for_model(c)
     t, d = e.parallel.tensor_parallel_size, e.parallel.data_parallel_size
     dtype = jnp.dtype(e.load.dtype if e.load.dtype != "auto" else "bfloat16")
@@ -135,8 +135,7 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
         )
         params = {**params, "lora": stacks}
         specs = {**specs, "lora": partition.lora_specs(stacks)}
-    num_pages = e.cache.num_pages or e.scheduler.num_slots * e.max_pages_per_seq
-    num_pages -= num_pages % d
+    num_pages = memory.requested_pages(e, loaded)  # as build_engine's
     if r.model.attention in ("pallas", "mgpu"):
         num_pages = memory.pallas_pool_pages(num_pages, c, e)
 

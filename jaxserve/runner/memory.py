@@ -2,6 +2,7 @@
 
     state_bytes(model_config, engine_config, num_pages)   KV pool and slot state bytes (totals)
     device_memory_bytes()                                  the first local device's memory
+    requested_pages(engine_config, model_config)           the pages the config asks for
     pool_pages(num_pages, model_config, engine_config, attention)
                                                            the pool's pages: for the Pallas
                                                            kernels, and checked (below)
@@ -51,6 +52,29 @@ def device_memory_bytes() -> int:
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def requested_pages(engine_config: EngineConfig, model_config: ModelConfig) -> int:
+    """The pages the config asks for: num_pages, else kv_cache_memory // page bytes (a multiple
+    of data_parallel_size), else enough for every slot at max_model_len. ValueError for a
+    kv_cache_memory that holds no page. `pool_pages` then lowers it where the kernels need it."""
+    cache = engine_config.cache
+    if cache.num_pages is not None:
+        return cache.num_pages
+    if cache.kv_cache_memory is not None:
+        c = model_config
+        per_token = kv_cache.bytes_per_token(
+            c.num_layers, c.num_kv_heads, c.head_dim, cache.kv_cache_dtype, engine_config.load.dtype
+        )
+        pages = cache.kv_cache_memory // (per_token * cache.page_size)
+        pages -= pages % engine_config.parallel.data_parallel_size  # an equal share per shard
+        if pages < 1:
+            raise ValueError(
+                f"kv_cache_memory={cache.kv_cache_memory} bytes holds no page "
+                f"({per_token * cache.page_size} bytes per page)"
+            )
+        return int(pages)
+    return engine_config.scheduler.num_slots * engine_config.max_pages_per_seq
 
 
 def pallas_pool_pages(num_pages: int, model_config: ModelConfig, engine_config: EngineConfig):

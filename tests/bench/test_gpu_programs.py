@@ -179,6 +179,22 @@ def test_every_warmup_program_compiles_deviceless():
             assert r.host_round_trips == {}, (p.name, r.host_round_trips)
 
 
+@pytest.mark.parametrize(
+    "pool,pages",
+    [(dict(num_pages=96), 96), (dict(kv_cache_memory=769 * 4096), 768), (dict(), 16)],
+    ids=["num_pages", "kv_cache_memory", "every_slot"],
+)
+def test_the_pool_has_the_pages_build_engine_asks_for(pool, pages):
+    """The inspector's KV pool has the pages the engine's would (`memory.requested_pages`), not a
+    count of its own: the tiny model's page is 16 tokens x 256 bytes, so 769 pages' bytes give
+    768 pages at DP 2 (an equal share per shard); with neither setting, 4 slots x 4 pages."""
+    config = EngineConfig(
+        model="tiny", num_slots=4, max_model_len=64, dtype="bfloat16", data_parallel_size=2, **pool
+    )
+    e = gpu_programs.abstract_engine(config, "h100")
+    assert e.num_pages == e.cache.num_pages == pages
+
+
 @pytest.mark.parametrize("quantization,target", [(None, "h100"), ("int8", "h200")])
 def test_mosaic_gpu_kernels_inside_the_engine_step(quantization, target):
     """attention_impl='mgpu' (and quant_matmul_impl='mgpu' for INT8 weights), for an H100 and an
