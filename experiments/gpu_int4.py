@@ -58,7 +58,7 @@ FULL = dict(
     # Tile sweep at K = N = 4096 (data for the `plan` heuristic): (M, [Int4MatmulConfig args]).
     sweep=[
         (1, [(16, bc, s) for bc in (16, 32, 64) for s in (4, 8, 16, 32)]),
-        (32, [(32, bc, s) for bc in (16, 32) for s in (2, 8, 16)]),
+        (32, [(bm, bc, s) for bm in (16, 32) for bc in (16, 32) for s in (2, 8)]),
         (512, [(bm, bc, 1, w) for bm in (64, 128) for bc in (16, 32, 64) for w in (4, 8)]),
     ],
 )

@@ -6,7 +6,7 @@ bf16 dot (issue 55).
 
 For INT4 (RTN, g = 128, the packed layout), INT8 and FP8 (e4m3, per-column scales) weights,
 Llama-3-8B projection shapes (4096 x 4096, 4096 x 14336, 14336 x 4096) and decode batches M in
-{1, 8, 16, 64}, each as the engine runs it, one layer of a 32-layer stack read in place at a
+{1, 8, 16, 32, 64}, each as the engine runs it, one layer of a 32-layer stack read in place at a
 traced index:
 
     mosaic   `pallas_kernels/mgpu_w4_matmul.py` / `mgpu_w8_matmul.py` (TMA + wgmma)
@@ -61,7 +61,7 @@ from pallas_kernels.xla_int4_matmul import (
 )
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
-ROWS = (1, 8, 16, 64)
+ROWS = (1, 8, 16, 32, 64)  # the GPU kernel table's buckets: 1-16, 17-32, 33-64
 LAYERS = 32
 KINDS = ("int4", "int8", "fp8")
 GROUP = 128  # INT4's group size (RTN, symmetric)

@@ -33,9 +33,9 @@ Dataflow of `int4_matmul` (N8 = N/8 packed columns, G = K/g groups, S = split-K 
 
 The scale and min factor out of each group's dot because they are constant along k within a group,
 so the weight is never dequantized element by element: per element the kernel does one shift, one
-mask and one convert. Decode batch sizes (M <= 64) run as a GEMV-like split-K launch (bm = 16..64
-rows, padded by masking for tl.dot's M >= 16) with S chosen so the grid fills the H200's 132 SMs
-about twice; prefill (M > 64) runs tiled with S = 1 (no partial-output traffic).
+mask and one convert. Decode batch sizes (M <= 64) run as a GEMV-like split-K launch (bm = 16
+rows per program, padded by masking for tl.dot's M >= 16) with S chosen so the grid fills the
+H200's 132 SMs about twice; prefill (M > 64) runs tiled with S = 1 (no partial-output traffic).
 
 Dimensions need not be powers of two (SmolLM2: K, N in {576, 192, 1536}): every load/store is a
 power-of-two tile of a whole-array ref at a dynamic offset, and the ragged last column block and
@@ -71,6 +71,7 @@ from pallas_kernels.lowering import KernelCheck
 IMPLS = ("pallas", "pallas_interpret", "xla", "reference")
 ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 H200_SMS = 132
+DECODE_BLOCK_M = 16  # tl.dot's smallest M tile; the decode grid runs over row blocks (`plan`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +98,22 @@ class Int4MatmulConfig:
 def plan(m: int, k: int, n: int, group_size: int, num_sms: int = H200_SMS) -> Int4MatmulConfig:
     """Chooses tiles for x[m, k] @ W[k, n] from the shape (a heuristic for the H200, see module doc).
 
-    Decode (m <= 64): the smallest power-of-two row block >= 16 covering m, split-K over groups
-    until the grid has ~2 programs per SM (each split is a divisor of the group count). Prefill:
-    64-row tiles (128 from 1024 rows), no split.
+    Decode (m <= 64): 16-row blocks (the grid runs over them), split-K over groups until the
+    grid has ~2 programs per SM (each split is a divisor of the group count). Prefill: 64-row
+    tiles (128 from 1024 rows), no split.
+
+    Why 16 rows at every decode size: on the H200 (JOURNAL.md 48c, Llama-3-8B 4096 x 14336) one
+    16-row program took 45 us at 8 rows, while one 32-row program took 206 us at 32 rows, 4.5x the
+    time for 2x the rows of each program; two 16-row programs per column block are the same code
+    as the 8-row case's. Each 16-row block reads the layer's 4-bit weight again (4x at 64 rows:
+    the bytes of one bf16 read). Not yet timed on a GPU: the prepared run times it at 32 and 64
+    rows (`experiments/gpu_quant_matmul.py`), and the GPU kernel table takes it only if it wins.
     """
     n8 = n // PACK
     # 32 packed columns (256 outputs) unless 16 wastes fewer masked columns on a ragged N.
     block_c = min((32, 16), key=lambda bc: (-(-n8 // bc) * bc - n8, -bc))
     if m <= 64:
-        block_m = max(16, 1 << max(0, m - 1).bit_length())
+        block_m = DECODE_BLOCK_M
         groups = k // group_size
         programs = -(-m // block_m) * -(-n8 // block_c)
         splits = next(

@@ -15,6 +15,7 @@ names once (`_report`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -112,6 +113,34 @@ def test_decode_reads_each_weight_once_in_place(quantization, slots, kv):
         r.per_layer,
         r.kernel_names,
     )
+
+
+def test_int4_at_32_slots_reads_in_place_once_the_table_gives_the_kernel_32_rows(monkeypatch):
+    """What the prepared GPU run decides for INT4 at 17-32 rows: the shipped table runs XLA's
+    unpack + dot there (each layer's bf16 weight written, 17,850 MiB a step); a table whose 17-32
+    row bucket names the kernel (as `kernel_choices` would write it if the kernel's 16-row blocks
+    win) gets a decode step at 32 slots that reads every INT4 layer in place."""
+    from jaxserve.config import gpu_choices
+
+    shipped = gpu_choices.load()
+    assert [c.candidate for c in shipped if c.op == "int4_matmul" and c.min_rows == 17] == [
+        "xla"
+    ] * 3
+    kernel_to_32 = tuple(
+        dataclasses.replace(c, candidate="pallas")
+        if c.op == "int4_matmul" and c.min_rows == 17
+        else c
+        for c in shipped
+    )
+    monkeypatch.setattr(gpu_choices, "_shipped", lambda: kernel_to_32)
+    e = engine(slots=32, quantization="int4-rtn")
+    assert dict(e.resolved.quant_kernel_rows)["int4_matmul"] == 32
+    program = next(
+        p for p in gpu_programs.warmup_programs(e, ("decode",)) if "rows=32 width=256" in p.name
+    )
+    r = gpu_programs.inspect(e, program)
+    assert r.weight_bytes_materialized == 0, r.materialized
+    assert r.per_layer is not None and r.per_layer <= LAYER_KERNELS["int4-rtn"], r.kernel_names
 
 
 def test_xla_defaults_copy_each_layer_weight_out_of_its_stack():

@@ -105,7 +105,8 @@ def test_the_matmuls_runnable_plan_of_least_time():
     picks = {key: c.candidate for key, c in got.items() if key[0] in gc.MATMUL_OPS}
     assert picks == {
         ("int4_matmul", 1): "mgpu",
-        ("int4_matmul", 17): "xla",
+        ("int4_matmul", 17): "xla",  # not timed at 17-32 rows: the base table's row
+        ("int4_matmul", 33): "xla",
         ("int4_matmul", 65): "xla",
         ("w8_matmul", 1): "mgpu",
         ("w8_matmul", 17): "mgpu",
@@ -125,6 +126,25 @@ def test_the_matmuls_runnable_plan_of_least_time():
     assert got["int4_matmul", 1].candidate == got["w8_matmul", 17].candidate == "pallas"
 
 
+def test_a_kernel_may_win_the_17_32_row_bucket_alone():
+    """Triton fastest up to 32 rows and XLA's path at 64: the INT4 kernel runs up to 32 rows (its
+    16-row blocks, `int4_matmul.plan`), XLA's path above; W8 keeps its kernel to 64 rows."""
+    times = {
+        "int4": {1: (50, 10, 20), 16: (50, 10, 20), 32: (50, 15, 20), 64: (50, 40, 25)},
+        "int8": {1: (60, 5, 12), 64: (60, 9, 15)},
+    }
+    got = propose(quant=matmuls(times))
+    picks = {key: c.candidate for key, c in got.items() if key[0] == "int4_matmul"}
+    assert picks == {
+        ("int4_matmul", 1): "pallas",
+        ("int4_matmul", 17): "pallas",
+        ("int4_matmul", 33): "xla",
+        ("int4_matmul", 65): "xla",
+    }
+    h200 = gc.for_chip("h200", tuple(got.values()))
+    assert h200.kernel_rows == (("int4_matmul", 32), ("w8_matmul", 64))
+
+
 def test_smoke_runs_are_not_measurements():
     res = attention({"pallas": 10, "mgpu": 8, "reference": 30}, {"pallas": 9, "mgpu": 6})
     samples = kc.attention_samples(res)
@@ -139,7 +159,7 @@ def test_a_new_chip_starts_from_the_default_rows():
     samples = kc.attention_samples(attention({"pallas": 10, "mgpu": 8}, {"pallas": 9, "mgpu": 6}))
     out = kc.propose(gc.load(), samples, "b200", "NVIDIA B200 run", measured=True)
     b200 = [c for c in out if c.chip == "b200"]
-    assert out[: len(out) - len(b200)] == gc.load() and len(b200) == 8
+    assert out[: len(out) - len(b200)] == gc.load() and len(b200) == 9
     assert gc.chip_of("NVIDIA B200", out) == "b200"
     assert b200[2].source.startswith("no b200 rows before NVIDIA B200 run: any other GPU")
 

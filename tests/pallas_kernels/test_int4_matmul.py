@@ -38,7 +38,7 @@ def _check(got, x, w):
     )
 
 
-# (rows, K, N, group, dtype): every M in {1, 8, 32, 128}, K/N 576 and 1536, groups 32/64/128,
+# (rows, K, N, group, dtype): every M in {1, 8, 32, 40, 128}, K/N 576 and 1536, groups 32/64/128,
 # ragged packed columns (576/8 = 72, 192/8 = 24) and ragged rows (3).
 CASES = [
     ((1,), 576, 576, 64, jnp.float32),
@@ -46,6 +46,7 @@ CASES = [
     ((32,), 1536, 576, 128, jnp.float32),
     ((128,), 256, 192, 128, jnp.bfloat16),
     ((2, 3), 1536, 192, 32, jnp.bfloat16),
+    ((40,), 576, 192, 64, jnp.bfloat16),  # three 16-row blocks, the last ragged (`plan`)
 ]
 
 
