@@ -102,10 +102,10 @@ def plan(m: int, k: int, n: int, group_size: int, num_sms: int = H200_SMS) -> In
     grid has ~2 programs per SM (each split is a divisor of the group count). Prefill: 64-row
     tiles (128 from 1024 rows), no split.
 
-    Why 16 rows at every decode size: on the H200 (JOURNAL.md 48c, Llama-3-8B 4096 x 14336) one
-    16-row program took 45 us at 8 rows, while one 32-row program took 206 us at 32 rows, 4.5x the
-    time for 2x the rows of each program; two 16-row programs per column block are the same code
-    as the 8-row case's. Each 16-row block reads the layer's 4-bit weight again (4x at 64 rows:
+    Why 16 rows at every decode size: on the H200 (JOURNAL.md 48c, Llama-3-8B 4096 x 14336) the
+    kernel took 45 us at 8 rows (one 16-row block per column block) and 206 us at 32 rows (one
+    32-row block), 4.5x the time for 2x the rows a block; two 16-row blocks per column block are
+    the 8-row case's code twice. Each 16-row block reads the layer's 4-bit weight again (4x at 64 rows:
     the bytes of one bf16 read). Not yet timed on a GPU: the prepared run times it at 32 and 64
     rows (`experiments/gpu_quant_matmul.py`), and the GPU kernel table takes it only if it wins.
     """
