@@ -8,8 +8,9 @@
 # limit and by what is left of GPU_CHECKS_BUDGET_S (default 420 s: a session has 15 minutes of
 # device time, the machine's start included, so one run must leave room to rerun a step); a step
 # with under 20 s left is skipped. By default only env and decode run: decode
-# (experiments/gpu_decode.py, issue 54) times the engine's Llama-3-8B decode step, bf16 and INT4 at
-# 1-64 slots, under the engine's XLA options against XLA's defaults, profiles one case and saves
+# (experiments/gpu_decode.py, issue 54) times the engine's Llama-3-8B decode step, bf16, INT4 and
+# INT8 at 1-64 slots (INT4 at 64 also with its kernel, 'int4-k64'), under the engine's XLA options
+# against XLA's defaults, profiles one case and saves
 # the device's GpuTargetConfigProto (decode/target_config.txtpb, for deviceless compiles on the
 # CPU); it takes what the 7 minutes leave. The other steps (SmolLM2-135M shapes) still run when
 # named, e.g. `bash experiments/gpu_checks.sh env kernels int4`, at most a few per run.

@@ -131,7 +131,7 @@ def test_gpu_decode_smoke(tmp_path):
     assert out["smoke"] is True and "meaningless" in out["note"]
     assert "skipped" in out["target_config"]
     rows = {r["weights"]: r for r in out["cases"]}
-    assert set(rows) == {"bf16", "int4", "int8"}, out["cases"]
+    assert set(rows) == {"bf16", "int4", "int8", "int4-k64"}, out["cases"]
     for w, r in rows.items():
         for v in ("engine", "xla_default"):
             assert r[v]["step_ms"] > 0 and len(r[v]["step_ms_runs"]) == out["spec"]["repeats"], w
