@@ -14,11 +14,12 @@ compile seconds).
 The engine is built as `ModelRunner` builds a GPU engine, from the same pieces: `resolve` with
 backend 'gpu', `with_matmul_impl`, `partition.replicate_kv_heads` / `param_specs` under a mesh,
 the pool's pages (`memory.requested_pages`, `memory.pallas_pool_pages`), the pool and slot-state
-specs; but from `jax.eval_shape`, so an 8B or 70B model is never allocated. The programs are `ModelRunner.warmup`'s: on one device group a
-decode step is `decode_forward` (one per decode shape) then `decode_sample` (one per row bucket);
-a prefill step `prefill_forward` + `prefill_sample` where there are page-table width buckets
-(`prefill` alone otherwise); the data-parallel steps otherwise; the speculative steps when the
-engine speculates; and the slot updates (insert, sync, move, set_grammar).
+specs; but from `jax.eval_shape`, so an 8B or 70B model is never allocated. The programs are
+`ModelRunner.warmup`'s: on one device group a decode step is `decode_forward` (one per decode
+shape) then `decode_sample` (one per row bucket); a prefill step `prefill_forward` +
+`prefill_sample` where there are page-table width buckets (`prefill` alone otherwise); the
+data-parallel steps otherwise; the speculative steps when the engine speculates; and the slot
+updates (insert, sync, move, set_grammar).
 """
 
 from __future__ import annotations
