@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,81 @@ def test_gpu_script_smoke(tmp_path, script, checks):
             assert r["xla_us"] > 0 and r["mosaic_ok"] and r["triton_ok"] and r["xla_ok"], r
     if script in ("gpu_kernels.py", "gpu_quant_matmul.py"):
         assert_reduced(tmp_path, script)
+
+
+def test_a_failing_candidate_is_its_rows_result_not_the_runs_end(tmp_path, monkeypatch):
+    """gpu_quant_matmul.py on a GPU times kernels never run there before (the Mosaic W4A16 /
+    W8A16 kernels): one that fails to compile or run is recorded in its row (its error, ok false,
+    no time) and the others are still timed; the run goes on, and the kernel table is still
+    proposed from what ran (the failed candidate is not chosen)."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import gpu_quant_matmul as script
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    real = script.kernels
+
+    def kernels(kind, interpret):
+        mosaic, *rest = real(kind, interpret)
+
+        def broken(x, *args):
+            raise RuntimeError("Mosaic GPU: no such instruction (a stand-in for a GPU failure)")
+
+        return (broken, *rest)
+
+    monkeypatch.setattr(script, "kernels", kernels)
+    monkeypatch.setattr(sys, "argv", ["gpu_quant_matmul.py", "--smoke", "--out", str(tmp_path)])
+    assert script.main() == 1  # not every candidate was right
+    out = json.loads((tmp_path / "gpu_quant_matmul.json").read_text())
+    assert [r["kind"] for r in out["rows"]] == list(script.KINDS)
+    for r in out["rows"]:
+        assert r["mosaic_error"].startswith("RuntimeError: Mosaic GPU") and not r["mosaic_ok"], r
+        assert "mosaic_us" not in r and r["mosaic_vs_triton"] is None, r
+        assert r["triton_ok"] and r["xla_ok"] and r["triton_us"] > 0 and r["xla_us"] > 0, r
+    assert "| failed |" in (tmp_path / "gpu_quant_matmul.md").read_text()
+    from jaxserve.bench import kernel_choices
+    from jaxserve.config import gpu_choices
+
+    samples = kernel_choices.matmul_samples(out)
+    assert len(samples) == 3 and all("mgpu" not in s.us for s in samples), samples
+    proposed = kernel_choices.propose(gpu_choices.load(), samples, "default", "smoke", False)
+    chosen = {
+        c.candidate for c in proposed if c.chip == "default" and c.op in gpu_choices.MATMUL_OPS
+    }
+    assert "mgpu" not in chosen, chosen
+
+
+def test_a_failing_mosaic_attention_kernel_is_its_rows_result(monkeypatch):
+    """gpu_kernels.py's timings go on when a Mosaic GPU attention kernel fails on the device: its
+    row says why (mgpu_ok false, no time), Triton's and XLA's figures stay, and the markdown
+    names the failure."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import gpu_kernels as script
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Mosaic GPU: barrier error (a stand-in for a GPU failure)")
+
+    monkeypatch.setattr(script, "paged_attention_mgpu", broken)
+    monkeypatch.setattr(script, "paged_prefill_mgpu", broken)
+    deadline = time.monotonic() + 600
+    res = dict(decode=script.bench_decode([2], [64], [16], True, deadline, 10.0))
+    res["prefill"] = script.bench_prefill(1, 16, [64], True, deadline)
+    failed = [r for r in res["decode"] + res["prefill"] if "mgpu_error" in r]
+    assert {r["kernel"] for r in failed} == {"decode", "prefill"}, res
+    for r in failed:
+        assert r["mgpu_error"].startswith("RuntimeError: Mosaic GPU") and not r["mgpu_ok"], r
+        assert "mgpu_us" not in r and r["kernel_us"] > 0 and r["xla_ref_us"] > 0, r
+    whole = dict(device="cpu", jax="", kv_bytes_per_token=script.kv_bytes_per_token())
+    res |= dict(correctness=[], large_pools=[], copy_gbs=10.0)
+    text = script.markdown(whole | res | dict(targets=script.targets(res["decode"], 10.0)))
+    assert "Mosaic GPU decode failed at batch 2" in text
+    from jaxserve.bench import kernel_choices
+
+    samples = kernel_choices.attention_samples(res)
+    assert samples and all("mgpu" not in s.us and "pallas" in s.us for s in samples), samples
 
 
 def assert_reduced(out_dir, script):
