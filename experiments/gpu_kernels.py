@@ -80,6 +80,16 @@ def timeit(fn, *args, min_time=0.1, max_iters=200):
     return seconds_per_call(fn, args, iters, repeats=2)
 
 
+def mosaic_call(fn, args, ref_out, interpret: bool) -> tuple[float, float]:
+    """(seconds per call, max abs error against the reference's output) of a Mosaic GPU kernel:
+    timed on a GPU; interpreted, one call's wall time (the smoke run's figure)."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    seconds = time.perf_counter() - t0
+    err = float(jnp.max(jnp.abs(out - ref_out).astype(jnp.float32)))
+    return (seconds if interpret else timeit(fn, *args)), err
+
+
 def random_pool(key, layers, pages, ps, kv, kvh=KVH, d=D):
     """(k, v, k_scale, v_scale) of a random pool in the KV dtype `kv`, made on the device."""
     k1, k2, k3, k4 = jax.random.split(key, 4)
@@ -459,12 +469,7 @@ def bench_decode(batches, contexts, page_sizes, interpret, deadline, copy_gbs) -
                     mosaic = ""
                     if not interpret or kv == "bf16":  # interpreted it is slow: smoke checks one
                         try:  # a kernel never run on a GPU: its failure is its row's result
-                            t0 = time.perf_counter()
-                            out = jax.block_until_ready(mgpu(*args))
-                            t_m = time.perf_counter() - t0  # the smoke run's figure: one call
-                            err = float(jnp.max(jnp.abs(out - ref_out).astype(jnp.float32)))
-                            if not interpret:
-                                t_m = timeit(mgpu, *args)
+                            t_m, err = mosaic_call(mgpu, args, ref_out, interpret)
                             mgbs = decode_bytes(batch, ctx, kv) / t_m / 1e9
                             row.update(
                                 mgpu_us=t_m * 1e6,
@@ -571,12 +576,7 @@ def bench_prefill(batch, chunk, contexts, interpret, deadline) -> list[dict]:
             mosaic = ""
             if not interpret or kv == "bf16":  # interpreted it is slow: smoke checks one
                 try:  # a kernel never run on a GPU: its failure is its row's result
-                    t0 = time.perf_counter()
-                    out = jax.block_until_ready(mgpu(*args))
-                    t_m = time.perf_counter() - t0  # the smoke run's figure: one call
-                    err = float(jnp.max(jnp.abs(out - ref_out).astype(jnp.float32)))
-                    if not interpret:
-                        t_m = timeit(mgpu, *args)
+                    t_m, err = mosaic_call(mgpu, args, ref_out, interpret)
                     row.update(
                         mgpu_us=t_m * 1e6,
                         mgpu_tflops=flops / t_m / 1e12,
