@@ -6,8 +6,9 @@ build_engine(model, mesh=None, **settings) -> BuiltEngine
     loads -> the mesh (made here, once, unless the caller holds one; its `parallel` group) ->
     the weights (its `load` group), straight onto their shards -> the config filled for the
     model (once), whose groups the parts read (`config.scheduler`, `config.cache`, ...) -> the KV
-    budget -> ModelRunner -> LLMEngine. The runner and the engine take these finished objects
-    and derive no config or mesh of their own.
+    budget -> the runner's blueprint (`runner.blueprint.blueprint`: the backend's choices, the KV
+    heads under TP, the pool's pages) -> ModelRunner -> LLMEngine. The runner and the engine take these
+    finished objects and derive no config or mesh of their own.
 
 vllm_settings(settings) -> (settings, VllmOptions)   max_num_seqs, block_size, dtype aliases,
                                                      speculative_config; gpu_memory_utilization,
@@ -51,7 +52,7 @@ def build_engine(model: str | ModelConfig | None = None, *, mesh=None, **setting
     for an unknown setting, ValueError naming a bad value (before the model loads, except a
     max_model_len beyond the model's)."""
     from jaxserve.loading import load_model  # lazy: loading pulls in transformers and jax
-    from jaxserve.runner import memory
+    from jaxserve.runner.blueprint import blueprint
     from jaxserve.runner.runner import ModelRunner
 
     settings, vllm = vllm_settings(settings)  # vLLM's names -> EngineConfig's
@@ -91,13 +92,7 @@ def build_engine(model: str | ModelConfig | None = None, *, mesh=None, **setting
     tokenizer = loaded.tokenizer
     if vllm.tokenizer is not None:
         tokenizer = _tokenizer(vllm.tokenizer, vllm.hf_token)
-    runner = ModelRunner(
-        loaded.params,
-        config,
-        engine_config,
-        memory.requested_pages(engine_config, config),
-        mesh=mesh,
-    )
+    runner = ModelRunner(loaded.params, blueprint(loaded.params, config, engine_config, mesh=mesh))
     engine = LLMEngine(runner, config, engine_config, runner.num_pages, tokenizer=tokenizer)
     return BuiltEngine(
         engine=engine,

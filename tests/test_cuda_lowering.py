@@ -29,6 +29,7 @@ from jaxserve.quant import quantize_params, with_matmul_impl
 from jaxserve.resolve import DecodeShape, PrefillShape, resolve
 from jaxserve.runner import runner as runner_lib
 from jaxserve.runner import slot_state, steps
+from jaxserve.runner.blueprint import blueprint
 from jaxserve.runner.input_batch import PrefillBatch
 from pallas_kernels.check import h200_mesh
 
@@ -175,7 +176,7 @@ def test_every_warmup_program_lowers_for_cuda():
         prefill_chunk_size=CHUNK,
         max_num_batched_tokens=512,
     )
-    runner = runner_lib.ModelRunner(params, c, ec, NUM_PAGES, backend="gpu")
+    runner = runner_lib.ModelRunner(params, blueprint(params, c, ec, NUM_PAGES, backend="gpu"))
     r = runner.resolved
     assert r.model.attention == "pallas" and r.slot_buckets == (NUM_SLOTS,)  # the GPU's choices
     spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731

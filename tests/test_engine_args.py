@@ -77,21 +77,21 @@ def test_the_runner_and_engine_take_only_finished_objects():
     from jaxserve.core.engine import LLMEngine
     from jaxserve.loading.dummy import dummy_params
     from jaxserve.parallel.mesh import make_mesh
-    from jaxserve.runner.runner import ModelRunner
+    from jaxserve.runner.blueprint import blueprint
     from jaxserve.testing.fake_runner import FakeRunner
 
     mc = ModelConfig.preset("tiny")
     params = dummy_params(mc, "float32")
     unfilled = EngineConfig(num_slots=2, max_model_len=64, page_size=16, dtype="float32")
     with pytest.raises(ValueError, match=r"filled for the model: engine_config.for_model"):
-        ModelRunner(params, mc, unfilled, 8)
+        blueprint(params, mc, unfilled, 8)
     with pytest.raises(ValueError, match=r"filled for the model: config.for_model"):
         LLMEngine(FakeRunner(2, 8, 16, 1), mc, unfilled, 8)
     tp2 = dataclasses.replace(unfilled, tensor_parallel_size=2).for_model(mc)
     with pytest.raises(ValueError, match="needs a mesh of 2 devices"):
-        ModelRunner(params, mc, tp2, 8)
+        blueprint(params, mc, tp2, 8)
     with pytest.raises(ValueError, match=r"mesh's \(data, model\) sizes \(1, 1\)"):
-        ModelRunner(params, mc, tp2, 8, mesh=make_mesh(1, 1))
+        blueprint(params, mc, tp2, 8, mesh=make_mesh(1, 1))
 
 
 def test_every_setting_reaches_every_front_door_with_one_default(parsed):

@@ -48,6 +48,7 @@ class GpuTarget:
     device_kind: str  # e.g. "NVIDIA H100 80GB HBM3"
     memory_bandwidth: float  # bytes/s, the HBM roofline of a memory-bound step
     num_cores: int  # streaming multiprocessors
+    memory_bytes: int  # the chip's memory, which the KV pool and slot state must fit in
 
 
 def target(name_or_path: str) -> GpuTarget:
@@ -75,6 +76,7 @@ def target(name_or_path: str) -> GpuTarget:
         device_kind=field("name"),
         memory_bandwidth=field("memory_bandwidth", float),
         num_cores=field("core_count", int),
+        memory_bytes=field("device_memory_size", int),
     )
 
 

@@ -11,10 +11,10 @@ target config file): `python -m jaxserve.launch.gpu_programs --model=llama3-8b -
 launches, launches outside CUDA graphs, host round trips, weight bytes copied, collectives,
 compile seconds).
 
-The engine is built as `ModelRunner` builds a GPU engine, from the same pieces: `resolve` with
-backend 'gpu', `with_matmul_impl`, `partition.replicate_kv_heads` / `param_specs` under a mesh,
-the pool's pages (`memory.requested_pages`, `memory.pallas_pool_pages`), the pool and slot-state
-specs; but from `jax.eval_shape`, so an 8B or 70B model is never allocated. The programs are
+The engine is built from `build_engine`'s blueprint (`runner.blueprint.blueprint` with backend
+'gpu', the chip's kernel table row and memory) and `ModelRunner`'s layout (`device_state.kernel_layout`,
+`partition.param_specs` under a mesh, `device_state.state_fns` / `state_specs`); but from
+`jax.eval_shape`, so an 8B or 70B model is never allocated. The programs are
 `ModelRunner.warmup`'s: on one device group a decode step is `decode_forward` (one per decode
 shape) then `decode_sample` (one per row bucket); a prefill step `prefill_forward` +
 `prefill_sample` where there are page-table width buckets (`prefill` alone otherwise); the
@@ -100,35 +100,40 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
     from jax.sharding import NamedSharding
 
     from jaxserve.layers import lora as lora_layers
-    from jaxserve.layers.embedding import is_quantized
     from jaxserve.models import llama
     from jaxserve.parallel import partition
-    from jaxserve.quant import quantize_params, with_matmul_impl
-    from jaxserve.resolve import data_shard_config, resolve
-    from jaxserve.runner import device_state, memory
+    from jaxserve.quant import quantize_params
+    from jaxserve.runner import device_state
+    from jaxserve.runner.blueprint import blueprint
 
-    c = loaded = model_config_for(engine_config)
-    e = engine_config.for_model(c)
+    loaded = model_config_for(engine_config)
+    e = engine_config.for_model(loaded)
     t, d = e.parallel.tensor_parallel_size, e.parallel.data_parallel_size
     dtype = jnp.dtype(e.load.dtype if e.load.dtype != "auto" else "bfloat16")
-    params = jax.eval_shape(lambda k: llama.init_params(c, k, dtype), jax.random.key(0))
+    params = jax.eval_shape(lambda k: llama.init_params(loaded, k, dtype), jax.random.key(0))
     if e.load.quantization:
         params = jax.eval_shape(
-            lambda p: quantize_params(p, c, e.load.quantization, row_shards=t), params
+            lambda w: quantize_params(w, loaded, e.load.quantization, row_shards=t), params
         )
-    shard = data_shard_config(e)  # the step shapes are one data shard's, as ModelRunner's
-    plain = not any(map(is_quantized, params["layers"].values()))
-    r = resolve(shard, c, "gpu", plain_weights=plain, device_kind=target.device_kind)
-    params = with_matmul_impl(params, r.quant_matmul, r.quant_kernel_rows)
-    rules = {}
+    # the runner's blueprint, for this chip: build_engine's
+    b = blueprint(
+        params,
+        loaded,
+        e,
+        backend="gpu",
+        mesh=mesh,
+        device_kind=target.device_kind,
+        memory_bytes=target.memory_bytes,
+    )
+    c = b.model_config
+    specs = {}
 
-    def partitioned(p):  # traced: quantized column weights are repacked for T abstractly
-        p, rules["config"] = partition.replicate_kv_heads(p, c, t)
-        p, rules["specs"] = partition.param_specs(p, rules["config"], t)
-        return p
+    def laid_out(params):  # the runner's layout; quantized column weights repacked for T
+        params, specs["params"] = partition.param_specs(device_state.kernel_layout(params, b), c, t)
+        return params
 
-    params = jax.eval_shape(partitioned, params)
-    c, specs = rules["config"], rules["specs"]
+    params = jax.eval_shape(laid_out, params)
+    specs = specs["params"]
     lora = e.lora
     if lora.enable_lora:  # every adapter slot's stacks, split as ModelRunner splits them
         stacks = jax.eval_shape(
@@ -136,12 +141,7 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
         )
         params = {**params, "lora": stacks}
         specs = {**specs, "lora": partition.lora_specs(stacks)}
-    num_pages = memory.requested_pages(e, loaded)  # as build_engine's
-    if r.model.attention in ("pallas", "mgpu"):
-        num_pages = memory.pallas_pool_pages(num_pages, c, e)
-
-    init_cache, init_state = device_state.state_fns(c, e, r, num_pages)  # as ModelRunner's
-    cache, state = jax.eval_shape(init_cache), jax.eval_shape(init_state)
+    cache, state = map(jax.eval_shape, device_state.state_fns(b))  # ModelRunner's
     cache_specs, state_specs = device_state.state_specs(cache, state, d)
 
     def placed(tree, spec_tree):
@@ -154,12 +154,12 @@ def abstract_engine(engine_config, target: GpuTarget | str = "h100") -> Abstract
     return AbstractEngine(
         engine_config=e,
         model_config=c,
-        resolved=r,
+        resolved=b.resolved,
         mesh=mesh,
         params=placed(params, specs),
         cache=placed(cache, cache_specs),
         state=placed(state, state_specs),
-        num_pages=num_pages,
+        num_pages=b.num_pages,
         target=target,
     )
 

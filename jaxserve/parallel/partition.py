@@ -3,6 +3,8 @@ placement of params, KV pool and slot state on a ('data', 'model') mesh.
 
     ROLES                                  param name -> role
     replicate_kv_heads(params, config, T)  -> (params, config): KV heads copied up to T
+                                              (`kv_columns` + `take_kv_columns`, and
+                                              `replicated_config`)
     param_specs(params, config, T)         -> (params, specs): PartitionSpec pytree for `params`
                                               (quantized weights repacked/tagged for their role)
     shard_params(params, config, mesh)     -> params on the mesh (each device gets its slice only)
@@ -105,26 +107,45 @@ def _take_columns(w, cols: np.ndarray):
     return jnp.take(w, jnp.asarray(cols), axis=-1)
 
 
-def replicate_kv_heads(params: dict, config: ModelConfig, t: int) -> tuple[dict, ModelConfig]:
-    """(params, config) with the KV heads copied up to T when T exceeds them (vLLM's rule): the
-    wk/wv (and bk/bv) columns of head j are those of head `kv_head_map[j]`, config.num_kv_heads
-    = T. Exact: columns are copied, quantized ones without requantizing."""
+def kv_columns(config: ModelConfig, t: int) -> np.ndarray | None:
+    """The wk / wv (bk / bv) output columns each of the T replicated KV heads copies, head j's
+    from head `kv_head_map[j]` (None: nothing replicates). An adapter's columns follow them."""
     heads = kv_head_map(config, t)
     if heads is None:
-        return params, config
+        return None
     dh = config.head_dim
-    cols = (heads[:, None] * dh + np.arange(dh)[None, :]).reshape(-1)
-    layers = dict(params["layers"])
-    for name in ("wk", "wv", "bk", "bv"):
-        if name in layers:
-            layers[name] = _take_columns(layers[name], cols)
+    return (heads[:, None] * dh + np.arange(dh)[None, :]).reshape(-1)
+
+
+def replicated_config(config: ModelConfig, t: int) -> ModelConfig:
+    """`config` with its KV heads copied up to T where T exceeds them (vLLM's rule)."""
+    if kv_head_map(config, t) is None:
+        return config
     logger.info(
         "tensor_parallel_size %d > %d KV heads: each KV head replicated %d times",
         t,
         config.num_kv_heads,
         t // config.num_kv_heads,
     )
-    return {**params, "layers": layers}, dataclasses.replace(config, num_kv_heads=t)
+    return dataclasses.replace(config, num_kv_heads=t)
+
+
+def take_kv_columns(params: dict, cols: np.ndarray | None) -> dict:
+    """`params` with wk / wv (and bk / bv) reduced to columns `cols` (`kv_columns`; None: as
+    they are). Exact: columns are copied, quantized ones without requantizing."""
+    if cols is None:
+        return params
+    layers = dict(params["layers"])
+    for name in ("wk", "wv", "bk", "bv"):
+        if name in layers:
+            layers[name] = _take_columns(layers[name], cols)
+    return {**params, "layers": layers}
+
+
+def replicate_kv_heads(params: dict, config: ModelConfig, t: int) -> tuple[dict, ModelConfig]:
+    """(params, config) with the KV heads copied up to T when T exceeds them: `take_kv_columns`
+    of `kv_columns`, and `replicated_config`."""
+    return take_kv_columns(params, kv_columns(config, t)), replicated_config(config, t)
 
 
 # -- specs --------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """JAX's persistent compilation cache, on by default for every engine (`EngineConfig.compilation_cache`).
 
-    directory(setting) -> str | None     where the cache goes ('auto', a path, or 'off' -> None)
+    directory(setting) -> str | None     where the cache goes ('auto', a path, or 'off' -> None;
+                                         None too where the user turned jax's cache off)
     enable(setting) -> str | None        turns it on for this process (unless jax has one already)
+    autotune_dir(setting) -> str | None  XLA:GPU's autotuning results, beside the programs
 
 A GPU engine's warm-up compiles tens of programs (65 in 97 s for SmolLM2 on the H200, JOURNAL.md
 48d); the cache makes every later start load them (on this CPU: 31 s of compiling became 1.4 s,
@@ -36,8 +38,9 @@ def default_directory() -> Path:
 
 def directory(setting: str) -> str | None:
     """The folder `setting` names: 'auto' -> jax's own if set, else `default_directory()`;
-    'off' -> None; any other text -> that path."""
-    if setting == "off":
+    'off' -> None; any other text -> that path. None too where the user turned jax's cache off
+    (JAX_ENABLE_COMPILATION_CACHE=false)."""
+    if setting == "off" or not jax.config.jax_enable_compilation_cache:
         return None
     if setting == "auto":
         return jax.config.jax_compilation_cache_dir or str(default_directory())
@@ -48,7 +51,7 @@ def enable(setting: str) -> str | None:
     """Turns the persistent cache on in `directory(setting)` (see the module docstring); returns
     the folder, or None when `setting` is 'off' or the folder cannot be made."""
     path = directory(setting)
-    if path is None or not jax.config.jax_enable_compilation_cache:  # the user turned it off
+    if path is None:
         return None
     if jax.config.jax_compilation_cache_dir == path:
         return path
@@ -63,10 +66,16 @@ def enable(setting: str) -> str | None:
     return path
 
 
-def autotune_dir(cache_dir: str | None) -> str | None:
-    """Where XLA:GPU keeps per-fusion autotuning results: a folder beside the compiled programs."""
+def autotune_dir(setting: str) -> str | None:
+    """Where XLA:GPU keeps per-fusion autotuning results: a folder beside the compiled programs of
+    `directory(setting)` (None where there are none, or the folder cannot be made)."""
+    cache_dir = directory(setting)
     if cache_dir is None:
         return None
     path = Path(cache_dir) / "autotune"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        logger.warning("autotuning cache off: cannot make %s (%s)", path, e)
+        return None
     return str(path)

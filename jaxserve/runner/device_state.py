@@ -2,11 +2,14 @@
 program inspector (`bench/gpu_programs.py`) builds the same pool and slot state abstractly.
 
     check_built(engine_config, mesh)
-        what the runner is given is finished: the config filled for the model, the mesh of its
-        parallel sizes (the runner derives neither: `engine_args.build_engine` makes both)
-    layout_params(params, model_config, resolved, mesh) -> params
-        the quantized weights' matmul impl, the CPU kernels' [out, in] layout, each device's shards
-    state_fns(model_config, engine_config, resolved, num_pages) -> (init_cache, init_state)
+        what a blueprint is made from is finished (`runner.blueprint.blueprint` asks): the
+        config filled for the model, the mesh of its parallel sizes (`build_engine` makes both)
+    kernel_layout(params, blueprint) -> params
+        the KV heads' columns copied up to T, the quantized weights' matmul impl, the CPU
+        kernels' [out, in] layout (a pure transform: the inspector runs it abstractly)
+    layout_params(params, blueprint) -> params
+        kernel_layout, then each device's shards
+    state_fns(blueprint) -> (init_cache, init_state)
         the KV pool and the slot state, as functions (to allocate, or to `jax.eval_shape`)
     state_specs(cache, state, data_shards) -> (cache specs, state specs)
         how they split over the mesh: the pool by pages over 'data', the slots per data shard
@@ -51,38 +54,46 @@ def check_built(engine_config: EngineConfig, mesh) -> None:
         )
 
 
-def layout_params(params, model_config, resolved, mesh):
-    """The loaded params as the resolved kernels read them, on their shards (mesh None: one
-    device). `model_config` has the KV heads the params have (`partition.replicate_kv_heads`)."""
-    params = with_matmul_impl(params, resolved.quant_matmul, resolved.quant_kernel_rows)
-    if resolved.weight_layout == "out_in":
-        kernel = resolved.model.cpu_matmul
+def kernel_layout(params, blueprint):
+    """`params` as the blueprint's kernels read them (`runner.blueprint.Blueprint`): the KV heads'
+    columns copied up to T, the quantized weights' matmul impl, the C++ CPU kernels' [out, in]
+    layout. A pure transform of the arrays (the GPU inspector runs it under `jax.eval_shape`)."""
+    r = blueprint.resolved
+    params = partition.take_kv_columns(params, blueprint.kv_columns)
+    params = with_matmul_impl(params, r.quant_matmul, r.quant_kernel_rows)
+    if r.weight_layout == "out_in":
+        kernel = r.model.cpu_matmul
         params = {**params, "layers": linear.cpu_layout(params["layers"], kernel)}
         head = params.get("lm_head")
         if kernel and isinstance(head, jax.Array):  # untied logits: the C++ matmul too
             params = {**params, "lm_head": linear.transposed(head, kernel)}
-    if mesh is not None:
-        params = partition.shard_params(params, model_config, mesh)
     return params
 
 
-def state_fns(model_config, engine_config, resolved, num_pages):
-    """(init_cache, init_state): the paged KV pool of `num_pages` and the slot state of every
-    slot (its page table `resolved.max_pages` wide; the n-gram proposer's token history only
-    when speculating, `spec_decode.py`)."""
-    cache, sched = engine_config.cache, engine_config.scheduler
-    history_len = sched.max_model_len if engine_config.speculative.num_speculative_tokens else 0
-    dtype = engine_config.load.dtype
+def layout_params(params, blueprint):
+    """The loaded params as the blueprint's kernels read them (`kernel_layout`), on their shards
+    of `blueprint.mesh` (None: one device)."""
+    params = kernel_layout(params, blueprint)
+    if blueprint.mesh is not None:
+        params = partition.shard_params(params, blueprint.model_config, blueprint.mesh)
+    return params
+
+
+def state_fns(blueprint):
+    """(init_cache, init_state): the paged KV pool of `blueprint.num_pages` and the slot state of
+    every slot (its page table `resolved.max_pages` wide; the n-gram proposer's token history
+    only when speculating, `spec_decode.py`)."""
+    e, c, r = blueprint.engine_config, blueprint.model_config, blueprint.resolved
+    cache, sched = e.cache, e.scheduler
+    history_len = sched.max_model_len if e.speculative.num_speculative_tokens else 0
 
     def init_cache():
         return steps.init_cache(
-            model_config, num_pages, cache.page_size, cache.kv_cache_dtype, dtype
+            c, blueprint.num_pages, cache.page_size, cache.kv_cache_dtype, e.load.dtype
         )
 
     def init_state():
-        return slot_state.init_slot_state(
-            sched.num_slots, resolved.max_pages, model_config.vocab_size, history_len
-        )
+        return slot_state.init_slot_state(sched.num_slots, r.max_pages, c.vocab_size, history_len)
 
     return init_cache, init_state
 

@@ -1,7 +1,8 @@
 """An engine's LoRA adapter stacks on the device (`layers/lora.py`): allocated and split over the
 mesh like their base weights, and each adapter written into its slot in place.
 
-    lora = LoRAStacks(params, model_config, lora_config, mesh, kv_cols)  (ModelRunner)
+    lora = LoRAStacks(params, model_config, lora_config, mesh, kv_cols)  (ModelRunner, with its
+                                                   plan's model config and KV columns)
     params["lora"] = lora.stacks                 zeros, every slot
     params["lora"] = lora.write(params["lora"], slot, adapter)    one program, any slot / adapter
 """
@@ -19,16 +20,6 @@ from jaxserve.models.params import model_dtype
 from jaxserve.parallel import partition
 
 
-def kv_columns(config: ModelConfig, t: int) -> np.ndarray | None:
-    """The wk / wv output columns each of the T replicated KV heads copies (None: no
-    replication), as `partition.replicate_kv_heads` copies them."""
-    heads = partition.kv_head_map(config, t)
-    if heads is None:
-        return None
-    dh = config.head_dim
-    return (heads[:, None] * dh + np.arange(dh)[None, :]).reshape(-1)
-
-
 class LoRAStacks:
     def __init__(
         self,
@@ -39,8 +30,8 @@ class LoRAStacks:
         kv_cols: np.ndarray | None,
     ):
         """model_config: the runner's (KV heads replicated up to T where T exceeds them);
-        kv_cols: `kv_columns` of the checkpoint's config, or None: an adapter's wk / wv columns
-        are copied the same way when it is written."""
+        kv_cols: `partition.kv_columns` of the checkpoint's config, or None: an adapter's wk / wv
+        columns are copied the same way when it is written."""
         c = lora_config
         self.model_config, self.max_rank, self.kv_cols = model_config, c.max_lora_rank, kv_cols
 

@@ -3,7 +3,7 @@
     state_bytes(model_config, engine_config, num_pages)   KV pool and slot state bytes (totals)
     device_memory_bytes()                                  the first local device's memory
     requested_pages(engine_config, model_config)           the pages the config asks for
-    pool_pages(num_pages, model_config, engine_config, attention)
+    pool_pages(num_pages, model_config, engine_config, attention, memory_bytes)
                                                            the pool's pages: for the Pallas
                                                            kernels, and checked (below)
     pallas_pool_pages(num_pages, model_config, engine_config)   pages the Pallas kernels read right
@@ -101,21 +101,29 @@ def pallas_pool_pages(num_pages: int, model_config: ModelConfig, engine_config: 
     return safe
 
 
-def pool_pages(num_pages: int, model_config, engine_config, attention: str) -> int:
+def pool_pages(
+    num_pages: int, model_config, engine_config, attention: str, memory_bytes: int | None = None
+) -> int:
     """The KV pool's pages: `num_pages`, lowered where the Pallas kernels would misread the pool
     (`pallas_pool_pages`; 'pallas' and 'mgpu' attention both run the Pallas prefill kernel), and
     checked against the device's memory (`check_memory`) before anything is allocated."""
     if attention in ("pallas", "mgpu"):
         num_pages = pallas_pool_pages(num_pages, model_config, engine_config)
-    check_memory(model_config, engine_config, num_pages)
+    check_memory(model_config, engine_config, num_pages, memory_bytes)
     return num_pages
 
 
-def check_memory(model_config: ModelConfig, engine_config: EngineConfig, num_pages: int) -> None:
-    """ValueError naming num_slots / num_pages when the pool and slot state cannot fit, instead of
-    an opaque allocation failure inside XLA."""
+def check_memory(
+    model_config: ModelConfig,
+    engine_config: EngineConfig,
+    num_pages: int,
+    memory_bytes: int | None = None,
+) -> None:
+    """ValueError naming num_slots / num_pages when the pool and slot state cannot fit in
+    `memory_bytes` (None: this process's device, `device_memory_bytes`), instead of an opaque
+    allocation failure inside XLA."""
     need = state_bytes(model_config, engine_config, num_pages)
-    have = device_memory_bytes()
+    have = device_memory_bytes() if memory_bytes is None else memory_bytes
     if sum(need.values()) > have:
         gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
         raise ValueError(

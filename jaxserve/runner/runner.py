@@ -11,7 +11,9 @@ state, and runs scheduler plans through the jitted steps of `steps.py`.
     fetch(handle)    ONE device->host transfer of the step's new tokens (and log-probs when a
                      request asked) -> StepResult
 
-The step's features are objects of their own, built once with the engine's choices:
+It is built from a finished `Blueprint` (`runner/blueprint.py`: the config filled for the model,
+the mesh, the resolved choices, the pool's pages), and derives nothing of its own. The step's
+features are objects of their own, built once with the blueprint's choices:
 
     shards           `DataShards`: data parallelism (the step shapes and batches of D shards)
     structured       `StructuredDecoding`: the grammar masks, and the decode step's program(s)
@@ -35,24 +37,14 @@ import logging
 import jax
 import numpy as np
 
-from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.request import Request
 from jaxserve.core.runner_api import StepResult
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.core.slot_row import make_slot_row
 from jaxserve.core.structured_outputs import GrammarMasks
-from jaxserve.layers.embedding import is_quantized
-from jaxserve.parallel import partition
-from jaxserve.resolve import (
-    DecodeShape,
-    PrefillShape,
-    Resolved,
-    data_shard_config,
-    resolve,
-)
+from jaxserve.resolve import DecodeShape, PrefillShape
 from jaxserve.runner import (
     compile_cache,
-    cpu_backend,
     device_state,
     input_batch,
     lora_stacks,
@@ -61,6 +53,7 @@ from jaxserve.runner import (
     steps,
     warmup,
 )
+from jaxserve.runner.blueprint import Blueprint
 from jaxserve.runner.data_shards import DataShards
 from jaxserve.runner.prefill_strategy import PrefillStrategy
 from jaxserve.runner.speculative_decoding import SpeculativeDecoding
@@ -73,80 +66,42 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Implements `jaxserve.core.runner_api.Runner` on the device.
 
-    backend: the backend whose choices to make (`jaxserve.resolve`); default the one jax runs
-    on, read once here. A test lowering a GPU engine's steps on the CPU passes "gpu".
-    mesh: a ('data', 'model') `jax.sharding.Mesh` to run on (`jaxserve.parallel`); default one
-    of data_parallel_size x tensor_parallel_size devices (`EngineConfig.parallel`), needed when
-    either exceeds 1 (`engine_args.build_engine` makes it), else none (one device, nothing
-    sharded).
-    engine_config: filled for the model (`EngineConfig.for_model`); the runner derives no config
-    of its own but one data shard's (`resolve.data_shard_config`), and hands each of its parts
-    the groups it reads (`config.scheduler`, `config.speculative`, ...).
+    params: the loaded weights (on their shards already where the loader placed them).
+    blueprint: everything decided before this (`runner.blueprint.blueprint`, which
+    `engine_args.build_engine` calls): the config filled for the model, the model config with
+    its KV heads replicated up to T, the mesh (None: one device), the resolved choices of one
+    data shard, the pool's pages.
+    The runner derives nothing of its own: it lays out the params, allocates the pool and slot
+    state, and hands each of its parts the groups it reads (`config.scheduler`, ...).
     """
 
-    def __init__(
-        self,
-        params,
-        model_config: ModelConfig,
-        engine_config: EngineConfig,
-        num_pages: int,
-        backend: str | None = None,
-        mesh=None,
-    ):
-        device_state.check_built(engine_config, mesh)
-        parallel, sched = engine_config.parallel, engine_config.scheduler
-        t, d = parallel.tensor_parallel_size, parallel.data_parallel_size
-        self.mesh = mesh
-        self.shards = DataShards(sched.num_slots, num_pages, d)
-        backend = backend or jax.default_backend()
-        # what this process and machine offer: the compilation cache, the C++ CPU kernels
-        self.compilation_cache_dir = compile_cache.enable(
-            engine_config.compilation.compilation_cache
-        )
-        autotune = (
-            compile_cache.autotune_dir(self.compilation_cache_dir) if backend == "gpu" else None
-        )
-        cpu_kernel = cpu_backend.attention_kernel(backend, engine_config.kernels)
-        cpu_matmul = cpu_backend.matmul_kernel(backend, engine_config.kernels, mesh)
-        kv_cols = None
-        if mesh is not None:
-            # the KV heads copied up to T where T exceeds them; an adapter's wk / wv columns
-            # follow the same map (`lora_stacks.LoRAStacks`)
-            kv_cols = lora_stacks.kv_columns(model_config, t)
-            params, model_config = partition.replicate_kv_heads(params, model_config, t)
-        self.resolved: Resolved = resolve(
-            data_shard_config(engine_config),  # the step shapes are one data shard's
-            model_config,
-            backend,
-            cpu_kernel=cpu_kernel,
-            cpu_matmul=cpu_matmul,
-            plain_weights=not any(map(is_quantized, params["layers"].values())),
-            autotune_cache_dir=autotune,
-            device_kind=jax.devices()[0].device_kind if backend == "gpu" else None,
-        )
-        r = self.resolved
-        self.model_config = model_config
-        self.config = engine_config
-        self.num_slots = sched.num_slots
+    def __init__(self, params, blueprint: Blueprint):
+        e, r = blueprint.engine_config, blueprint.resolved
+        self.blueprint = blueprint
+        self.mesh = blueprint.mesh
+        self.config = e
+        self.model_config = model_config = blueprint.model_config
+        self.resolved = r
+        self.num_slots = e.scheduler.num_slots
+        self.num_pages = blueprint.num_pages  # the engine's allocator takes this count
         self.slot_buckets = r.slot_buckets
-        params = device_state.layout_params(params, model_config, r, mesh)
+        self.shards = DataShards(self.num_slots, blueprint.num_pages, blueprint.data_shards)
+        # this process's persistent compilation cache (the blueprint chose its autotuning folder)
+        self.compilation_cache_dir = compile_cache.enable(e.compilation.compilation_cache)
+        params = device_state.layout_params(params, blueprint)
         self.lora = None
-        if engine_config.lora.enable_lora:
+        if e.lora.enable_lora:  # an adapter's wk / wv columns follow the KV heads' copies
             self.lora = lora_stacks.LoRAStacks(
-                params, model_config, engine_config.lora, mesh, kv_cols
+                params, model_config, e.lora, blueprint.mesh, blueprint.kv_columns
             )
             params = {**params, "lora": self.lora.stacks}
         self.params = params
-        # the pool's pages (the engine's allocator takes this count), checked before allocating
-        self.num_pages = num_pages = memory.pool_pages(
-            num_pages, model_config, engine_config, r.model.attention
-        )
-        init = device_state.state_fns(model_config, engine_config, r, num_pages)
-        self.cache, self.state = device_state.allocate(*init, mesh, d)
+        init = device_state.state_fns(blueprint)
+        self.cache, self.state = device_state.allocate(*init, blueprint.mesh, blueprint.data_shards)
         # the step's features, which run the steps over what the runner holds
-        self.structured = StructuredDecoding(sched, r, model_config, self.shards)
-        self.speculative = SpeculativeDecoding(engine_config.speculative, r, model_config)
-        self.prefill_strategy = PrefillStrategy(r, model_config, self.shards, mesh)
+        self.structured = StructuredDecoding(e.scheduler, r, model_config, self.shards)
+        self.speculative = SpeculativeDecoding(e.speculative, r, model_config)
+        self.prefill_strategy = PrefillStrategy(r, model_config, self.shards, blueprint.mesh)
         self._page_table = np.zeros((self.num_slots, r.max_pages), np.int32)  # host mirror
         self._active = np.zeros((self.num_slots,), bool)  # host mirror of state.active
         self._dirty = False

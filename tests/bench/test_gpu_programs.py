@@ -224,6 +224,19 @@ def test_the_pool_has_the_pages_build_engine_asks_for(pool, pages):
     assert e.num_pages == e.cache.num_pages == pages
 
 
+def test_a_pool_the_chip_cannot_hold_is_refused_as_the_engine_refuses_it():
+    """The inspector's engine comes from the engine's blueprint (`runner/blueprint.py`), so a pool
+    is checked against the chip's memory as a GPU engine checks it: Llama-3-8B's bf16 KV is
+    128 KiB a token, so 45,000 pages of 16 tokens (88 GiB) exceed an H100's 79 GiB and fit an
+    H200's 141 GiB."""
+    config = EngineConfig(
+        model="llama3-8b", num_slots=8, max_model_len=4096, dtype="bfloat16", num_pages=45_000
+    )
+    with pytest.raises(ValueError, match="num_pages=45000 need 87.9 GiB of KV pages"):
+        gpu_programs.abstract_engine(config, "h100")
+    assert gpu_programs.abstract_engine(config, "h200").num_pages == 45_000
+
+
 @pytest.mark.parametrize("quantization,target", [(None, "h100"), ("int8", "h200")])
 def test_mosaic_gpu_kernels_inside_the_engine_step(quantization, target):
     """attention_impl='mgpu' (and quant_matmul_impl='mgpu' for INT8 weights), for an H100 and an

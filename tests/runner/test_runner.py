@@ -14,6 +14,7 @@ from jaxserve.layers.linear import TransposedWeight
 from jaxserve.loading.dummy import dummy_params
 from jaxserve.resolve import AUTO_CPU_MATMUL
 from jaxserve.runner import input_batch, steps
+from jaxserve.runner.blueprint import blueprint
 from jaxserve.runner.runner import ModelRunner
 
 KW = dict(
@@ -202,7 +203,7 @@ def test_state_and_cache_are_donated():
         prefill_chunk_size=16,
         max_num_batched_tokens=32,
     )
-    runner = ModelRunner(params, cfg, ec, num_pages=8)
+    runner = ModelRunner(params, blueprint(params, cfg, ec, 8))
     old_cache, old_last = runner.cache.k, runner.state.last_token
     jax.block_until_ready(runner.generate(runner.resolved.decode_shapes()[0]))
     assert old_cache.is_deleted() and old_last.is_deleted()
@@ -235,9 +236,9 @@ def test_runner_stores_plain_layer_weights_transposed_on_cpu():
     cfg = ModelConfig.preset("tiny")
     params = dummy_params(cfg, "float32")
     ec = EngineConfig(num_slots=4, max_model_len=64, page_size=32, dtype="float32").for_model(cfg)
-    gpu = ModelRunner(params, cfg, ec, num_pages=8, backend="gpu")
+    gpu = ModelRunner(params, blueprint(params, cfg, ec, 8, backend="gpu"))
     assert all(isinstance(w, jax.Array) for w in gpu.params["layers"].values())
-    runner = ModelRunner(params, cfg, ec, num_pages=8, backend="cpu")
+    runner = ModelRunner(params, blueprint(params, cfg, ec, 8, backend="cpu"))
     layers = runner.params["layers"]
     for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
         assert isinstance(layers[name], TransposedWeight), name
@@ -430,7 +431,8 @@ def test_gpu_runner_keeps_one_byte_pools_where_the_kernels_read_them(
     ec = EngineConfig(
         num_slots=2, max_model_len=64, page_size=16, dtype="float32", kv_cache_dtype=kv
     ).for_model(cfg)
-    runner = ModelRunner(dummy_params(cfg, "float32"), cfg, ec, num_pages=num_pages, backend="gpu")
+    params = dummy_params(cfg, "float32")
+    runner = ModelRunner(params, blueprint(params, cfg, ec, num_pages, backend="gpu"))
     assert runner.num_pages == runner.cache.num_pages == want
-    cpu = ModelRunner(dummy_params(cfg, "float32"), cfg, ec, num_pages=num_pages, backend="cpu")
+    cpu = ModelRunner(params, blueprint(params, cfg, ec, num_pages, backend="cpu"))
     assert cpu.num_pages == num_pages  # the XLA paths index with 64-bit offsets where needed
