@@ -298,7 +298,7 @@ def apply_memory_utilization(engine_config: EngineConfig, config, params, utiliz
     it; so does jaxserve (the default num_pages apply)."""
     import jax
 
-    from jaxserve.runner.memory import device_memory_bytes, state_bytes
+    from jaxserve.runner.memory import device_memory_bytes, per_device, state_bytes
 
     if jax.local_devices()[0].platform == "cpu" or engine_config.cache.num_pages is not None:
         logger.info("gpu_memory_utilization ignored (CPU, or num_pages given)")
@@ -309,7 +309,7 @@ def apply_memory_utilization(engine_config: EngineConfig, config, params, utiliz
     parallel = engine_config.parallel
     devices = parallel.tensor_parallel_size * parallel.data_parallel_size
     param_bytes = bytes_on_device(params, jax.local_devices()[0])
-    slot_state = state_bytes(config, engine_config, 0)["slot_state"]
+    slot_state = per_device(state_bytes(config, engine_config, 0), engine_config)["slot_state"]
     budget = kv_budget_bytes(utilization, device_memory_bytes(), param_bytes, slot_state)
     return dataclasses.replace(engine_config, kv_cache_memory=budget * devices)
 

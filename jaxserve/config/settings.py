@@ -139,8 +139,9 @@ class EngineSettings:
     )
     kv_cache_memory: int | None = setting(
         None,
-        "KV cache size in bytes (the flag reads 8GiB, 512MiB, 2e9), which sets num_pages when "
-        "num_pages is None. Default: None (see num_pages).",
+        "KV cache size in bytes (the flag reads 8GiB, 512MiB, 2e9): the whole pool's, over "
+        "every device, with KV heads copied up to tensor_parallel_size counted as allocated; it "
+        "sets num_pages when num_pages is None. Default: None (see num_pages).",
         check=optional(positive_int),
         group="cache",
     )

@@ -17,9 +17,9 @@ mesh of its parallel sizes: `device_state.check_built`), then decides, in order:
     choices        `resolve` on `backend` for one data shard (`resolve.data_shard_config`), with
                    what this process offers: the C++ CPU kernels (`cpu_backend`), the GPU's
                    autotuning cache (`compile_cache.autotune_dir`), the chip's kernel table row
-    the pool       the pages the config asks for (`memory.requested_pages`, of the checkpoint's
-                   KV heads), lowered where the Pallas kernels need it and checked against the
-                   device's memory (`memory.pool_pages`)
+    the pool       the pages the config asks for (`memory.requested_pages`, of the pool's own
+                   KV heads, replicas included), lowered where the Pallas kernels need it, and
+                   one device's share checked against its memory (`memory.pool_pages`)
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def blueprint(
     num_pages: the pool's pages before the kernels' limits (None: `memory.requested_pages`).
     backend: whose choices to make (None: the one jax runs on; a test lowering a GPU engine's
     steps on the CPU passes "gpu"). device_kind: the GPU's (None: this process's first device,
-    on GPU). memory_bytes: what the pool and slot state must fit in (None: this process's
-    device, `memory.device_memory_bytes`). ValueError naming what is not finished or does not
+    on GPU). memory_bytes: what one device's share of the pool and slot state must fit in
+    (None: this process's first device, `memory.device_memory_bytes`). ValueError naming what is not finished or does not
     fit."""
     device_state.check_built(engine_config, mesh)
     e = engine_config
@@ -93,9 +93,16 @@ def blueprint(
         else None,
         device_kind=device_kind if gpu else None,
     )
-    if num_pages is None:
-        num_pages = memory.requested_pages(e, model_config)
-    num_pages = memory.pool_pages(num_pages, config, e, resolved.model.attention, memory_bytes)
+    if num_pages is None:  # the pool's own KV heads: kv_cache_memory is what it allocates
+        num_pages = memory.requested_pages(e, config)
+    num_pages = memory.pool_pages(
+        num_pages,
+        config,
+        e,
+        resolved.model.attention,
+        memory_bytes,
+        shared_memory=backend == "cpu",  # a CPU's devices share the host's RAM
+    )
     return Blueprint(
         engine_config=e,
         model_config=config,

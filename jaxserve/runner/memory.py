@@ -3,11 +3,14 @@
     state_bytes(model_config, engine_config, num_pages)   KV pool and slot state bytes (totals)
     device_memory_bytes()                                  the first local device's memory
     requested_pages(engine_config, model_config)           the pages the config asks for
-    pool_pages(num_pages, model_config, engine_config, attention, memory_bytes)
+    pool_pages(num_pages, model_config, engine_config, attention, memory_bytes, shared_memory)
                                                            the pool's pages: for the Pallas
                                                            kernels, and checked (below)
+    per_device(state_bytes, engine_config)                 one device's share of them
     pallas_pool_pages(num_pages, model_config, engine_config)   pages the Pallas kernels read right
-    check_memory(...)                                      ValueError before an allocation fails
+    check_memory(...)                                      ValueError before an allocation fails:
+                                                           one device's share against its memory
+                                                           (every share against a CPU's RAM)
     bytes_on_device(tree, device)                          bytes of `tree`'s shards on `device`
     memory_plan(runner) -> dict                            per device: params, KV pool, slot
                                                            state, workspace; pages per data shard
@@ -102,15 +105,29 @@ def pallas_pool_pages(num_pages: int, model_config: ModelConfig, engine_config: 
 
 
 def pool_pages(
-    num_pages: int, model_config, engine_config, attention: str, memory_bytes: int | None = None
+    num_pages: int,
+    model_config,
+    engine_config,
+    attention: str,
+    memory_bytes: int | None = None,
+    shared_memory: bool = False,
 ) -> int:
     """The KV pool's pages: `num_pages`, lowered where the Pallas kernels would misread the pool
     (`pallas_pool_pages`; 'pallas' and 'mgpu' attention both run the Pallas prefill kernel), and
     checked against the device's memory (`check_memory`) before anything is allocated."""
     if attention in ("pallas", "mgpu"):
         num_pages = pallas_pool_pages(num_pages, model_config, engine_config)
-    check_memory(model_config, engine_config, num_pages, memory_bytes)
+    check_memory(model_config, engine_config, num_pages, memory_bytes, shared_memory)
     return num_pages
+
+
+def per_device(need: dict, engine_config: EngineConfig) -> dict:
+    """One device's share of `state_bytes`: the pool is split over the KV heads ('model', the
+    heads replicated up to T where T exceeds them) and its pages over 'data'; the slot state is
+    split over 'data' and replicated over 'model' (`device_state.state_specs`)."""
+    t = engine_config.parallel.tensor_parallel_size
+    d = engine_config.parallel.data_parallel_size
+    return {"kv_pool": -(-need["kv_pool"] // (t * d)), "slot_state": -(-need["slot_state"] // d)}
 
 
 def check_memory(
@@ -118,18 +135,24 @@ def check_memory(
     engine_config: EngineConfig,
     num_pages: int,
     memory_bytes: int | None = None,
+    shared_memory: bool = False,
 ) -> None:
-    """ValueError naming num_slots / num_pages when the pool and slot state cannot fit in
-    `memory_bytes` (None: this process's device, `device_memory_bytes`), instead of an opaque
-    allocation failure inside XLA."""
+    """ValueError naming num_slots / num_pages when one device's share of the pool and slot state
+    (`per_device`) cannot fit in `memory_bytes` (None: this process's first device,
+    `device_memory_bytes`), instead of an opaque allocation failure inside XLA. shared_memory:
+    the devices share one memory (a CPU's host RAM), which must then hold every device's share."""
     need = state_bytes(model_config, engine_config, num_pages)
+    if not shared_memory:
+        need = per_device(need, engine_config)
     have = device_memory_bytes() if memory_bytes is None else memory_bytes
     if sum(need.values()) > have:
         gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+        where = "in all" if shared_memory else "per device"
         raise ValueError(
             f"num_slots={engine_config.scheduler.num_slots} and num_pages={num_pages} need "
-            f"{gib(need['kv_pool'])} of KV pages and {gib(need['slot_state'])} of slot state, "
-            f"more than the device's {gib(have)}: lower num_slots, num_pages or kv_cache_memory"
+            f"{gib(need['kv_pool'])} of KV pages and {gib(need['slot_state'])} of slot state "
+            f"{where}, more than the device's {gib(have)}: lower num_slots, num_pages or "
+            "kv_cache_memory"
         )
 
 

@@ -237,6 +237,44 @@ def test_a_pool_the_chip_cannot_hold_is_refused_as_the_engine_refuses_it():
     assert gpu_programs.abstract_engine(config, "h200").num_pages == 45_000
 
 
+def test_one_devices_share_of_the_pool_is_what_must_fit_its_memory():
+    """Under TP the pool is split over the KV heads, so each H100 holds an eighth of Llama-3-70B's:
+    40,000 pages of 16 tokens (320 KiB a token: 195 GiB in all) are 24.4 GiB a device and fit;
+    140,000 pages are 85.4 GiB a device and are refused, naming the share."""
+    config = dict(
+        model="llama3-70b",
+        num_slots=8,
+        max_model_len=4096,
+        dtype="bfloat16",
+        tensor_parallel_size=8,
+    )
+    e = gpu_programs.abstract_engine(EngineConfig(num_pages=40_000, **config), "h100")
+    assert e.num_pages == 40_000
+    with pytest.raises(ValueError, match="85.4 GiB of KV pages .* per device"):
+        gpu_programs.abstract_engine(EngineConfig(num_pages=140_000, **config), "h100")
+
+
+def test_kv_cache_memory_is_the_bytes_of_the_pool_with_its_replicated_heads():
+    """The tiny model has 2 KV heads; at TP 4 each is copied twice, so a page of 16 tokens is
+    8 KiB in the pool (4 heads x 2 layers x 16 dims x k, v x bf16 x 16 tokens): 800 pages' bytes
+    give 800 pages, and the pool allocates no more than it was given (counting the checkpoint's
+    2 heads made it 1,600 pages, twice the bytes)."""
+    import math
+
+    config = EngineConfig(
+        model="tiny",
+        num_slots=4,
+        max_model_len=64,
+        dtype="bfloat16",
+        tensor_parallel_size=4,
+        kv_cache_memory=800 * 8192,
+    )
+    e = gpu_programs.abstract_engine(config, "h100")
+    assert e.model_config.num_kv_heads == 4 and e.num_pages == 800
+    pool = sum(math.prod(a.shape) * a.dtype.itemsize for a in (e.cache.k, e.cache.v))
+    assert pool == 800 * 8192
+
+
 @pytest.mark.parametrize("quantization,target", [(None, "h100"), ("int8", "h200")])
 def test_mosaic_gpu_kernels_inside_the_engine_step(quantization, target):
     """attention_impl='mgpu' (and quant_matmul_impl='mgpu' for INT8 weights), for an H100 and an
