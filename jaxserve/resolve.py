@@ -8,9 +8,10 @@ kernels get their implementation as static arguments (`ModelImpl`), and the runn
 get their shape buckets from here. The choices:
 
     attention      auto -> on GPU the GPU kernel table's choice for the chip (below: today
-                   'pallas', the Triton kernels, on every chip); on CPU 'cpu_kernel' (decode and
-                   prefill through the C++ kernel of `cpu_kernels/`, read in place from the pool;
-                   JOURNAL.md sections 37 and 39) when it built here, else 'ragged' (XLA decode
+                   'pallas', the Triton kernels, on every chip), 'reference' (XLA's gather) for a
+                   model they cannot tile (`gpu_choices.attention_misfit`); on CPU 'cpu_kernel'
+                   (decode and prefill through the C++ kernel of `cpu_kernels/`, read in place
+                   from the pool; JOURNAL.md 37, 39) when it built here, else 'ragged' (XLA decode
                    over the step's live pages, its cost following the live tokens; prefill
                    chunks through `pallas_kernels.attention.xla.prefill_attention`)
     dense matmul   auto -> 'cpu_kernel' on CPU for bf16 weights on one device when the C++ matmul
@@ -272,6 +273,7 @@ class Resolved:
 # 'cpu_kernel' takes any loop.
 AUTO_CPU_MATMUL = ("avx512bf16", "avx2")
 
+
 # The command types XLA:GPU may record into CUDA graphs: its defaults, and while loops and
 # conditionals, which inside a graph are decided on the device (outside one, XLA's
 # ConditionalThunk, and a WhileThunk without a known trip count, copy the predicate to the host
@@ -335,11 +337,13 @@ def resolve(
     cpu = backend == "cpu"
     table = gpu_choices.for_device(device_kind) if backend == "gpu" else None
     attention = kernels.attention_impl
-    if attention == "auto":
-        if table is not None:
-            attention = table.attention
-        else:
-            attention = "cpu_kernel" if cpu and cpu_kernel else "ragged"
+    if attention == "auto" and table is not None:  # the table's kernels, where they run the model
+        misfit = gpu_choices.attention_misfit(table.attention, m.head_dim)
+        attention = "reference" if misfit else table.attention
+    elif attention == "auto":
+        attention = "cpu_kernel" if cpu and cpu_kernel else "ragged"
+    elif why := gpu_choices.attention_misfit(attention, m.head_dim):
+        raise ValueError(f"attention_impl={attention!r}: {why}; 'reference' runs any model")
     if attention == "cpu_kernel" and not (cpu and cpu_kernel):
         raise ValueError(
             f"attention_impl='cpu_kernel' needs the CPU backend and the built C++ kernel "

@@ -22,6 +22,23 @@ def resolved(backend="cpu", cpu_kernel=False, cpu_matmul=None, **kw):
     return resolve(config, TINY, backend, cpu_kernel=cpu_kernel, cpu_matmul=cpu_matmul)
 
 
+def test_a_head_dim_the_gpu_kernels_cannot_tile_takes_xlas_gather_on_gpu():
+    """Phi-3-mini's heads are 96 wide; the Triton kernels tile powers of two ('mgpu' hands them
+    what its Mosaic kernels refuse). On GPU 'auto' takes 'reference' (XLA's gather); an
+    explicit 'pallas' or 'mgpu' is refused at build, naming head_dim, not at the first trace."""
+    phi = ModelConfig.preset("phi3-mini")
+
+    def gpu(**kw):
+        return resolve(EngineConfig(max_model_len=512, **kw).for_model(phi), phi, "gpu")
+
+    assert gpu().model.attention == "reference"
+    for impl in ("pallas", "mgpu", "pallas_interpret"):
+        with pytest.raises(ValueError, match="power-of-two head_dim, got 96"):
+            gpu(attention_impl=impl)
+    assert gpu(attention_impl="ragged").model.attention == "ragged"
+    assert resolved("gpu").model.attention == "pallas"  # a 16-wide head: the kernels
+
+
 def test_backend_choices():
     cpu, gpu = resolved("cpu"), resolved("gpu")
     assert (cpu.model.attention, gpu.model.attention) == ("ragged", "pallas")

@@ -5,6 +5,7 @@
     for_chip(chip, choices) -> ChipChoices      what the engine runs there (`jaxserve.resolve`)
     for_device(device_kind) -> ChipChoices      the two above on the shipped table
     to_toml(choices) -> str                     the file's text (`load` reads it back unchanged)
+    attention_misfit(attention, head_dim)       why the attention kernels cannot run a model
 
 A row says: on GPU `chip`, operation `op` (over a bucket of rows, for the quantized matmuls) runs
 `candidate`; `measured` says whether a GPU run timed the candidates there and chose this one
@@ -282,3 +283,15 @@ __all__ = [
     "parse",
     "to_toml",
 ]
+
+
+def attention_misfit(attention: str, head_dim: int) -> str | None:
+    """Why the GPU attention kernels `attention` ('pallas', 'mgpu' and their interpret modes)
+    cannot run a model of heads `head_dim` wide, or None. The Triton kernels tile the head
+    dimension in powers of two (Phi-3-mini's 96 is not one), and 'mgpu' hands them every call its
+    Mosaic GPU kernels refuse (`layers/attention.py`). On GPU 'auto' then takes 'reference', XLA's
+    gather form (the H200 timed it at 57.5 us against the Triton kernel's 203.4 us at 512
+    tokens: JOURNAL.md 48b)."""
+    if attention.startswith(("pallas", "mgpu")) and head_dim & (head_dim - 1):
+        return f"the Triton kernels need a power-of-two head_dim, got {head_dim}"
+    return None

@@ -278,6 +278,10 @@ def decoder_layer(
     a_in = norm(x, "attn_norm")  # (B, T, D)
     q, k, v = projs(a_in, ("wq", "wk", "wv"))
     if c.attention_bias:
+        # the biases add after the GEMMs, not in their epilogue: on GPU a GEMM with a bias
+        # epilogue cannot read its weight in place from the layer stack, so XLA copied Qwen2's
+        # q/k/v weights out of it every step (tests/bench/test_gpu_programs.py)
+        q, k, v = jax.lax.optimization_barrier((q, k, v))
         q = q + lp["bq"].astype(dtype)
         k = k + lp["bk"].astype(dtype)
         v = v + lp["bv"].astype(dtype)
