@@ -7,8 +7,8 @@ build_engine(model, mesh=None, **settings) -> BuiltEngine
     the weights (its `load` group), straight onto their shards -> the config filled for the
     model (once), whose groups the parts read (`config.scheduler`, `config.cache`, ...) -> the KV
     budget -> the runner's blueprint (`runner.blueprint.blueprint`: the backend's choices, the KV
-    heads under TP, the pool's pages) -> ModelRunner -> LLMEngine. The runner and the engine take these
-    finished objects and derive no config or mesh of their own.
+    heads under TP, the pool's pages) -> ModelRunner -> LLMEngine. The runner and the engine
+    take these finished objects and derive no config or mesh of their own.
 
 vllm_settings(settings) -> (settings, VllmOptions)   max_num_seqs, block_size, dtype aliases,
                                                      speculative_config; gpu_memory_utilization,

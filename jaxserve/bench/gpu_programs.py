@@ -12,11 +12,11 @@ launches, launches outside CUDA graphs, host round trips, weight bytes copied, c
 compile seconds).
 
 The engine is built from `build_engine`'s blueprint (`runner.blueprint.blueprint` with backend
-'gpu', the chip's kernel table row and memory) and `ModelRunner`'s layout (`device_state.kernel_layout`,
-`partition.param_specs` under a mesh, `device_state.state_fns` / `state_specs`); but from
-`jax.eval_shape`, so an 8B or 70B model is never allocated. The programs are
-`ModelRunner.warmup`'s: on one device group a decode step is `decode_forward` (one per decode
-shape) then `decode_sample` (one per row bucket); a prefill step `prefill_forward` +
+'gpu', the chip's kernel table row and memory) and `ModelRunner`'s layout
+(`device_state.kernel_layout`, `partition.param_specs` under a mesh, `device_state.state_fns` /
+`state_specs`); but from `jax.eval_shape`, so an 8B or 70B model is never allocated. The
+programs are `ModelRunner.warmup`'s: on one device group a decode step is `decode_forward` (one
+per decode shape) then `decode_sample` (one per row bucket); a prefill step `prefill_forward` +
 `prefill_sample` where there are page-table width buckets (`prefill` alone otherwise); the
 data-parallel steps otherwise; the speculative steps when the engine speculates; and the slot
 updates (insert, sync, move, set_grammar).

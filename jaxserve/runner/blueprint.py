@@ -71,8 +71,8 @@ def blueprint(
     backend: whose choices to make (None: the one jax runs on; a test lowering a GPU engine's
     steps on the CPU passes "gpu"). device_kind: the GPU's (None: this process's first device,
     on GPU). memory_bytes: what one device's share of the pool and slot state must fit in
-    (None: this process's first device, `memory.device_memory_bytes`). ValueError naming what is not finished or does not
-    fit."""
+    (None: this process's first device, `memory.device_memory_bytes`). ValueError naming what
+    is not finished or does not fit."""
     device_state.check_built(engine_config, mesh)
     e = engine_config
     backend = backend or jax.default_backend()
