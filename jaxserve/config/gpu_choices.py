@@ -268,23 +268,6 @@ def to_toml(choices: tuple[Choice, ...]) -> str:
     return "\n".join(out)
 
 
-__all__ = [
-    "ATTENTION_OPS",
-    "CANDIDATES",
-    "DEFAULT_CHIP",
-    "KERNELS",
-    "MATMUL_OPS",
-    "ChipChoices",
-    "Choice",
-    "chip_of",
-    "for_chip",
-    "for_device",
-    "load",
-    "parse",
-    "to_toml",
-]
-
-
 def attention_misfit(attention: str, head_dim: int) -> str | None:
     """Why the GPU attention kernels `attention` ('pallas', 'mgpu' and their interpret modes)
     cannot run a model of heads `head_dim` wide, or None. The Triton kernels tile the head
@@ -295,3 +278,21 @@ def attention_misfit(attention: str, head_dim: int) -> str | None:
     if attention.startswith(("pallas", "mgpu")) and head_dim & (head_dim - 1):
         return f"the Triton kernels need a power-of-two head_dim, got {head_dim}"
     return None
+
+
+__all__ = [
+    "ATTENTION_OPS",
+    "CANDIDATES",
+    "DEFAULT_CHIP",
+    "KERNELS",
+    "MATMUL_OPS",
+    "ChipChoices",
+    "Choice",
+    "attention_misfit",
+    "chip_of",
+    "for_chip",
+    "for_device",
+    "load",
+    "parse",
+    "to_toml",
+]

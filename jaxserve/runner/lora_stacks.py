@@ -2,7 +2,7 @@
 mesh like their base weights, and each adapter written into its slot in place.
 
     lora = LoRAStacks(params, model_config, lora_config, mesh, kv_cols)  (ModelRunner, with its
-                                                   plan's model config and KV columns)
+                                                   blueprint's model config and KV columns)
     params["lora"] = lora.stacks                 zeros, every slot
     params["lora"] = lora.write(params["lora"], slot, adapter)    one program, any slot / adapter
 """

@@ -221,6 +221,13 @@ def test_every_warmup_program_compiles_deviceless():
             assert r.host_round_trips == {}, (p.name, r.host_round_trips)
 
 
+def sized(model: str, target: str = "h100", **settings):
+    """The inspector's bf16 engine of `model` with these pool settings (nothing compiled)."""
+    return gpu_programs.abstract_engine(
+        EngineConfig(model=model, dtype="bfloat16", **settings), target
+    )
+
+
 @pytest.mark.parametrize(
     "pool,pages",
     [(dict(num_pages=96), 96), (dict(kv_cache_memory=769 * 4096), 768), (dict(), 16)],
@@ -230,10 +237,7 @@ def test_the_pool_has_the_pages_build_engine_asks_for(pool, pages):
     """The inspector's KV pool has the pages the engine's would (`memory.requested_pages`), not a
     count of its own: the tiny model's page is 16 tokens x 256 bytes, so 769 pages' bytes give
     768 pages at DP 2 (an equal share per shard); with neither setting, 4 slots x 4 pages."""
-    config = EngineConfig(
-        model="tiny", num_slots=4, max_model_len=64, dtype="bfloat16", data_parallel_size=2, **pool
-    )
-    e = gpu_programs.abstract_engine(config, "h100")
+    e = sized("tiny", num_slots=4, max_model_len=64, data_parallel_size=2, **pool)
     assert e.num_pages == e.cache.num_pages == pages
 
 
@@ -242,29 +246,20 @@ def test_a_pool_the_chip_cannot_hold_is_refused_as_the_engine_refuses_it():
     is checked against the chip's memory as a GPU engine checks it: Llama-3-8B's bf16 KV is
     128 KiB a token, so 45,000 pages of 16 tokens (88 GiB) exceed an H100's 79 GiB and fit an
     H200's 141 GiB."""
-    config = EngineConfig(
-        model="llama3-8b", num_slots=8, max_model_len=4096, dtype="bfloat16", num_pages=45_000
-    )
+    config = dict(num_slots=8, max_model_len=4096, num_pages=45_000)
     with pytest.raises(ValueError, match="num_pages=45000 need 87.9 GiB of KV pages"):
-        gpu_programs.abstract_engine(config, "h100")
-    assert gpu_programs.abstract_engine(config, "h200").num_pages == 45_000
+        sized("llama3-8b", **config)
+    assert sized("llama3-8b", "h200", **config).num_pages == 45_000
 
 
 def test_one_devices_share_of_the_pool_is_what_must_fit_its_memory():
     """Under TP the pool is split over the KV heads, so each H100 holds an eighth of Llama-3-70B's:
     40,000 pages of 16 tokens (320 KiB a token: 195 GiB in all) are 24.4 GiB a device and fit;
     140,000 pages are 85.4 GiB a device and are refused, naming the share."""
-    config = dict(
-        model="llama3-70b",
-        num_slots=8,
-        max_model_len=4096,
-        dtype="bfloat16",
-        tensor_parallel_size=8,
-    )
-    e = gpu_programs.abstract_engine(EngineConfig(num_pages=40_000, **config), "h100")
-    assert e.num_pages == 40_000
+    config = dict(num_slots=8, max_model_len=4096, tensor_parallel_size=8)
+    assert sized("llama3-70b", num_pages=40_000, **config).num_pages == 40_000
     with pytest.raises(ValueError, match="85.4 GiB of KV pages .* per device"):
-        gpu_programs.abstract_engine(EngineConfig(num_pages=140_000, **config), "h100")
+        sized("llama3-70b", num_pages=140_000, **config)
 
 
 def test_kv_cache_memory_is_the_bytes_of_the_pool_with_its_replicated_heads():
@@ -274,15 +269,9 @@ def test_kv_cache_memory_is_the_bytes_of_the_pool_with_its_replicated_heads():
     2 heads made it 1,600 pages, twice the bytes)."""
     import math
 
-    config = EngineConfig(
-        model="tiny",
-        num_slots=4,
-        max_model_len=64,
-        dtype="bfloat16",
-        tensor_parallel_size=4,
-        kv_cache_memory=800 * 8192,
+    e = sized(
+        "tiny", num_slots=4, max_model_len=64, tensor_parallel_size=4, kv_cache_memory=800 * 8192
     )
-    e = gpu_programs.abstract_engine(config, "h100")
     assert e.model_config.num_kv_heads == 4 and e.num_pages == 800
     pool = sum(math.prod(a.shape) * a.dtype.itemsize for a in (e.cache.k, e.cache.v))
     assert pool == 800 * 8192
