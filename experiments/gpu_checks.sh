@@ -4,7 +4,7 @@
 #
 #   bash experiments/gpu_checks.sh [STEP ...]    # default: env decode (about 6 minutes)
 #
-# Steps: env decode kernels int4 w8 engine warmup tp cvs. Each runs under `timeout`, capped by its own
+# Steps: env decode kernels int4 w8 moe engine warmup tp cvs. Each runs under `timeout`, capped by its own
 # limit and by what is left of GPU_CHECKS_BUDGET_S (default 420 s: a session has 15 minutes of
 # device time, the machine's start included, so one run must leave room to rerun a step); a step
 # with under 20 s left is skipped. By default only env and decode run: decode
@@ -63,6 +63,7 @@ run_step() {
   kernels) step kernels 260 python3 experiments/gpu_kernels.py --out "$R/kernels" --budget_s 150 ;;
   int4) step int4 130 python3 experiments/gpu_int4.py --out "$R/int4" --no-sweep --iters 50 ;;
   w8) step w8 200 python3 experiments/gpu_quant_matmul.py --out "$R/w8" --budget_s 150 ;;
+  moe) step moe 200 python3 experiments/gpu_moe.py --out "$R/moe" --budget_s 150 ;;
   engine) step engine 170 python3 experiments/gpu_engine_check.py --out "$R/engine" --budget_s 90 ;;
   warmup)
     step warmup 150 python3 experiments/warmup_cost.py --model=smollm2-135m --load_format=dummy \

@@ -39,13 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.quant import int4, rtn
-from pallas_kernels.int4_matmul import (
-    Int4MatmulConfig,
-    int4_matmul,
-    int4_matmul_reference,
-    int4_matmul_xla,
-    plan,
-)
+from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference, int4_matmul_xla
+from pallas_kernels.int4_plan import Int4MatmulConfig, plan
 
 FULL = dict(
     check=[(m, 4096, 4096, 128) for m in (1, 8, 32, 128, 512)]

@@ -25,7 +25,10 @@ get their shape buckets from here. The choices:
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
                    1.17-1.42x faster on decode-sized batches; JOURNAL.md section 21), else 'in_out'
     moe matmul     'tiled' on CPU (a loop over row tiles of the chosen experts: XLA's CPU
-                   `ragged_dot` does E times the work; JOURNAL.md section 33), 'ragged_dot' else
+                   `ragged_dot` does E times the work; JOURNAL.md section 33); on GPU 'kernel'
+                   for quantized experts with a kernel impl (the same tiles in one launch of the
+                   INT4 / W8A16 kernel per weight, each expert read in place; JOURNAL.md 63a),
+                   'ragged_dot' else
     min rows       4 on CPU: smaller matmuls are padded (a one-row bf16 dot converts the whole
                    weight to f32 there; JOURNAL.md section 17); 2 on GPU, where XLA rewrites a
                    one-row dot with an f32 result (the tied logits) as a multiply-reduce over
@@ -74,7 +77,7 @@ class ModelImpl:
     # 'reference'
     attention: str = "reference"
     min_matmul_rows: int = 1  # plain matmuls of fewer rows are padded up to this
-    moe_matmul: str = "ragged_dot"  # 'ragged_dot' | 'tiled': `layers/moe.py`'s grouped path
+    moe_matmul: str = "ragged_dot"  # 'ragged_dot' | 'tiled' | 'kernel': `layers/moe.py`'s paths
     # plain bf16 matmuls run through the C++ CPU matmul (every batch size)
     cpu_matmul: bool = False
 
@@ -120,6 +123,15 @@ def cpu_slot_buckets(num_slots: int) -> tuple[int, ...]:
         out += [b, b * 3 // 2]
         b *= 2
     return (*(x for x in out if x < num_slots), num_slots)
+
+
+def moe_matmul(cpu: bool, plain_weights: bool, quant_matmul: str) -> str:
+    """The mixture of experts' grouped path (`layers/moe.py`): 'tiled' on CPU; on GPU 'kernel'
+    for quantized experts whose matmul is a kernel (one tiled launch per weight, each expert read
+    in place), else 'ragged_dot'."""
+    if cpu:
+        return "tiled"
+    return "ragged_dot" if plain_weights or quant_matmul in ("xla", "reference") else "kernel"
 
 
 def data_shard_config(engine_config: EngineConfig) -> EngineConfig:
@@ -378,7 +390,7 @@ def resolve(
         model=ModelImpl(
             attention=attention,
             min_matmul_rows=4 if cpu else 2,
-            moe_matmul="tiled" if cpu else "ragged_dot",
+            moe_matmul=moe_matmul(cpu, plain_weights, quant_matmul),
             cpu_matmul=matmul == "cpu_kernel",
         ),
         quant_matmul=quant_matmul,

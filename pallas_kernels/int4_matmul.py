@@ -17,6 +17,9 @@ reads layer `layer` (a traced index) in place, as the paged-attention kernels re
 Inside the model's `lax.scan` over layers this spares a copy: a custom call's operand must be a
 buffer of its own, so handing the kernel `packed[l]` makes XLA write that layer's slice out (and
 the kernel read it back) every layer of every step, unless XLA's dynamic-slice fusion absorbs it.
+Tiled (a mixture of experts' grouped matmul, `tiles.py`): `layer` i32[T] and `tile_rows` b: row
+block t (block_m = b) reads layer layer[t], and a block whose index is negative writes zeros
+without reading the weight.
 
 Dataflow of `int4_matmul` (N8 = N/8 packed columns, G = K/g groups, S = split-K factor):
 
@@ -35,7 +38,8 @@ The scale and min factor out of each group's dot because they are constant along
 so the weight is never dequantized element by element: per element the kernel does one shift, one
 mask and one convert. Decode batch sizes (M <= 64) run as a GEMV-like split-K launch (bm = 16
 rows per program, padded by masking for tl.dot's M >= 16) with S chosen so the grid fills the
-H200's 132 SMs about twice; prefill (M > 64) runs tiled with S = 1 (no partial-output traffic).
+H200's 132 SMs about twice; prefill (M > 64) runs tiled with S = 1 (no partial-output traffic):
+`int4_plan.py` picks the tiles.
 
 Dimensions need not be powers of two (SmolLM2: K, N in {576, 192, 1536}): every load/store is a
 power-of-two tile of a whole-array ref at a dynamic offset, and the ragged last column block and
@@ -50,7 +54,6 @@ definition the tests compare against) are at the end of the file.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -66,75 +69,18 @@ from pallas_kernels.int4_layout import (
     dequantize_arrays,
     kernel_column_order,
 )
+from pallas_kernels.int4_plan import Int4MatmulConfig, plan, tiled_plan
 from pallas_kernels.lowering import KernelCheck
+from pallas_kernels.tiles import check_tiles, per_tile
 
 IMPLS = ("pallas", "pallas_interpret", "xla", "reference")
 ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-H200_SMS = 132
-DECODE_BLOCK_M = 16  # tl.dot's smallest M tile; the decode grid runs over row blocks (`plan`)
-
-
-@dataclasses.dataclass(frozen=True)
-class Int4MatmulConfig:
-    """One launch's tiles: block_m rows, block_c packed columns (8 * block_c outputs), splits."""
-
-    block_m: int
-    block_c: int
-    splits: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self):
-        for f in ("block_m", "block_c", "num_warps"):
-            v = getattr(self, f)
-            if v <= 0 or v & (v - 1):
-                raise ValueError(f"Int4MatmulConfig.{f} must be a positive power of two, got {v}")
-        if self.block_m < 16 or self.block_c < 16:
-            raise ValueError("Int4MatmulConfig.block_m and block_c must be >= 16 (tl.dot tiles)")
-        if self.splits <= 0 or self.num_stages <= 0:
-            raise ValueError("Int4MatmulConfig.splits and num_stages must be positive")
-
-
-def plan(m: int, k: int, n: int, group_size: int, num_sms: int = H200_SMS) -> Int4MatmulConfig:
-    """Chooses tiles for x[m, k] @ W[k, n] from the shape (a heuristic for the H200, see module doc).
-
-    Decode (m <= 64): 16-row blocks (the grid runs over them), split-K over groups until the
-    grid has ~2 programs per SM (each split is a divisor of the group count). Prefill: 64-row
-    tiles (128 from 1024 rows), no split.
-
-    Why 16 rows at every decode size: on the H200 (JOURNAL.md 48c, Llama-3-8B 4096 x 14336) the
-    kernel took 45 us at 8 rows (one 16-row block per column block) and 206 us at 32 rows (one
-    32-row block), 4.5x the time for 2x the rows a block; two 16-row blocks per column block are
-    the 8-row case's code twice. Each 16-row block reads the layer's 4-bit weight again (4x at 64 rows:
-    the bytes of one bf16 read). Not yet timed on a GPU: the prepared run times it at 32 and 64
-    rows (`experiments/gpu_quant_matmul.py`), and the GPU kernel table takes it only if it wins.
-    """
-    n8 = n // PACK
-    # 32 packed columns (256 outputs) unless 16 wastes fewer masked columns on a ragged N.
-    block_c = min((32, 16), key=lambda bc: (-(-n8 // bc) * bc - n8, -bc))
-    if m <= 64:
-        block_m = DECODE_BLOCK_M
-        groups = k // group_size
-        programs = -(-m // block_m) * -(-n8 // block_c)
-        splits = next(
-            (d for d in range(1, groups + 1) if groups % d == 0 and programs * d >= 2 * num_sms),
-            groups,
-        )
-        splits = max(d for d in range(1, min(splits, 32) + 1) if groups % d == 0)
-        return Int4MatmulConfig(block_m, block_c, splits, num_warps=4, num_stages=3)
-    # Eight f32 accumulators of [block_m, block_c]: 8 warps keep a 128-row tile at 64 registers
-    # per thread (4 warps suffice for 64 rows).
-    if m >= 1024:
-        return Int4MatmulConfig(128, block_c, 1, num_warps=8, num_stages=3)
-    return Int4MatmulConfig(64, block_c, 1, num_warps=4, num_stages=3)
-
-
 # ------------------------------------------------------------------------------------------------
 # Kernel.
 
 
 def _kernel(
-    layer_ref,  # i32[1]            which layer of the stack
+    layer_ref,  # i32[1] | i32[T]   which layer of the stack (tiled: row block i's is layer_ref[i])
     x_ref,  # [M, K]                activations, whole array
     p_ref,  # u32[L * K, N8]        packed codes of every layer, whole array
     s_ref,  # f16[L * G, 8, N8]     scales by (layer and group, plane, packed column)
@@ -148,6 +94,7 @@ def _kernel(
     groups_per_split: int,
     block_m: int,
     block_c: int,
+    tiled: bool,
 ):
     i, c, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g, bm, bc = group_size, block_m, block_c
@@ -162,7 +109,7 @@ def _kernel(
             return ref[...]
         return pltriton.load(ref, mask=jnp.broadcast_to(mask, shape), other=0)
 
-    layer = layer_ref[0]
+    layer = layer_ref[i] if tiled else layer_ref[0]
     groups = k // g
 
     def body(t, acc):
@@ -189,7 +136,9 @@ def _kernel(
         return tuple(out)
 
     init = tuple(jnp.zeros((bm, bc), jnp.float32) for _ in range(PACK))
-    acc = lax.fori_loop(0, groups_per_split, body, init)
+    run = lambda: lax.fori_loop(0, groups_per_split, body, init)  # noqa: E731
+    # a padding tile (negative layer) reads no weight and writes zeros
+    acc = lax.cond(layer >= 0, run, lambda: init) if tiled else run()
     mask = None
     if rows_ragged or cols_ragged:
         mask = jnp.broadcast_to(row_ok & col_ok, (bm, bc))
@@ -205,9 +154,14 @@ def _kernel(
 def _call(
     x2, packed, scales, mins, layer, group_size, cfg: Int4MatmulConfig, interpret: bool, out_dtype
 ):
-    """pallas_call wrapper: x2 [M, K] @ layer `layer` (i32[]) of packed [L, K, N8] -> [M, N]
-    in out_dtype (shards = 1: output column j*N8 + c is nibble j of packed column c)."""
+    """pallas_call wrapper: x2 [M, K] @ layer `layer` (i32[], or i32[T]: one per row block) of
+    packed [L, K, N8] -> [M, N] in out_dtype (shards = 1: output column j*N8 + c is nibble j of
+    packed column c)."""
     m, k = x2.shape
+    tiled = jnp.ndim(layer) == 1
+    layer = jnp.asarray(layer, jnp.int32).reshape(-1)  # (1,) or (T,)
+    if tiled and layer.shape[0] * cfg.block_m != m:
+        raise ValueError(f"{layer.shape[0]} tiles of block_m={cfg.block_m} rows must cover M={m}")
     n_layers, _, n8 = packed.shape
     groups = k // group_size
     if groups % cfg.splits:
@@ -227,18 +181,20 @@ def _call(
         groups_per_split=groups // cfg.splits,
         block_m=cfg.block_m,
         block_c=cfg.block_c,
+        tiled=tiled,
     )
     grid = (pl.cdiv(m, cfg.block_m), pl.cdiv(n8, cfg.block_c), cfg.splits)
+    tag = f"_t{cfg.block_m}" if tiled else ""
     out = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[whole((1,)), whole((m, k)), whole(p2.shape), whole(s3.shape), whole(z3.shape)],
+        in_specs=[whole(a.shape) for a in (layer, x2, p2, s3, z3)],
         out_specs=whole((cfg.splits, m, PACK, n8)),
         out_shape=jax.ShapeDtypeStruct((cfg.splits, m, PACK, n8), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"int4_matmul_g{group_size}_bm{cfg.block_m}_bc{cfg.block_c}_s{cfg.splits}",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), x2, p2, s3, z3)
+        name=f"int4_matmul{tag}_g{group_size}_bm{cfg.block_m}_bc{cfg.block_c}_s{cfg.splits}",
+    )(layer, x2, p2, s3, z3)
     if cfg.splits > 1:
         out = jnp.sum(out, axis=0)
     else:
@@ -247,12 +203,21 @@ def _call(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("group_size", "config", "interpret", "shards", "out_dtype")
+    jax.jit,
+    static_argnames=("group_size", "config", "interpret", "shards", "out_dtype", "tile_rows"),
 )
-def _pallas_jit(x, packed, scales, mins, layer, group_size, config, interpret, shards, out_dtype):
+def _pallas_jit(
+    x, packed, scales, mins, layer, group_size, config, interpret, shards, out_dtype, tile_rows
+):
     *lead, k = x.shape
     x2 = x.reshape(-1, k)  # (M, K)
-    cfg = config or plan(x2.shape[0], k, packed.shape[-1] * PACK, group_size)
+    n = packed.shape[-1] * PACK
+    if tile_rows is not None:
+        cfg = config or tiled_plan(x2.shape[0] // tile_rows, tile_rows, k, n, group_size)
+        if shards > 1 or cfg.block_m != tile_rows:
+            raise ValueError(f"a tiled call needs shards = 1 and block_m = tile_rows={tile_rows}")
+    else:
+        cfg = config or plan(x2.shape[0], k, n, group_size)
     if shards > 1:  # the kernel's S = 1 order: one layer, scales in packed order (copies)
         packed, scales, mins = (
             lax.dynamic_index_in_dim(a, layer, keepdims=True) for a in (packed, scales, mins)
@@ -275,6 +240,7 @@ def int4_matmul(
     layer: jax.Array | int | None = None,
     shards: int = 1,
     out_dtype=None,
+    tile_rows: int | None = None,
 ) -> jax.Array:
     """x[..., K] @ W[K, N] -> [..., N] in out_dtype (default x.dtype), f32 accumulation;
     W = (packed, scales, mins) in the INT4 layout, packed with `shards` column blocks.
@@ -287,6 +253,8 @@ def int4_matmul(
     config:  tiles for the Pallas kernel (default: `plan` from the shape)
     layer:   i32[] or int (may be traced, e.g. under `lax.scan`): the Pallas kernel reads that
              layer of the stack in place; the XLA and reference paths slice it out
+    tile_rows: with `layer` i32[T], a tiled call (`tiles.py`): x [T * tile_rows, K], tile t's
+             rows times layer layer[t] (negative: zeros); the kernel runs a tile per row block
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -296,19 +264,54 @@ def int4_matmul(
     if packed.ndim != want_ndim:
         what = "one layer's u32[K, N/8]" if layer is None else "a stack u32[L, K, N/8] with layer="
         raise ValueError(f"packed must be {what}, got shape {packed.shape}")
-    if layer is not None and jnp.ndim(layer) != 0:
-        raise ValueError(f"layer must be a scalar index, got shape {jnp.shape(layer)}")
+    kernel = impl in ("pallas", "pallas_interpret")
+    if tile_rows is None and layer is not None and jnp.ndim(layer) != 0:
+        raise ValueError(
+            f"layer must be a scalar index (or i32[T] with tile_rows=, a tiled call), got shape "
+            f"{jnp.shape(layer)}"
+        )
+    if tile_rows is not None:
+        if layer is None or x.ndim != 2:
+            raise ValueError("a tiled call (tile_rows=) needs x [M, K] and layer= i32[T]")
+        check_tiles(x.shape[0], layer, tile_rows, kernel)
+        if shards != 1:
+            raise ValueError(f"a tiled call needs the plain packing (shards = 1), got {shards}")
     if jnp.dtype(x.dtype) not in ACT_DTYPES:
         raise ValueError(f"x must be f32/bf16/f16, got {x.dtype}")
     if x.ndim < 1 or x.shape[-1] != packed.shape[-2]:
         raise ValueError(f"x has shape {x.shape}; its last dim must be K={packed.shape[-2]}")
-    if impl in ("pallas", "pallas_interpret"):
+    if kernel:
         if layer is None:  # one layer: a stack of one (free reshapes)
             packed, scales, mins, layer = packed[None], scales[None], mins[None], 0
         interpret = impl == "pallas_interpret"
         return _pallas_jit(
-            x, packed, scales, mins, layer, group_size, config, interpret, shards, out_dtype
+            x,
+            packed,
+            scales,
+            mins,
+            layer,
+            group_size,
+            config,
+            interpret,
+            shards,
+            out_dtype,
+            tile_rows,
         )
+    if tile_rows is not None:
+
+        def one(rows, li):
+            return int4_matmul(
+                rows,
+                packed,
+                scales,
+                mins,
+                group_size=group_size,
+                impl=impl,
+                layer=li,
+                out_dtype=out_dtype,
+            )
+
+        return per_tile(one, x, jnp.asarray(layer, jnp.int32), tile_rows)
     if layer is not None:
         packed, scales, mins = (
             lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (packed, scales, mins)
@@ -359,6 +362,32 @@ def lowering_cases() -> list:
 
             name = f"int4_matmul/{model}/stack{layers}_{k}x{n}_g{g}_m{m}"
             cases.append(KernelCheck(name, fn, args))
+    # A mixture of experts' tiled call (`tiles.py`): Mixtral 8x7B's expert stack (32 layers x 8
+    # experts), 16 tiles of 16 rows (64 slots, top-2) and 8 tiles of 128 rows (a prefill chunk).
+    for k, n in ((4096, 14336), (14336, 4096)):
+        for tiles, rows in ((16, 16), (8, 128)):
+            args = (
+                sds((tiles * rows, k), jnp.bfloat16),
+                sds((256, k, n // PACK), jnp.uint32),
+                sds((256, k // 128, n), jnp.float16),
+                sds((256, k // 128, n), jnp.float16),
+                sds((tiles,), jnp.int32),
+            )
+
+            def tiled(x, packed, scales, mins, layer, rows=rows):
+                return int4_matmul(
+                    x,
+                    packed,
+                    scales,
+                    mins,
+                    group_size=128,
+                    impl="pallas",
+                    layer=layer,
+                    tile_rows=rows,
+                )
+
+            name = f"int4_matmul/mixtral/experts256_{k}x{n}_g128_tiles{tiles}x{rows}"
+            cases.append(KernelCheck(name, tiled, args))
     return cases
 
 

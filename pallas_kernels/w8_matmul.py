@@ -7,6 +7,8 @@ dynamic slice), and a cuBLAS GEMM cannot read 8-bit weights beside 16-bit activa
 first converting the layer to bf16 in a buffer (two bytes per weight written and read again). This
 kernel takes the whole stack and the layer index, as the INT4 kernel (`int4_matmul.py`) and the
 paged-attention kernels read their pools, so each weight byte is read once per step.
+Tiled (a mixture of experts' grouped matmul, `tiles.py`): `layer` i32[T] and `tile_rows` b: row
+block t (block_m = b) reads layer layer[t]; a negative index writes zeros and reads no weight.
 
 The implementation is a static choice of the caller, `impl=`: 'pallas' (this kernel, GPU),
 'pallas_interpret' (the same kernel interpreted, for CPU tests), 'xla' (convert + dot, any
@@ -43,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.lowering import KernelCheck
+from pallas_kernels.tiles import check_tiles, per_tile
 
 IMPLS = ("pallas", "pallas_interpret", "xla", "reference")
 ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -99,7 +102,7 @@ def plan(m: int, k: int, n: int, num_sms: int = NUM_SMS) -> W8MatmulConfig:
 
 
 def _kernel(
-    layer_ref,  # i32[1]           which layer of the stack
+    layer_ref,  # i32[1] | i32[T]  which layer of the stack (tiled: row block i's is layer_ref[i])
     x_ref,  # [M, K]               activations, whole array
     q_ref,  # i8|f8[L * K, N]      every layer's weight, whole array
     s_ref,  # f32[L, N]            every layer's per-column scales
@@ -112,6 +115,7 @@ def _kernel(
     block_m: int,
     block_n: int,
     block_k: int,
+    tiled: bool,
 ):
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm, bn, bk = block_m, block_n, block_k
@@ -126,7 +130,7 @@ def _kernel(
             return ref[...]
         return pltriton.load(ref, mask=jnp.broadcast_to(mask, shape), other=0)
 
-    layer = layer_ref[0]
+    layer = layer_ref[i] if tiled else layer_ref[0]
 
     def body(t, acc):
         k0 = pl.multiple_of((s * steps_per_split + t) * bk, bk)
@@ -139,9 +143,14 @@ def _kernel(
         )  # (bk, bn)
         return acc + jnp.dot(xk, w.astype(cdt), preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, steps_per_split, body, jnp.zeros((bm, bn), jnp.float32))
-    scale = masked_load(s_ref.at[layer, pl.ds(col0, bn)], col_ok[0] if cols_ragged else None, (bn,))
-    acc = acc * scale[None, :]  # (bm, bn): the scale factors out of each partial sum too
+    def run():
+        acc = lax.fori_loop(0, steps_per_split, body, jnp.zeros((bm, bn), jnp.float32))
+        mask = col_ok[0] if cols_ragged else None
+        scale = masked_load(s_ref.at[layer, pl.ds(col0, bn)], mask, (bn,))
+        return acc * scale[None, :]  # (bm, bn): the scale factors out of each partial sum too
+
+    # a padding tile (negative layer) reads no weight and writes zeros
+    acc = lax.cond(layer >= 0, run, lambda: jnp.zeros((bm, bn), jnp.float32)) if tiled else run()
     ref = o_ref.at[s, pl.ds(row0, bm), pl.ds(col0, bn)]
     if rows_ragged or cols_ragged:
         pltriton.store(ref, acc, mask=jnp.broadcast_to(row_ok & col_ok, (bm, bn)))
@@ -149,13 +158,34 @@ def _kernel(
         ref[...] = acc
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype"))
-def _pallas_jit(x, q, scales, layer, config, interpret, out_dtype):
+def tiled_plan(num_tiles: int, tile_rows: int, k: int, n: int, num_sms: int = NUM_SMS):
+    """Tiles of a tiled call (`tiles.py`): one row block per tile (block_m = tile_rows), `plan`'s
+    columns and K blocks, split-K as at decode for decode-sized tiles (<= 64 rows), none above."""
+    base = plan(min(tile_rows, 64), k, n, num_sms)
+    if tile_rows > 64:
+        return W8MatmulConfig(tile_rows, base.block_n, base.block_k, 1)
+    steps = k // base.block_k
+    programs = num_tiles * -(-n // base.block_n)
+    splits = next(
+        (d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= 2 * num_sms), steps
+    )
+    splits = max(d for d in range(1, min(splits, 32) + 1) if steps % d == 0)
+    return W8MatmulConfig(tile_rows, base.block_n, base.block_k, splits)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "out_dtype", "tile_rows"))
+def _pallas_jit(x, q, scales, layer, config, interpret, out_dtype, tile_rows):
     *lead, k = x.shape
     x2 = x.reshape(-1, k)  # (M, K)
     m = x2.shape[0]
     n_layers, _, n = q.shape
-    cfg = config or plan(m, k, n)
+    tiled = tile_rows is not None
+    if tiled:
+        cfg = config or tiled_plan(m // tile_rows, tile_rows, k, n)
+        if cfg.block_m != tile_rows:
+            raise ValueError(f"a tiled call needs block_m = tile_rows={tile_rows}")
+    else:
+        cfg = config or plan(m, k, n)
     steps = k // cfg.block_k
     if k % cfg.block_k or steps % cfg.splits:
         raise ValueError(f"block_k={cfg.block_k} x splits={cfg.splits} must divide K={k}")
@@ -168,21 +198,23 @@ def _pallas_jit(x, q, scales, layer, config, interpret, out_dtype):
         block_m=cfg.block_m,
         block_n=cfg.block_n,
         block_k=cfg.block_k,
+        tiled=tiled,
     )
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     q2 = q.reshape(n_layers * k, n)  # (L*K, N)
     s2 = scales.reshape(n_layers, n)  # (L, N)
     grid = (pl.cdiv(m, cfg.block_m), pl.cdiv(n, cfg.block_n), cfg.splits)
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    layer = jnp.asarray(layer, jnp.int32).reshape(-1)  # (1,) or (T,)
+    tag = f"_t{cfg.block_m}" if tiled else ""
     out = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[whole((1,)), whole((m, k)), whole(q2.shape), whole(s2.shape)],
+        in_specs=[whole(layer.shape), whole((m, k)), whole(q2.shape), whole(s2.shape)],
         out_specs=whole((cfg.splits, m, n)),
         out_shape=jax.ShapeDtypeStruct((cfg.splits, m, n), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=f"w8_matmul_bm{cfg.block_m}_bn{cfg.block_n}_bk{cfg.block_k}_s{cfg.splits}",
+        name=f"w8_matmul{tag}_bm{cfg.block_m}_bn{cfg.block_n}_bk{cfg.block_k}_s{cfg.splits}",
     )(layer, x2, q2, s2)
     return jnp.sum(out, axis=0).astype(out_dtype).reshape(*lead, n)  # (M, N)
 
@@ -196,6 +228,7 @@ def w8_matmul(
     config: W8MatmulConfig | None = None,
     layer: jax.Array | int | None = None,
     out_dtype=None,
+    tile_rows: int | None = None,
 ) -> jax.Array:
     """x[..., K] @ (q * scales)[K, N] -> [..., N] in out_dtype (default x.dtype), f32 accumulation.
 
@@ -207,6 +240,8 @@ def w8_matmul(
     config:  tiles for the Pallas kernel (default: `plan` from the shape)
     layer:   i32[] or int (may be traced, e.g. under `lax.scan`): the kernel reads that layer
              of the stack in place; the XLA and reference paths slice it out
+    tile_rows: with `layer` i32[T], a tiled call (`tiles.py`): x [T * tile_rows, K], tile t's
+             rows times layer layer[t] (negative: zeros); the kernel runs a tile per row block
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -221,17 +256,32 @@ def w8_matmul(
             f"scales must be f32{[*q.shape[:-2], 1, q.shape[-1]]} (one per output column), "
             f"got {scales.dtype}{list(scales.shape)}"
         )
-    if layer is not None and jnp.ndim(layer) != 0:
-        raise ValueError(f"layer must be a scalar index, got shape {jnp.shape(layer)}")
+    kernel = impl in ("pallas", "pallas_interpret")
+    if tile_rows is None and layer is not None and jnp.ndim(layer) != 0:
+        raise ValueError(
+            f"layer must be a scalar index (or i32[T] with tile_rows=, a tiled call), got shape "
+            f"{jnp.shape(layer)}"
+        )
+    if tile_rows is not None:
+        if layer is None or x.ndim != 2:
+            raise ValueError("a tiled call (tile_rows=) needs x [M, K] and layer= i32[T]")
+        check_tiles(x.shape[0], layer, tile_rows, kernel)
     if jnp.dtype(x.dtype) not in ACT_DTYPES:
         raise ValueError(f"x must be f32/bf16/f16, got {x.dtype}")
     if x.ndim < 1 or x.shape[-1] != q.shape[-2]:
         raise ValueError(f"x has shape {x.shape}; its last dim must be K={q.shape[-2]}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if impl in ("pallas", "pallas_interpret"):
+    if kernel:
         if layer is None:  # one layer: a stack of one (free reshapes)
             q, scales, layer = q[None], scales[None], 0
-        return _pallas_jit(x, q, scales, layer, config, impl == "pallas_interpret", out_dtype)
+        interpret = impl == "pallas_interpret"
+        return _pallas_jit(x, q, scales, layer, config, interpret, out_dtype, tile_rows)
+    if tile_rows is not None:
+
+        def one(rows, li):
+            return w8_matmul(rows, q, scales, impl=impl, layer=li, out_dtype=out_dtype)
+
+        return per_tile(one, x, jnp.asarray(layer, jnp.int32), tile_rows)
     if layer is not None:
         q, scales = (lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (q, scales))
     if impl == "xla":
@@ -268,6 +318,22 @@ def lowering_cases() -> list:
                 return w8_matmul(x, q, scales, impl="pallas", layer=layer)
 
             cases.append(KernelCheck(f"w8_matmul/{model}/stack{layers}_{k}x{n}_m8", stacked, args))
+    # A mixture of experts' tiled call (`tiles.py`): Mixtral 8x7B's expert stack (32 layers x 8
+    # experts), 16 tiles of 16 rows (64 slots, top-2) and 8 tiles of 128 rows (a prefill chunk).
+    for k, n in ((4096, 14336), (14336, 4096)):
+        for tiles, rows in ((16, 16), (8, 128)):
+            args = (
+                sds((tiles * rows, k), jnp.bfloat16),
+                sds((256, k, n), jnp.float8_e4m3fn),
+                sds((256, 1, n), jnp.float32),
+                sds((tiles,), jnp.int32),
+            )
+
+            def tiled(x, q, scales, layer, rows=rows):
+                return w8_matmul(x, q, scales, impl="pallas", layer=layer, tile_rows=rows)
+
+            name = f"w8_matmul/mixtral/experts256_{k}x{n}_tiles{tiles}x{rows}"
+            cases.append(KernelCheck(name, tiled, args))
     return cases
 
 

@@ -1,8 +1,8 @@
 """The prepared GPU scripts run end to end in their --smoke mode (tiny shapes, interpret mode).
 
 A lent H100 / H200 gives a session 15 minutes; a script that breaks there wastes them. These runs
-keep `experiments/gpu_int4.py`, `gpu_kernels.py`, `gpu_quant_matmul.py`, `gpu_tp.py` and `gpu_decode.py`
-working on the CPU between loans: every step runs (checks, timings, tables, JSON), only the shapes
+keep `experiments/gpu_int4.py`, `gpu_kernels.py`, `gpu_quant_matmul.py`, `gpu_moe.py`, `gpu_tp.py`
+and `gpu_decode.py` working on the CPU between loans: every step runs (checks, timings, tables, JSON), only the shapes
 and the backend differ.
 """
 
@@ -53,6 +53,8 @@ def smoke(script: str, tmp_path, *flags: str) -> dict:
         ("gpu_kernels.py", ("correctness", "large_pools")),
         # Mosaic GPU W4A16 / W8A16 beside Triton, bf16 and (INT4) XLA's own int4 dot
         ("gpu_quant_matmul.py", ("rows",)),
+        # a mixture of experts' layer: the tiled kernels vs ragged_dot, quantized and bf16
+        ("gpu_moe.py", ("rows",)),
     ],
 )
 def test_gpu_script_smoke(tmp_path, script, checks):
@@ -84,6 +86,10 @@ def test_gpu_script_smoke(tmp_path, script, checks):
                 assert "xla_int4_us" not in r, r
             # the engine's XLA path on the same stack: the third candidate of the kernel table
             assert r["xla_us"] > 0 and r["mosaic_ok"] and r["triton_ok"] and r["xla_ok"], r
+    if script == "gpu_moe.py":  # every path checked against the reference, then timed
+        assert {(r["fmt"], r["tokens"]) for r in out["rows"]} == {("int4", 8), ("fp8", 8)}
+        for r in out["rows"]:
+            assert all(r[f"{name}_us"] > 0 for name in ("kernel", "ragged", "bf16")), r
     if script in ("gpu_kernels.py", "gpu_quant_matmul.py"):
         assert_reduced(tmp_path, script)
 

@@ -66,6 +66,7 @@ from jaxserve.layers import lora
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.embedding import embed, is_quantized
 from jaxserve.layers.linear import TransposedWeight, linear, linears
+from jaxserve.layers.moe import StackedExperts
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
 from jaxserve.models.mlp import mlp, mlp_rows
@@ -134,13 +135,11 @@ def forward(
             return tuple(proj(a, n) for n in names)
 
         def expert(name):  # layer li's expert stack `name` [E, K, N] as stored (moe_mlp reads it)
-            w = lp.get(name)
-            if name in whole:
-                i = stack_row(name)
-                w = jax.tree.map(
-                    lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), whole[name]
-                )
-            return w
+            if name not in whole:
+                return lp.get(name)
+            stacked = StackedExperts(whole[name], stack_row(name))
+            # quantized: left in the stack, read in place by the tiled kernels (`layers/moe.py`)
+            return stacked if hasattr(whole[name], "matmul") else stacked.layer()
 
         x, cache, _ = decoder_layer(
             lp,

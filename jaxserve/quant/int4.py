@@ -45,7 +45,14 @@ import numpy as np
 from flax import struct
 
 from jaxserve.quant import sharded
-from jaxserve.quant.impls import IMPLS, MGPU_IMPLS, check_kernel_rows, mgpu_accepts, triton_twin
+from jaxserve.quant.impls import (
+    IMPLS,
+    KERNELS,
+    MGPU_IMPLS,
+    check_kernel_rows,
+    mgpu_accepts,
+    triton_twin,
+)
 from pallas_kernels.int4_layout import (
     GROUP_SIZES,
     PACK,
@@ -140,10 +147,15 @@ class Int4Weight:
             raise ValueError(f"Int4Weight.take needs one weight [K, N]; got shape {self.shape}")
         return sharded.take(self, ids, dtype, _take_local)
 
-    def matmul(self, x: jax.Array, impl: str | None = None, layer=None) -> jax.Array:
+    def matmul(
+        self, x: jax.Array, impl: str | None = None, layer=None, tile_rows: int | None = None
+    ) -> jax.Array:
         """x[..., K] @ W[K, N] -> [..., N] in x.dtype (f32 accumulation).
 
         layer: i32[] or int: the weight is a stack [L, K, N] and W is its layer `layer`.
+        tile_rows: a tiled call (`pallas_kernels/tiles.py`, a mixture of experts): x [T * b, K],
+          layer i32[T], tile t's b = tile_rows rows times layer layer[t] (negative: zeros); the
+          kernel impls run it when b <= kernel_rows, else XLA per tile.
         Under a mesh that splits 'model' and with `parallel` set, runs in `jax.shard_map`.
         """
         self.check()
@@ -156,12 +168,17 @@ class Int4Weight:
             raise ValueError(f"x has shape {x.shape}; its last dim must be K={self.shape[-2]}")
         if impl is None:
             impl = self.impl
-            if impl in ("pallas", "mgpu") and int(np.prod(x.shape[:-1])) > self.kernel_rows:
+            rows = tile_rows or int(np.prod(x.shape[:-1]))  # a tiled call: the kernel's block
+            if impl in ("pallas", "mgpu") and rows > self.kernel_rows:
                 impl = "xla"
 
         def local(w, x, layer, out_dtype):
             args = (x, w.packed, w.scales, w.mins, w.group_size, layer, w.shards, H100_MGPU_W4)
-            if impl in MGPU_IMPLS and mgpu_accepts(check_mgpu_w4_inputs, *args):
+            if (
+                tile_rows is None
+                and impl in MGPU_IMPLS
+                and mgpu_accepts(check_mgpu_w4_inputs, *args)
+            ):
                 return int4_matmul_mgpu(
                     x,
                     w.packed,
@@ -182,9 +199,16 @@ class Int4Weight:
                 layer=layer,
                 shards=w.shards,
                 out_dtype=out_dtype,
+                tile_rows=tile_rows,
             )
 
         return sharded.matmul(self, x, layer, local)
+
+    def tiles_in_place(self, tile_rows: int) -> bool:
+        """Whether `matmul(x, layer=tiles, tile_rows=tile_rows)` on this stack runs the kernel,
+        each tile reading its layer in place (a kernel impl, tiles within `kernel_rows`, the
+        plain packing): the mixture of experts' 'kernel' path (`layers/moe.py`)."""
+        return self.impl in KERNELS and tile_rows <= self.kernel_rows and self.shards == 1
 
     def partition_specs(self, role: str, axis: str = sharded.AXIS, size: int | None = None):
         """-> Int4Weight whose leaves are PartitionSpecs (leading stacked axes unsplit).

@@ -46,6 +46,7 @@ from jaxserve.quant.impls import (
 )
 from pallas_kernels.mgpu_tuning import H100_MGPU_W8
 from pallas_kernels.mgpu_w8_matmul import check_mgpu_w8_inputs, w8_matmul_mgpu
+from pallas_kernels.tiles import check_tiles, per_tile
 from pallas_kernels.w8_matmul import w8_matmul
 
 # Rows up to which a kernel impl set by hand runs the W8A16 kernel on a layer of a stack (the
@@ -141,14 +142,23 @@ class _ScaledWeight:
         convert + dot would get it copied out of the stack under the layer scan anyway."""
         return self.impl in KERNELS and self.per_channel
 
+    def tiles_in_place(self, tile_rows: int) -> bool:
+        """Whether `matmul(x, layer=tiles, tile_rows=tile_rows)` on this stack runs the W8A16
+        kernel, each tile reading its layer in place (`reads_layer_in_place`, tiles within
+        `kernel_rows`): the mixture of experts' 'kernel' path (`layers/moe.py`)."""
+        return self.reads_layer_in_place and tile_rows <= self.kernel_rows
+
     def dequantize(self) -> jax.Array:
         """-> f32[..., K, N]."""
         self.check()
         return _dequantize(self.q, self.scales, self.group_size)
 
-    def matmul(self, x: jax.Array, layer=None) -> jax.Array:
+    def matmul(self, x: jax.Array, layer=None, tile_rows: int | None = None) -> jax.Array:
         """x[..., K] @ W -> [..., N] in x.dtype; layer: W is layer `layer` of a stack [L, K, N].
 
+        tile_rows: a tiled call (`pallas_kernels/tiles.py`, a mixture of experts): x [T * b, K],
+          layer i32[T], tile t's b = tile_rows rows times layer layer[t] (negative: zeros); the
+          kernel impls run it when b <= kernel_rows (per-channel scales), else XLA per tile.
         Under a mesh that splits 'model' and with `parallel` set, runs in `jax.shard_map`.
         """
         self.check()
@@ -163,17 +173,31 @@ class _ScaledWeight:
 
         def local(w, x, layer, out_dtype):
             q, scales = w.q, w.scales
-            rows = int(np.prod(x.shape[:-1]))
+            rows = tile_rows or int(np.prod(x.shape[:-1]))  # a tiled call: the kernel's block
             if layer is not None and w.reads_layer_in_place and rows <= w.kernel_rows:
-                if w.impl in MGPU_IMPLS and mgpu_accepts(
-                    check_mgpu_w8_inputs, x, q, scales, layer, H100_MGPU_W8
+                if (
+                    tile_rows is None
+                    and w.impl in MGPU_IMPLS
+                    and mgpu_accepts(check_mgpu_w8_inputs, x, q, scales, layer, H100_MGPU_W8)
                 ):
                     interpret = w.impl == "mgpu_interpret"
                     return w8_matmul_mgpu(
                         x, q, scales, layer, out_dtype=out_dtype, interpret=interpret
                     )
                 impl = triton_twin(w.impl)
-                return w8_matmul(x, q, scales, impl=impl, layer=layer, out_dtype=out_dtype)
+                return w8_matmul(
+                    x, q, scales, impl=impl, layer=layer, out_dtype=out_dtype, tile_rows=tile_rows
+                )
+            if tile_rows is not None:  # XLA per tile, each slicing its layer out
+
+                def one(rows, li):
+                    ql, sl = (
+                        jax.lax.dynamic_index_in_dim(a, li, keepdims=False) for a in (q, scales)
+                    )
+                    return _matmul(name, ql, sl, w.group_size, rows, out_dtype)
+
+                check_tiles(x.shape[0], layer, tile_rows, kernel=False)
+                return per_tile(one, x, jnp.asarray(layer, jnp.int32), tile_rows)
             if layer is not None:
                 q, scales = (
                     jax.lax.dynamic_index_in_dim(a, layer, keepdims=False) for a in (q, scales)

@@ -128,7 +128,7 @@ def test_the_matmuls_runnable_plan_of_least_time():
 
 def test_a_kernel_may_win_the_17_32_row_bucket_alone():
     """Triton fastest up to 32 rows and XLA's path at 64: the INT4 kernel runs up to 32 rows (its
-    16-row blocks, `int4_matmul.plan`), XLA's path above; W8 keeps its kernel to 64 rows."""
+    16-row blocks, `int4_plan.plan`), XLA's path above; W8 keeps its kernel to 64 rows."""
     times = {
         "int4": {1: (50, 10, 20), 16: (50, 10, 20), 32: (50, 15, 20), 64: (50, 40, 25)},
         "int8": {1: (60, 5, 12), 64: (60, 9, 15)},

@@ -203,3 +203,78 @@ def test_bad_shapes_are_named():
         moe.moe_mlp(x, logits, wg, wu, wd, 9, True)
     with pytest.raises(ValueError, match=r"grouped='dense' must be one of"):
         moe.moe_mlp(x, logits, wg, wu, wd, 2, True, "dense")
+
+
+QUANTIZERS = {
+    "int4": lambda w: rtn.quantize_int4_rtn(w, 32),
+    "int8": int8.quantize_int8,
+    "fp8": int8.quantize_fp8,
+}
+TILED_KERNEL = {"int4": "int4_matmul_t16", "int8": "w8_matmul_t16", "fp8": "w8_matmul_t16"}
+
+
+def kernel_calls(jaxpr, prefix: str) -> int:
+    """Pallas calls named `prefix...` that running `jaxpr` launches (each call site counted)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            n += str(eqn.params["name"]).startswith(prefix)
+            continue
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns"):
+                    n += kernel_calls(sub, prefix)
+    return n
+
+
+def layer_stacks(seed, layers, d, i, e):
+    """w_gate/w_up [Ls, E, D, I], w_down [Ls, E, I, D]: a model's expert stacks."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    wg = jax.random.normal(ks[0], (layers, e, d, i)) / np.sqrt(d)
+    wu = jax.random.normal(ks[1], (layers, e, d, i)) / np.sqrt(d)
+    wd = jax.random.normal(ks[2], (layers, e, i, d)) / np.sqrt(i)
+    return wg, wu, wd
+
+
+@pytest.mark.parametrize("fmt", list(QUANTIZERS))
+def test_kernel_path_runs_each_tile_on_its_expert_in_the_stack(fmt):
+    """The GPU path of quantized experts: one tiled kernel launch per weight over the model's
+    whole [Ls, E, K, N] stack (interpreted here), each tile of 16 rows reading its expert of the
+    layer; equal to 'ragged_dot' over the layer's dequantized experts, for every layer."""
+    from jaxserve.quant import with_matmul_impl
+
+    layers, e = 3, 4
+    x, logits, *_ = random_experts(11, 12, 64, 32, e)  # 24 pairs: 5 tiles of 16 rows, some empty
+    floats = layer_stacks(5, layers, 64, 32, e)
+    stacks = with_matmul_impl([QUANTIZERS[fmt](w) for w in floats], "pallas_interpret")
+    run = jax.jit(moe.moe_mlp, static_argnums=(5, 6, 7))
+    for li in range(layers):
+        experts = [moe.StackedExperts(w, jnp.int32(li)) for w in stacks]
+        want = grouped(x, logits, *[w.dequantize()[li] for w in stacks], 2, True, "ragged_dot")
+        got = run(x, logits, *experts, 2, True, "kernel")
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    jaxpr = jax.make_jaxpr(run, static_argnums=(5, 6, 7))(x, logits, *experts, 2, True, "kernel")
+    assert kernel_calls(jaxpr.jaxpr, TILED_KERNEL[fmt]) == 3  # gate, up, down: a launch each
+
+
+def test_kernel_path_takes_ragged_dot_where_the_kernel_does_not_take_the_tiles():
+    """Tiles beyond the weights' kernel rows (a prefill chunk's), or float experts: XLA's
+    ragged_dot over the dequantized layer, with the same result."""
+    from jaxserve.quant import with_matmul_impl
+
+    x, logits, *_ = random_experts(3, 12, 64, 32, 4)
+    floats = layer_stacks(2, 2, 64, 32, 4)
+    narrow = with_matmul_impl(
+        [QUANTIZERS["int4"](w) for w in floats], "pallas_interpret", {"int4_matmul": 8}
+    )
+    experts = [moe.StackedExperts(w, jnp.int32(1)) for w in narrow]
+    run = jax.jit(moe.moe_mlp, static_argnums=(5, 6, 7))
+    jaxpr = jax.make_jaxpr(run, static_argnums=(5, 6, 7))(x, logits, *experts, 2, True, "kernel")
+    assert kernel_calls(jaxpr.jaxpr, "int4_matmul") == 0 and "ragged_dot" in str(jaxpr)
+    want = grouped(x, logits, *[w.dequantize()[1] for w in narrow], 2, True, "ragged_dot")
+    np.testing.assert_allclose(run(x, logits, *experts, 2, True, "kernel"), want, atol=1e-6)
+    plain = [moe.StackedExperts(w, jnp.int32(1)).layer() for w in floats]
+    np.testing.assert_array_equal(
+        run(x, logits, *plain, 2, True, "kernel"), grouped(x, logits, *plain, 2, True, "ragged_dot")
+    )

@@ -7,13 +7,8 @@ import pytest
 
 from jaxserve.quant import rtn
 from pallas_kernels.check import h200_mesh
-from pallas_kernels.int4_matmul import (
-    H200_SMS,
-    Int4MatmulConfig,
-    int4_matmul,
-    int4_matmul_reference,
-    plan,
-)
+from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+from pallas_kernels.int4_plan import H200_SMS, Int4MatmulConfig, plan, tiled_plan
 
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-4), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -81,6 +76,37 @@ def test_stacked_weight_at_a_traced_layer_equals_that_layer(impl):
     assert not np.allclose(np.asarray(got[0], np.float32), np.asarray(got[1], np.float32))
 
 
+@pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
+def test_a_tiled_call_runs_each_tile_on_its_own_layer(impl):
+    """A mixture of experts' call (`pallas_kernels/tiles.py`): tile t's 16 rows times layer
+    tiles[t] of the stack, a negative tile's rows 0; a layer may serve two tiles."""
+    k, n, g, layers, b = 576, 192, 64, 3, 16
+    tiles = jnp.array([2, -1, 0, 2, -1], jnp.int32)
+    x, _ = _case((len(tiles) * b,), k, n, g, jnp.bfloat16, seed=5)
+    ws = [_case((1,), k, n, g, jnp.float32, seed=20 + i)[1] for i in range(layers)]
+    packed, scales, mins = (
+        jnp.stack([getattr(w, f) for w in ws]) for f in ("packed", "scales", "mins")
+    )
+    got = jax.jit(
+        lambda x, tiles: int4_matmul(
+            x, packed, scales, mins, group_size=g, impl=impl, layer=tiles, tile_rows=b
+        )
+    )(x, tiles)
+    for t, layer in enumerate(np.asarray(tiles)):
+        rows = slice(t * b, (t + 1) * b)
+        if layer < 0:
+            assert not np.any(np.asarray(got[rows], np.float32)), t
+        else:
+            _check(got[rows], x[rows], ws[layer])
+    with pytest.raises(ValueError, match="5 tiles of 16 rows need 80"):
+        int4_matmul(x[:64], packed, scales, mins, group_size=g, impl=impl, layer=tiles, tile_rows=b)
+    if impl == "pallas_interpret":
+        with pytest.raises(ValueError, match="power of two >= 16, got 8"):
+            int4_matmul(
+                x[:40], packed, scales, mins, group_size=g, impl=impl, layer=tiles, tile_rows=8
+            )
+
+
 def test_a_stack_past_4_gib_lowers_and_is_read_in_place():
     # Llama-3-70B's w_gate stack, 80 x 8192 x 3584 u32 words (9.4 GB): element offsets past 2^31,
     # which the Triton lowering computes in 64 bits for arrays over 4 GiB.
@@ -137,6 +163,18 @@ def test_plan_fills_the_gpu_and_divides_the_groups():
         programs = -(-m // cfg.block_m) * -(-(n // 8) // cfg.block_c) * cfg.splits
         assert programs >= 2 * H200_SMS or cfg.splits == groups or cfg.splits == 32, (m, k, n, cfg)
     assert plan(512, 4096, 4096, 128).splits == 1
+
+
+def test_a_tiled_plan_runs_one_tile_per_row_block():
+    """Decode-sized tiles (16 rows: Mixtral's 64 slots) split K to fill the GPU over all tiles;
+    a prefill chunk's 128-row tiles run unsplit with 8 warps."""
+    decode = tiled_plan(16, 16, 4096, 14336, 128)
+    assert decode.block_m == 16 and 32 % decode.splits == 0
+    assert 16 * -(-(14336 // 8) // decode.block_c) * decode.splits >= 2 * H200_SMS
+    down = tiled_plan(16, 16, 14336, 4096, 128)
+    assert down.splits > 1 and (14336 // 128) % down.splits == 0
+    prefill = tiled_plan(8, 128, 4096, 14336, 128)
+    assert (prefill.block_m, prefill.splits, prefill.num_warps) == (128, 1, 8)
 
 
 def test_bad_inputs():

@@ -68,6 +68,24 @@ def test_a_traced_layer_of_a_stack_equals_that_layer(impl):
         _check(ys[layer], x, w.q[layer], w.scales[layer])
 
 
+@pytest.mark.parametrize("impl", ["pallas_interpret", "xla"])
+def test_a_tiled_call_runs_each_tile_on_its_own_layer(impl):
+    """A mixture of experts' call (`pallas_kernels/tiles.py`): tile t's 16 rows times layer
+    tiles[t] of the stack, a negative tile's rows 0; a layer may serve two tiles."""
+    w, b = _weight("fp8", 4, 576, 192), 16
+    tiles = jnp.array([3, -1, 0, 3], jnp.int32)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(len(tiles) * b, 576)), jnp.bfloat16)
+    got = w8_matmul(x, w.q, w.scales, impl=impl, layer=tiles, tile_rows=b)
+    for t, layer in enumerate(np.asarray(tiles)):
+        rows = slice(t * b, (t + 1) * b)
+        if layer < 0:
+            assert not np.any(np.asarray(got[rows], np.float32)), t
+        else:
+            _check(got[rows], x[rows], w.q[layer], w.scales[layer])
+    with pytest.raises(ValueError, match="4 tiles of 16 rows need 64"):
+        w8_matmul(x[:48], w.q, w.scales, impl=impl, layer=tiles, tile_rows=b)
+
+
 def test_forced_tiles_split_and_unsplit_agree():
     w = _weight("fp8", 1, 1024, 256)
     x = jnp.asarray(np.random.default_rng(3).normal(size=(4, 1024)), jnp.float32)
