@@ -55,6 +55,21 @@ def test_backend_choices():
     assert resolved("cpu", quant_matmul_impl="mgpu_interpret").quant_matmul == "mgpu_interpret"
 
 
+def test_quantized_experts_take_the_tiled_kernels_on_gpu():
+    """The mixture of experts' path: 'tiled' on CPU whatever the weights; on GPU 'ragged_dot' for
+    float experts and 'kernel' for quantized ones whose matmul is a kernel (one tiled launch per
+    weight, each expert read in place), 'ragged_dot' again when that matmul is XLA's."""
+
+    def moe(backend, plain, **kw):
+        config = EngineConfig(**kw).for_model(TINY)
+        return resolve(config, TINY, backend, plain_weights=plain).model.moe_matmul
+
+    assert moe("cpu", False) == moe("cpu", True) == "tiled"
+    assert moe("gpu", True) == "ragged_dot"
+    assert moe("gpu", False) == moe("gpu", False, quant_matmul_impl="mgpu") == "kernel"
+    assert moe("gpu", False, quant_matmul_impl="xla") == "ragged_dot"
+
+
 def test_cpu_kernel_attention():
     """'auto' on CPU is the C++ kernel where it built (the runner says), else 'ragged'; asking for
     'cpu_kernel' where it cannot run is an error. Its decode programs: one per slot bucket, with

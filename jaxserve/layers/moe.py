@@ -37,20 +37,6 @@ XLA's GPU compiler (tests/test_cuda_lowering.py checks the lowering; its GPU spe
 here). On CPU jax's generic lowering masks lhs per group and contracts over [E * K]: E times the
 active FLOPs, and every expert's weights are read whatever the routing.
 
-The 'tiled' path (`jaxserve.resolve` picks it on CPU) does only the chosen experts' work. Each
-expert's sorted pairs are padded up to whole tiles of `b` rows (`tile_rows`), so a tile holds one
-expert's rows; a `fori_loop` over the step's used tiles (a traced trip count, no recompilation)
-multiplies each tile by its own expert's matrices:
-
-    tiles_e  = ceil(group_sizes[e] / b)       used tiles = sum_e tiles_e <= P // b + min(E, P)
-    xs_pad   [max_tiles * b, D]               pair j of expert e at row tile_start[e] * b + rank
-    for t < used tiles: y_pad[t*b:(t+1)*b] = swiglu(xs_pad[t*b:(t+1)*b], experts of tile t)
-
-Weights read per step: the chosen experts' (each once per tile; one tile per expert at decode
-sizes), FLOPs: (P + padding) * 3 * D * I with padding < b per used expert. Measured against
-`ragged_dot` at Qwen3-30B-A3B's and Mixtral's layer shapes by a benchmark since retired
-(JOURNAL.md section 33).
-
 Expert parallelism (tensor_parallel_size T > 1 dividing E): the expert stacks are split over E on
 the mesh's 'model' axis, so each device holds E/T experts (`parallel/partition.py`, role
 'expert'); the router, attention and dense layers keep their usual tensor-parallel rules. Inside
@@ -59,22 +45,13 @@ pairs of its own experts only, and a psum of the [N, D] partial outputs adds the
 one all-reduce per MoE layer, the same as a row-parallel dense MLP, and no all-to-all (tokens are
 replicated under TP anyway). T not dividing E keeps the experts replicated (logged).
 
-Quantized experts (INT8 / FP8 / INT4 stacks; `moe_mlp` takes them as stored, one layer's
-[E, K, N] or, inside the model's layer scan, `StackedExperts`: the whole [Ls, E, K, N] stack and
-the layer's index, so that no layer's experts are copied out of the stack). On the 'tiled' path
-(not under expert parallelism) each tile multiplies by its own expert through the weight's
-`matmul(x, layer=e)`: only the chosen experts are read, quantized (INT8 / FP8's per-channel scales
-apply to the dot's outputs).
+Quantized experts (INT8 / FP8 / INT4 stacks) are taken as stored: one layer's [E, K, N], or,
+inside the model's layer scan, `StackedExperts` (the whole [Ls, E, K, N] stack and the layer's
+index, so that no layer's experts are copied out of the stack).
 
-The 'kernel' path (GPU, the engine's choice for quantized weights with a kernel impl) lays the
-pairs out in the same tiles (b = max(16, `tile_rows`): the kernels' smallest row block) and hands
-all of them to one launch per weight (`pallas_kernels/tiles.py`): w_gate, w_up and w_down each
-run the INT4 / W8A16 kernel over the whole stack with one expert index per tile, so each used
-tile reads its expert's quantized weight in place and the unused tiles (the static count
-`P // b + min(E, P)` covers any routing) read nothing. It takes the call where every weight's
-kernel does (`Int4Weight.tiles_in_place(b)`: a kernel impl, b within its `kernel_rows`, the plain
-packing / per-channel scales); otherwise (a prefill chunk's tiles beyond the kernels' rows) it
-takes 'ragged_dot'.
+The 'tiled' path (CPU) and the 'kernel' path (GPU, quantized experts: one launch of the INT4 /
+W8A16 kernel per weight) lay the sorted pairs out in row tiles of one expert each and read only
+the chosen experts; they are `moe_tiles.py`.
 
 On 'ragged_dot' and under expert parallelism, `expert_stack` dequantizes one layer's [E, K, N]
 stack to the activation dtype inside the step and `ragged_dot` multiplies that: exact to the
@@ -82,16 +59,16 @@ stored weights, and simple. Its cost: per layer and step, the stack is read quan
 per weight for INT8/FP8, ~0.56 for INT4-g64 with its f16 scales and mins), then a bf16 copy is
 written and read again (4 bytes per weight), so weight traffic is ~5x (INT8) to ~8x (INT4) what
 the quantized bytes alone would be, and all E experts are dequantized even when few were chosen
-(Mixtral 8x7B INT4 at 64 slots on an H100: 91.6 GB written a decode step, JOURNAL.md 62d; the
+(Mixtral 8x7B INT4 at 8 slots on an H100: 91.6 GB written a decode step, JOURNAL.md 62d; the
 'kernel' path writes none, 63a).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
+
+from jaxserve.layers.moe_tiles import StackedExperts, kernel_swiglu, kernel_tile, tiled_swiglu
 
 
 def route(router_logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -102,35 +79,6 @@ def route(router_logits: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.A
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
-
-
-class StackedExperts(NamedTuple):
-    """One layer's experts where the model keeps them: `stack` [Ls, E, K, N] (a plain array or a
-    quantized-weight pytree) and `index`, the layer's row of it (i32[], traced in the scan)."""
-
-    stack: object
-    index: jax.Array
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.stack.shape[1:])  # (E, K, N)
-
-    def layer(self):
-        """The layer's [E, K, N] (sliced out of the stack: a copy)."""
-        return jax.tree.map(
-            lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False), self.stack
-        )
-
-    def flat(self) -> tuple[object, jax.Array]:
-        """(the stack as [Ls * E, K, N], a free reshape; the row of the layer's expert 0)."""
-        e = self.stack.shape[1]
-        flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), self.stack)
-        return flat, self.index * e
-
-
-def _flat(w) -> tuple[object, jax.Array | int]:
-    """(a stack whose rows are experts, the row of this layer's expert 0)."""
-    return w.flat() if isinstance(w, StackedExperts) else (w, 0)
 
 
 def expert_stack(w, dtype) -> jax.Array:
@@ -205,17 +153,16 @@ def moe_mlp(
     t = mesh.shape["model"] if "model" in mesh.axis_names else 1
     split = t > 1 and e % t == 0  # expert parallelism
     ws = (w_gate, w_up, w_down)
-    if grouped == "kernel" and (
-        split or not _kernel_tiles(ws, kernel_tile_rows(x.shape[0] * k, e))
-    ):
-        grouped = "ragged_dot"  # a weight whose kernel does not take these tiles
+    tile = kernel_tile(ws, x.shape[0] * k, e) if grouped == "kernel" and not split else None
+    if grouped == "kernel" and tile is None:
+        grouped = "ragged_dot"  # weights whose kernel does not take these tiles
     if split or grouped == "ragged_dot":  # these take plain stacks in x.dtype
         ws = tuple(expert_stack(w, x.dtype) for w in ws)
     if split:
         return _expert_parallel(x, router_logits, *ws, k, norm_topk_prob, grouped)
     weights, order, group_sizes = _dispatch(router_logits, k, norm_topk_prob, e)
     # (P, D), sorted by expert
-    y = _experts(x, order, k, group_sizes, *ws, grouped=grouped)
+    y = _experts(x, order, k, group_sizes, *ws, grouped=grouped, tile=tile)
     return _combine(y, order, weights).astype(x.dtype)
 
 
@@ -231,114 +178,21 @@ def _dispatch(router_logits, k: int, norm_topk_prob: bool, e: int):
 GROUPED = ("ragged_dot", "tiled", "kernel")
 
 
-def tile_rows(num_pairs: int, num_experts: int) -> int:
-    """The 'tiled' path's rows per tile b (static): 8 while experts average under 16 pairs
-    (decode: one tile per chosen expert, and no bf16 dot of under 4 rows, which XLA's CPU runs by
-    converting the whole weight to f32, JOURNAL.md section 17), else the power of two <= P / E,
-    at most 128 (prefill chunks: the padding, < b rows per expert, stays under the P real rows)."""
-    per = num_pairs // num_experts
-    if per < 16:
-        return 8
-    return min(128, 1 << (per.bit_length() - 1))
-
-
-def kernel_tile_rows(num_pairs: int, num_experts: int) -> int:
-    """The 'kernel' path's rows per tile: `tile_rows`, at least 16 (the kernels' row block)."""
-    return max(16, tile_rows(num_pairs, num_experts))
-
-
-def _kernel_tiles(ws, b: int) -> bool:
-    """Whether every weight's kernel runs a tiled call of b-row tiles in place."""
-    return all(getattr(_flat(w)[0], "tiles_in_place", lambda b: False)(b) for w in ws)
-
-
-def _expert_matmul(a: jax.Array, w, e) -> jax.Array:
-    """a [b, K] @ expert e of the stack w [E, K, N] or `StackedExperts` (plain, or quantized:
-    only that expert is read and dequantized) -> [b, N] in a.dtype."""
-    flat, first = _flat(w)
-    if hasattr(flat, "matmul"):
-        return flat.matmul(a, layer=first + e).astype(a.dtype)
-    return a @ jax.lax.dynamic_index_in_dim(flat, first + e, keepdims=False).astype(a.dtype)
-
-
-def _tile_layout(group_sizes, p: int, b: int):
-    """The pairs in tiles of b rows, each tile one expert's (see the module docstring) ->
-    (pos i32[P]: each sorted pair's row in the padded buffer, the spare row max_tiles * b for
-    rows past the groups; tile_expert i32[max_tiles]; used tiles i32[]; max_tiles)."""
-    g = group_sizes.shape[0]
-    max_tiles = p // b + min(g, p)
-    tiles = (group_sizes + b - 1) // b  # (G,)
-    tile_end = jnp.cumsum(tiles)  # (G,)
-    tile_start = tile_end - tiles
-    group_start = jnp.cumsum(group_sizes) - group_sizes
-    row = jnp.arange(p, dtype=jnp.int32)
-    used = row < jnp.sum(group_sizes)
-    expert_of = jnp.minimum(
-        jnp.searchsorted(jnp.cumsum(group_sizes), row, side="right", method="compare_all"), g - 1
-    )
-    # each pair's row in the padded buffer; rows past the groups go to a spare zero row
-    pos = jnp.where(used, tile_start[expert_of] * b + row - group_start[expert_of], max_tiles * b)
-    tile_expert = jnp.minimum(
-        jnp.searchsorted(
-            tile_end, jnp.arange(max_tiles, dtype=jnp.int32), side="right", method="compare_all"
-        ),
-        g - 1,
-    )
-    return pos, tile_expert, tile_end[-1], max_tiles
-
-
-def _tiled_swiglu(xs, group_sizes, w_gate, w_up, w_down):
-    """xs [P, D] sorted by expert, group_sizes i32[G] (sum <= P) -> [P, D]: row j times its
-    expert's SwiGLU; rows past sum(group_sizes) are exact zeros (see the module docstring)."""
-    p, d = xs.shape
-    b = tile_rows(p, group_sizes.shape[0])
-    pos, tile_expert, used_tiles, max_tiles = _tile_layout(group_sizes, p, b)
-    pad_rows = max_tiles * b
-    xs_pad = jnp.zeros((pad_rows + 1, d), xs.dtype).at[pos].set(xs, unique_indices=True)
-
-    def tile(t, y_pad):  # rows [t*b, (t+1)*b) are all expert tile_expert[t]'s
-        e = tile_expert[t]
-        rows = jax.lax.dynamic_slice_in_dim(xs_pad, t * b, b)  # (b, D)
-        gate, up = _expert_matmul(rows, w_gate, e), _expert_matmul(rows, w_up, e)  # (b, I)
-        h = jax.nn.silu(gate.astype(jnp.float32)).astype(xs.dtype) * up
-        return jax.lax.dynamic_update_slice_in_dim(y_pad, _expert_matmul(h, w_down, e), t * b, 0)
-
-    y_pad = jax.lax.fori_loop(0, used_tiles, tile, jnp.zeros((pad_rows + 1, d), xs.dtype))
-    return y_pad[pos]  # (P, D)
-
-
-def _kernel_swiglu(xs, group_sizes, w_gate, w_up, w_down):
-    """`_tiled_swiglu` with every tile in one kernel launch per weight (the 'kernel' path):
-    tile t multiplies by its expert's row of the stack, an unused tile (index -1) is skipped."""
-    p, d = xs.shape
-    b = kernel_tile_rows(p, group_sizes.shape[0])
-    pos, tile_expert, used_tiles, max_tiles = _tile_layout(group_sizes, p, b)
-    pad_rows = max_tiles * b
-    xs_pad = jnp.zeros((pad_rows + 1, d), xs.dtype).at[pos].set(xs, unique_indices=True)
-    used = jnp.arange(max_tiles, dtype=jnp.int32) < used_tiles
-
-    def matmul(a, w):  # a [pad_rows, K] -> [pad_rows, N]: one launch over every tile
-        flat, first = _flat(w)
-        tiles = jnp.where(used, first + tile_expert, -1)  # (max_tiles,)
-        return flat.matmul(a, layer=tiles, tile_rows=b).astype(a.dtype)
-
-    rows = xs_pad[:pad_rows]
-    gate, up = matmul(rows, w_gate), matmul(rows, w_up)  # (pad_rows, I)
-    h = jax.nn.silu(gate.astype(jnp.float32)).astype(xs.dtype) * up
-    y = jnp.concatenate([matmul(h, w_down), jnp.zeros((1, d), xs.dtype)])  # + the spare row
-    return y[pos]  # (P, D)
-
-
-def _experts(x, order, k: int, group_sizes, w_gate, w_up, w_down, shift=None, grouped="ragged_dot"):
+def _experts(
+    x, order, k: int, group_sizes, w_gate, w_up, w_down, shift=None, grouped="ragged_dot", tile=None
+):
     """The SwiGLU of each pair's expert on its token: [P, D], rows sorted by expert. shift: the
     first sorted row of these experts' pairs (expert parallelism: the rows are rotated so they
-    start at 0, and the rows past their groups come out as exact zeros)."""
+    start at 0, and the rows past their groups come out as exact zeros). tile: the 'kernel'
+    path's rows per tile (`kernel_tile`)."""
     xs = jnp.take(x, order // k, axis=0)  # (P, D)
     if shift is not None:
         xs = jnp.roll(xs, -shift, axis=0)
     if grouped in ("tiled", "kernel"):
-        swiglu = _tiled_swiglu if grouped == "tiled" else _kernel_swiglu
-        y = swiglu(xs, group_sizes, w_gate, w_up, w_down)
+        if grouped == "tiled":
+            y = tiled_swiglu(xs, group_sizes, w_gate, w_up, w_down)
+        else:
+            y = kernel_swiglu(xs, group_sizes, w_gate, w_up, w_down, tile)
         return y if shift is None else jnp.roll(y, shift, axis=0)
     gate = _ragged_dot(xs, w_gate, group_sizes)  # (P, I)
     up = _ragged_dot(xs, w_up, group_sizes)  # (P, I)

@@ -66,7 +66,7 @@ from jaxserve.layers import lora
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.embedding import embed, is_quantized
 from jaxserve.layers.linear import TransposedWeight, linear, linears
-from jaxserve.layers.moe import StackedExperts
+from jaxserve.layers.moe_tiles import StackedExperts
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
 from jaxserve.models.mlp import mlp, mlp_rows

@@ -13,7 +13,7 @@ import pytest
 from model_testing import GOLDEN_DIR, load_golden_logits
 
 from jaxserve.bench.core import CompileCounter
-from jaxserve.layers import moe
+from jaxserve.layers import moe, moe_tiles
 from jaxserve.loading import hf
 from jaxserve.models import llama
 from jaxserve.quant import int8, rtn
@@ -60,7 +60,7 @@ def test_grouped_equals_dense_reference_f32(n, e, k, norm, skew, path):
 def test_tile_rows():
     """8 rows while experts average under 16 pairs (decode), else a power of two <= P / E up to
     128; the padded buffer bounds every routing's used tiles."""
-    assert [moe.tile_rows(p, 8) for p in (1, 16, 127, 128, 255, 256, 1024, 4096)] == [
+    assert [moe_tiles.tile_rows(p, 8) for p in (1, 16, 127, 128, 255, 256, 1024, 4096)] == [
         8,
         8,
         8,
@@ -70,7 +70,7 @@ def test_tile_rows():
         128,
         128,
     ]
-    assert moe.tile_rows(256, 128) == 8 and moe.tile_rows(4096, 128) == 32
+    assert moe_tiles.tile_rows(256, 128) == 8 and moe_tiles.tile_rows(4096, 128) == 32
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -250,7 +250,7 @@ def test_kernel_path_runs_each_tile_on_its_expert_in_the_stack(fmt):
     stacks = with_matmul_impl([QUANTIZERS[fmt](w) for w in floats], "pallas_interpret")
     run = jax.jit(moe.moe_mlp, static_argnums=(5, 6, 7))
     for li in range(layers):
-        experts = [moe.StackedExperts(w, jnp.int32(li)) for w in stacks]
+        experts = [moe_tiles.StackedExperts(w, jnp.int32(li)) for w in stacks]
         want = grouped(x, logits, *[w.dequantize()[li] for w in stacks], 2, True, "ragged_dot")
         got = run(x, logits, *experts, 2, True, "kernel")
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
@@ -268,13 +268,32 @@ def test_kernel_path_takes_ragged_dot_where_the_kernel_does_not_take_the_tiles()
     narrow = with_matmul_impl(
         [QUANTIZERS["int4"](w) for w in floats], "pallas_interpret", {"int4_matmul": 8}
     )
-    experts = [moe.StackedExperts(w, jnp.int32(1)) for w in narrow]
+    experts = [moe_tiles.StackedExperts(w, jnp.int32(1)) for w in narrow]
     run = jax.jit(moe.moe_mlp, static_argnums=(5, 6, 7))
     jaxpr = jax.make_jaxpr(run, static_argnums=(5, 6, 7))(x, logits, *experts, 2, True, "kernel")
     assert kernel_calls(jaxpr.jaxpr, "int4_matmul") == 0 and "ragged_dot" in str(jaxpr)
     want = grouped(x, logits, *[w.dequantize()[1] for w in narrow], 2, True, "ragged_dot")
     np.testing.assert_allclose(run(x, logits, *experts, 2, True, "kernel"), want, atol=1e-6)
-    plain = [moe.StackedExperts(w, jnp.int32(1)).layer() for w in floats]
+    plain = [moe_tiles.StackedExperts(w, jnp.int32(1)).layer() for w in floats]
     np.testing.assert_array_equal(
         run(x, logits, *plain, 2, True, "kernel"), grouped(x, logits, *plain, 2, True, "ragged_dot")
     )
+
+
+def test_kernel_tile_is_what_every_weights_kernel_takes_while_tiles_stay_few():
+    """The 'kernel' path's rows per tile: INT4's kernel takes 16 rows (the shipped table), W8A16's
+    up to 64; none for float experts, a kernel impl set to XLA, or a prefill chunk whose tiles
+    could pass MAX_TILES_PER_EXPERT reads of every expert (then 'ragged_dot' moves fewer bytes)."""
+    from jaxserve.quant import with_matmul_impl
+
+    floats = layer_stacks(0, 1, 128, 64, 8)
+    int4 = with_matmul_impl([QUANTIZERS["int4"](w) for w in floats], "pallas", {"int4_matmul": 16})
+    fp8 = with_matmul_impl([QUANTIZERS["fp8"](w) for w in floats], "pallas", {"w8_matmul": 64})
+    tile = moe_tiles.kernel_tile
+    assert tile(int4, 16, 8) == tile(int4, 128, 8) == 16  # decode: 8 and 64 Mixtral slots
+    assert tile(int4, 256, 8) == 16  # 32 pairs an expert: INT4 still takes 16-row tiles
+    assert tile(fp8, 256, 8) == 32 and tile(fp8, 1024, 8) == 64 and tile(fp8, 2048, 8) is None
+    assert tile(int4, 512, 8) is None  # 32 + 8 tiles > 4 a expert
+    assert tile(int4, 512, 128) == 16  # Qwen3-30B-A3B at 64 slots: 32 + 128 tiles <= 512
+    assert tile(floats, 16, 8) is None
+    assert tile(with_matmul_impl(int4, "xla"), 16, 8) is None
