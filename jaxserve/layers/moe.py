@@ -153,13 +153,14 @@ def moe_mlp(
     t = mesh.shape["model"] if "model" in mesh.axis_names else 1
     split = t > 1 and e % t == 0  # expert parallelism
     ws = (w_gate, w_up, w_down)
-    tile = kernel_tile(ws, x.shape[0] * k, e) if grouped == "kernel" and not split else None
+    # the 'kernel' path's tile over each device's experts (all of them without expert parallelism)
+    tile = kernel_tile(ws, x.shape[0] * k, e // t if split else e) if grouped == "kernel" else None
     if grouped == "kernel" and tile is None:
         grouped = "ragged_dot"  # weights whose kernel does not take these tiles
-    if split or grouped == "ragged_dot":  # these take plain stacks in x.dtype
+    if grouped == "ragged_dot" or (split and grouped == "tiled"):  # plain stacks in x.dtype
         ws = tuple(expert_stack(w, x.dtype) for w in ws)
     if split:
-        return _expert_parallel(x, router_logits, *ws, k, norm_topk_prob, grouped)
+        return _expert_parallel(x, router_logits, *ws, k, norm_topk_prob, grouped, tile)
     weights, order, group_sizes = _dispatch(router_logits, k, norm_topk_prob, e)
     # (P, D), sorted by expert
     y = _experts(x, order, k, group_sizes, *ws, grouped=grouped, tile=tile)
@@ -213,15 +214,21 @@ def _combine(y, order, weights) -> jax.Array:
 
 
 def _expert_parallel(
-    x, router_logits, w_gate, w_up, w_down, k: int, norm_topk_prob: bool, grouped: str
+    x, router_logits, w_gate, w_up, w_down, k: int, norm_topk_prob: bool, grouped: str, tile
 ):
     """`moe_mlp` with the experts split over the 'model' axis: every device routes all tokens
     (the router is replicated; cheap), takes the sorted pairs of its own E/T experts -- a
-    contiguous run, rotated to start at row 0 -- through its experts' `ragged_dot`, and the
+    contiguous run, rotated to start at row 0 -- through its experts' grouped path, and the
     per-device partial outputs (the other experts' pairs are exact zeros) are summed by one psum
-    of [N, D]. Only the experts' weights are split; tokens stay replicated (no all-to-all)."""
+    of [N, D]. Only the experts' weights are split; tokens stay replicated (no all-to-all).
+    Quantized `StackedExperts` on the 'kernel' path stay in their stacks [Ls, E/T, ...]."""
     e = w_gate.shape[0]
     P = jax.sharding.PartitionSpec
+
+    def spec(w):  # the experts' axis: 0 of a layer's [E, ...], 1 of a stack [Ls, E, ...]
+        return (
+            StackedExperts(P(None, "model"), P()) if isinstance(w, StackedExperts) else P("model")
+        )
 
     def local(x, router_logits, w_gate, w_up, w_down):
         el = w_gate.shape[0]  # this device's experts: [m * el, (m + 1) * el)
@@ -229,12 +236,13 @@ def _expert_parallel(
         weights, order, group_sizes = _dispatch(router_logits, k, norm_topk_prob, e)
         starts = jnp.cumsum(group_sizes) - group_sizes  # (E,) first sorted row of each expert
         mine = jax.lax.dynamic_slice_in_dim(group_sizes, first, el)  # (el,)
-        y = _experts(x, order, k, mine, w_gate, w_up, w_down, shift=starts[first], grouped=grouped)
+        ws, shift = (w_gate, w_up, w_down), starts[first]
+        y = _experts(x, order, k, mine, *ws, shift=shift, grouped=grouped, tile=tile)
         return jax.lax.psum(_combine(y, order, weights), "model")
 
     out = jax.shard_map(
         local,
-        in_specs=(P(), P(), P("model"), P("model"), P("model")),
+        in_specs=(P(), P(), spec(w_gate), spec(w_up), spec(w_down)),
         out_specs=P(),
         axis_names={"model"},
         check_vma=False,

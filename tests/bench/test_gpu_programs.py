@@ -129,20 +129,26 @@ def test_every_family_decodes_each_weight_in_place(model):
 
 
 @pytest.mark.parametrize(
-    "model,quantization",
-    [("mixtral-8x7b", "int4-rtn"), ("mixtral-8x7b", "fp8"), ("qwen3-30b-a3b", "int4-rtn")],
+    "model,quantization,tp",
+    [
+        ("mixtral-8x7b", "int4-rtn", 1),
+        ("mixtral-8x7b", "fp8", 1),
+        ("qwen3-30b-a3b", "int4-rtn", 1),
+        ("mixtral-8x7b", "int4-rtn", 8),  # expert parallelism: one expert a device
+    ],
 )
-def test_quantized_experts_are_read_in_place(model, quantization):
+def test_quantized_experts_are_read_in_place(model, quantization, tp):
     """A quantized mixture of experts' decode step (8 slots) reads every expert's weight where
     it lies: one tiled INT4 / W8A16 kernel launch per weight and layer over the whole expert
-    stack (`layers/moe.py`'s 'kernel' path). Before, `ragged_dot` took each layer's experts
-    dequantized to bf16: Mixtral INT4 wrote 87,362 MiB a step (FP8 86,050, Qwen3-30B-A3B INT4
-    56,185). What is still copied is the float router's [D, E] a layer (its Triton GEMM cannot
-    read a slice of the stack; 2 MiB a step for Mixtral, 24 for Qwen3-30B-A3B)."""
+    stack (`layers/moe_tiles.py`'s 'kernel' path; under expert parallelism each device's share
+    of it). Before, `ragged_dot` took each layer's experts dequantized to bf16: Mixtral INT4 wrote
+    87,362 MiB a step (FP8 86,050, Qwen3-30B-A3B INT4 56,185; at TP 8 13,610 a device). What is
+    still copied is the float router's [D, E] a layer (its Triton GEMM cannot read a slice of the
+    stack; 2 MiB a step for Mixtral, 24 for Qwen3-30B-A3B)."""
     from jaxserve.config import ModelConfig
 
     c = ModelConfig.preset(model)
-    r = _report("decode", "width=256", model=model, slots=8, quantization=quantization)
+    r = _report("decode", "width=256", model=model, slots=8, quantization=quantization, tp=tp)
     router_bytes = c.num_layers * c.hidden_size * c.num_experts * 2  # bf16 [L, D, E]
     assert r.weight_bytes_materialized <= router_bytes, r.materialized
     assert r.host_round_trips == {}, r.host_round_trips

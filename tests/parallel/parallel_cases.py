@@ -41,8 +41,9 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_moe_sparse2")  # 8, 16 and 4 expe
 PROMPTS = [[3, 17, 99, 5, 42, 8, 1], [250, 7], [11, 12, 13, 14, 15] * 5, [9] * 20, [4, 4, 5]]
 
 
-def _logits(params, config, tokens, mesh, impl=REFERENCE_IMPL):
-    """Whole-window forward logits f32[B, T, V] over a paged cache, on `mesh` (None: 1 device)."""
+def _logits(params, config, tokens, mesh, impl=REFERENCE_IMPL, jaxpr=False):
+    """Whole-window forward logits f32[B, T, V] over a paged cache, on `mesh` (None: 1 device);
+    with jaxpr=True the forward's jaxpr instead."""
     b, t = tokens.shape
     ps = 4
     meta = AttentionMetadata.contiguous([t] * b, t, ps)
@@ -61,10 +62,28 @@ def _logits(params, config, tokens, mesh, impl=REFERENCE_IMPL):
         hidden, _ = llama.forward(params, tokens, meta, cache, config, impl)
         return llama.compute_logits(params, hidden, config)
 
+    if jaxpr:
+        with jax.set_mesh(mesh):
+            return jax.make_jaxpr(run)(params, tokens, meta).jaxpr
     if mesh is None:
         return np.asarray(jax.jit(run)(params, tokens, meta))
     with jax.set_mesh(mesh):
         return np.asarray(jax.jit(run)(params, tokens, meta))
+
+
+def _kernel_calls(jaxpr, prefix: str) -> int:
+    """Pallas calls named `prefix...` that running `jaxpr` launches (each call site counted)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            n += str(eqn.params["name"]).startswith(prefix)
+            continue
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    n += _kernel_calls(sub, prefix)
+    return n
 
 
 _REF_LOGITS: dict = {}  # one-device logits per family
@@ -85,6 +104,32 @@ def case_logits(t: int, families=FAMILIES, moe_matmul: str = "ragged_dot") -> di
         p2 = partition.shard_params(p2, c2, mesh)
         got = _logits(p2, c2, tokens, mesh, ModelImpl(moe_matmul=moe_matmul))
         out[fam] = float(np.max(np.abs(got - ref)))
+    return out
+
+
+def case_quantized_experts(t: int) -> dict:
+    """The GPU's 'kernel' path under expert parallelism: INT4 expert stacks (the Triton kernel,
+    interpreted) split over E at TP t, each device's tiles reading its experts in their stack:
+    max |sharded - one-device| f32 logits, the one-device run dequantizing them for ragged_dot;
+    and the tiled launches one sharded forward makes (3 a MoE layer)."""
+    from jaxserve.quant import MOE_EXPERT_WEIGHTS, rtn, with_matmul_impl
+
+    out = {}
+    for fam in ("mixtral", "qwen3_moe"):
+        config, params = hf.load_hf_dir(os.path.join(GOLDEN, fam), "float32")
+        tokens = jnp.asarray(np.load(os.path.join(GOLDEN, fam, "logits.npz"))["tokens"])
+        layers = params["layers"]
+        experts = {n: rtn.quantize_int4_rtn(layers[n], 32) for n in MOE_EXPERT_WEIGHTS}
+        experts = with_matmul_impl(experts, "pallas_interpret")
+        params = {**params, "layers": {**params["layers"], **experts}}
+        ref = _logits(params, config, tokens, None, ModelImpl(moe_matmul="ragged_dot"))
+        mesh = make_mesh(t, 1)
+        p2, c2 = partition.replicate_kv_heads(params, config, t)
+        p2 = partition.shard_params(p2, c2, mesh)
+        impl = ModelImpl(moe_matmul="kernel")
+        got = _logits(p2, c2, tokens, mesh, impl)
+        launches = _kernel_calls(_logits(p2, c2, tokens, mesh, impl, jaxpr=True), "int4_matmul_t")
+        out[fam] = {"diff": float(np.max(np.abs(got - ref))), "launches": launches}
     return out
 
 
@@ -379,6 +424,7 @@ CASES = {
     # sparse2's 4 experts: 1 each; the CPU engine's 'tiled' grouped path under the shard_map
     "moe_logits_tp4": lambda: case_logits(4, MOE_FAMILIES, moe_matmul="tiled"),
     "moe_expert_split_tp2": lambda: case_expert_split(2),
+    "moe_int4_kernel_tp2": lambda: case_quantized_experts(2),
     "moe_greedy_tp2": lambda: case_greedy(
         os.path.join(GOLDEN, "qwen3_moe"), tensor_parallel_size=2
     ),

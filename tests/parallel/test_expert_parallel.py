@@ -15,6 +15,7 @@ CASES = [
     "moe_expert_split_tp2",
     "moe_greedy_tp2",
     "moe_int8_greedy_tp2",
+    "moe_int4_kernel_tp2",
 ]
 
 
@@ -39,3 +40,13 @@ def test_expert_stacks_split_over_experts(results):
 @pytest.mark.parametrize("name", ["moe_greedy_tp2", "moe_int8_greedy_tp2"])
 def test_greedy_tokens_identical(results, name):
     assert result(results, name)["equal"]
+
+
+def test_quantized_experts_run_their_tiled_kernel_on_each_devices_stack(results):
+    """The GPU's 'kernel' path (INT4 experts, the Triton kernel interpreted) under expert
+    parallelism at TP 2: each device's tiles read its half of the experts in the layer stack;
+    logits as one device's, which dequantizes them for ragged_dot; 3 tiled launches a MoE layer
+    (a layer scan's body is traced once, so the jaxpr holds the launches of one layer)."""
+    for fam, r in result(results, "moe_int4_kernel_tp2").items():
+        assert r["diff"] < 1e-4, (fam, r)
+        assert r["launches"] == 3, (fam, r)
