@@ -71,7 +71,7 @@ from pallas_kernels.int4_layout import (
 )
 from pallas_kernels.int4_plan import Int4MatmulConfig, plan, tiled_plan
 from pallas_kernels.lowering import KernelCheck
-from pallas_kernels.tiles import check_tiles, per_tile
+from pallas_kernels.tiles import check_layer, per_tile
 
 IMPLS = ("pallas", "pallas_interpret", "xla", "reference")
 ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -265,17 +265,9 @@ def int4_matmul(
         what = "one layer's u32[K, N/8]" if layer is None else "a stack u32[L, K, N/8] with layer="
         raise ValueError(f"packed must be {what}, got shape {packed.shape}")
     kernel = impl in ("pallas", "pallas_interpret")
-    if tile_rows is None and layer is not None and jnp.ndim(layer) != 0:
-        raise ValueError(
-            f"layer must be a scalar index (or i32[T] with tile_rows=, a tiled call), got shape "
-            f"{jnp.shape(layer)}"
-        )
-    if tile_rows is not None:
-        if layer is None or x.ndim != 2:
-            raise ValueError("a tiled call (tile_rows=) needs x [M, K] and layer= i32[T]")
-        check_tiles(x.shape[0], layer, tile_rows, kernel)
-        if shards != 1:
-            raise ValueError(f"a tiled call needs the plain packing (shards = 1), got {shards}")
+    check_layer(x, layer, tile_rows, kernel)
+    if tile_rows is not None and shards != 1:
+        raise ValueError(f"a tiled call needs the plain packing (shards = 1), got {shards}")
     if jnp.dtype(x.dtype) not in ACT_DTYPES:
         raise ValueError(f"x must be f32/bf16/f16, got {x.dtype}")
     if x.ndim < 1 or x.shape[-1] != packed.shape[-2]:

@@ -34,3 +34,19 @@ def lower_for_h200(check: KernelCheck) -> str:
     if "triton" not in text:
         raise RuntimeError("lowered module holds no Triton custom call")
     return text
+
+
+def kernel_launches(jaxpr, prefix: str) -> int:
+    """Pallas calls named `prefix...` that running `jaxpr` (a `jax.make_jaxpr(...).jaxpr`)
+    launches, each call site counted (a jitted function called twice holds its jaxpr twice)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            n += str(eqn.params["name"]).startswith(prefix)
+            continue
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns"):
+                    n += kernel_launches(sub, prefix)
+    return n

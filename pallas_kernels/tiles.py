@@ -24,6 +24,20 @@ import jax
 import jax.numpy as jnp
 
 
+def check_layer(x, layer, tile_rows, kernel: bool) -> None:
+    """A stacked-weight kernel's `layer` / `tile_rows` arguments: a scalar layer, or (a tiled
+    call) x [T * tile_rows, K] with layer i32[T] (`check_tiles`); ValueError naming the problem."""
+    if tile_rows is None and layer is not None and jnp.ndim(layer) != 0:
+        raise ValueError(
+            f"layer must be a scalar index (or i32[T] with tile_rows=, a tiled call), got shape "
+            f"{jnp.shape(layer)}"
+        )
+    if tile_rows is not None:
+        if layer is None or x.ndim != 2:
+            raise ValueError("a tiled call (tile_rows=) needs x [M, K] and layer= i32[T]")
+        check_tiles(x.shape[0], layer, tile_rows, kernel)
+
+
 def check_tiles(rows: int, tiles, tile_rows, kernel: bool) -> None:
     """ValueError unless `tiles` i32[T] with tiles of `tile_rows` rows covers exactly `rows`
     rows (and, for a kernel, tile_rows is a power of two >= 16: the kernel's row block)."""
@@ -50,4 +64,4 @@ def per_tile(matmul_one: Callable, x2: jax.Array, tiles: jax.Array, tile_rows: i
     return y.reshape(t * tile_rows, y.shape[-1])
 
 
-__all__ = ["check_tiles", "per_tile"]
+__all__ = ["check_layer", "check_tiles", "per_tile"]

@@ -17,6 +17,7 @@ from jaxserve.layers import moe, moe_tiles
 from jaxserve.loading import hf
 from jaxserve.models import llama
 from jaxserve.quant import int8, rtn
+from pallas_kernels.lowering import kernel_launches
 
 grouped = jax.jit(moe.moe_mlp, static_argnums=(5, 6, 7))
 PATHS = list(moe.GROUPED)
@@ -213,21 +214,6 @@ QUANTIZERS = {
 TILED_KERNEL = {"int4": "int4_matmul_t16", "int8": "w8_matmul_t16", "fp8": "w8_matmul_t16"}
 
 
-def kernel_calls(jaxpr, prefix: str) -> int:
-    """Pallas calls named `prefix...` that running `jaxpr` launches (each call site counted)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            n += str(eqn.params["name"]).startswith(prefix)
-            continue
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-                if hasattr(sub, "eqns"):
-                    n += kernel_calls(sub, prefix)
-    return n
-
-
 def layer_stacks(seed, layers, d, i, e):
     """w_gate/w_up [Ls, E, D, I], w_down [Ls, E, I, D]: a model's expert stacks."""
     ks = jax.random.split(jax.random.key(seed), 3)
@@ -255,7 +241,7 @@ def test_kernel_path_runs_each_tile_on_its_expert_in_the_stack(fmt):
         got = run(x, logits, *experts, 2, True, "kernel")
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
     jaxpr = jax.make_jaxpr(run, static_argnums=(5, 6, 7))(x, logits, *experts, 2, True, "kernel")
-    assert kernel_calls(jaxpr.jaxpr, TILED_KERNEL[fmt]) == 3  # gate, up, down: a launch each
+    assert kernel_launches(jaxpr.jaxpr, TILED_KERNEL[fmt]) == 3  # gate, up, down: a launch each
 
 
 def test_kernel_path_takes_ragged_dot_where_the_kernel_does_not_take_the_tiles():
@@ -271,7 +257,7 @@ def test_kernel_path_takes_ragged_dot_where_the_kernel_does_not_take_the_tiles()
     experts = [moe_tiles.StackedExperts(w, jnp.int32(1)) for w in narrow]
     run = jax.jit(moe.moe_mlp, static_argnums=(5, 6, 7))
     jaxpr = jax.make_jaxpr(run, static_argnums=(5, 6, 7))(x, logits, *experts, 2, True, "kernel")
-    assert kernel_calls(jaxpr.jaxpr, "int4_matmul") == 0 and "ragged_dot" in str(jaxpr)
+    assert kernel_launches(jaxpr.jaxpr, "int4_matmul") == 0 and "ragged_dot" in str(jaxpr)
     want = grouped(x, logits, *[w.dequantize()[1] for w in narrow], 2, True, "ragged_dot")
     np.testing.assert_allclose(run(x, logits, *experts, 2, True, "kernel"), want, atol=1e-6)
     plain = [moe_tiles.StackedExperts(w, jnp.int32(1)).layer() for w in floats]

@@ -33,6 +33,7 @@ from jaxserve.models import llama  # noqa: E402
 from jaxserve.parallel import partition  # noqa: E402
 from jaxserve.parallel.mesh import make_mesh  # noqa: E402
 from jaxserve.resolve import REFERENCE_IMPL, ModelImpl  # noqa: E402
+from pallas_kernels.lowering import kernel_launches  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "..", "golden")
@@ -69,21 +70,6 @@ def _logits(params, config, tokens, mesh, impl=REFERENCE_IMPL, jaxpr=False):
         return np.asarray(jax.jit(run)(params, tokens, meta))
     with jax.set_mesh(mesh):
         return np.asarray(jax.jit(run)(params, tokens, meta))
-
-
-def _kernel_calls(jaxpr, prefix: str) -> int:
-    """Pallas calls named `prefix...` that running `jaxpr` launches (each call site counted)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            n += str(eqn.params["name"]).startswith(prefix)
-            continue
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    n += _kernel_calls(sub, prefix)
-    return n
 
 
 _REF_LOGITS: dict = {}  # one-device logits per family
@@ -128,7 +114,7 @@ def case_quantized_experts(t: int) -> dict:
         p2 = partition.shard_params(p2, c2, mesh)
         impl = ModelImpl(moe_matmul="kernel")
         got = _logits(p2, c2, tokens, mesh, impl)
-        launches = _kernel_calls(_logits(p2, c2, tokens, mesh, impl, jaxpr=True), "int4_matmul_t")
+        launches = kernel_launches(_logits(p2, c2, tokens, mesh, impl, jaxpr=True), "int4_matmul_t")
         out[fam] = {"diff": float(np.max(np.abs(got - ref))), "launches": launches}
     return out
 
