@@ -22,7 +22,7 @@ XLA options and XLA's defaults, side by side in one process.
    the forward and the slot state to the sampler, reassigned after each call. Each timed run
    starts from the same slot state (context `context`), dispatches `--steps` steps and blocks once;
    median ms per step over `--repeats` runs per variant. The variants, alternated A/B/A/B:
-     engine        `Resolved.compiler_options` (resolve.gpu_compiler_options: CUDA graphs with
+     engine        `Resolved.compiler_options` (gpu_choices.gpu_compiler_options: CUDA graphs with
                    while loops and conditionals; for bf16 also cuBLAS GEMMs, no dot merging);
                    without the autotuning cache folder a runner with a compilation cache adds
                    (it says where results are kept, not what runs)

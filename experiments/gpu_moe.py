@@ -17,7 +17,7 @@ engine's layer scan reads it (`StackedExperts`):
 
 Each is checked first against `moe_mlp_reference` on the dequantized f32 weights (`NAME_ok`), then
 timed with `jaxserve.bench.device_loop` (iters calls in one program), each under the engine's XLA
-options for its weights (`resolve.gpu_compiler_options`). Results: DIR/gpu_moe.json (rewritten
+options for its weights (`gpu_choices.gpu_compiler_options`). Results: DIR/gpu_moe.json (rewritten
 after every row) and gpu_moe.md; DIR defaults to $OUT. Rows the wall-clock budget cannot reach
 are marked skipped.
 """
@@ -35,11 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.bench.device_loop import seconds_per_call
+from jaxserve.config.gpu_choices import gpu_compiler_options
 from jaxserve.layers import moe
 from jaxserve.quant import with_matmul_impl
 from jaxserve.quant.int8 import quantize_fp8
 from jaxserve.quant.rtn import quantize_int4_rtn
-from jaxserve.resolve import gpu_compiler_options
 
 # name -> (D, I, experts, top k)
 MODELS = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}

@@ -46,9 +46,9 @@ get their shape buckets from here. The choices:
                    tail after a prefix-cache hit, a short prompt) pays for 16 tokens a row, not
                    64 (a 1-row chunk: 22 vs 57 ms for SmolLM2 on a Zen 4 VM, JOURNAL.md 50a);
                    the chunk alone elsewhere. Prompt log-prob programs take the chunk only.
-    XLA options    on GPU (`gpu_compiler_options`): CUDA graphs that hold while loops and
-                   conditionals; for float weights cuBLAS GEMMs reading each layer in place and no
-                   dot merging (JOURNAL.md 54); none on CPU
+    XLA options    on GPU (`gpu_choices.gpu_compiler_options`): CUDA graphs that hold while
+                   loops and conditionals; for float weights cuBLAS GEMMs reading each layer in
+                   place and no dot merging (JOURNAL.md 54); none on CPU
     flat buckets   'ragged' decode: live-page buckets per slot bucket (powers of two from 8)
                    ('cpu_kernel': one decode program per slot bucket and one prefill program per
                    row bucket, over the whole page table, since the kernel's cost follows each
@@ -286,39 +286,6 @@ class Resolved:
 AUTO_CPU_MATMUL = ("avx512bf16", "avx2")
 
 
-# The command types XLA:GPU may record into CUDA graphs: its defaults, and while loops and
-# conditionals, which inside a graph are decided on the device (outside one, XLA's
-# ConditionalThunk, and a WhileThunk without a known trip count, copy the predicate to the host
-# and wait: a host round trip inside the step). The sampler's conditionals (`runner/sampling.py`)
-# and the layer loop then run within one graph launch.
-GPU_COMMAND_BUFFER = (
-    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION"
-)
-
-
-def gpu_compiler_options(
-    plain_weights: bool, autotune_cache_dir: str | None = None
-) -> tuple[tuple[str, str], ...]:
-    """The XLA options of a GPU engine's programs (`jaxserve.bench.gpu_programs` shows what each
-    does to the compiled program).
-
-    plain_weights (every layer weight a float array, none quantized): GEMMs through cuBLAS, which
-    reads each layer's weight in place from its [L, K, N] stack (XLA's dynamic-slice fusion), where
-    a Triton GEMM under the layer scan gets the layer copied out of the stack first (84-87% of a
-    decode step's weight bytes written and read again: experiments/JOURNAL.md 54); and no dot
-    merging, which concatenates q/k/v (gate/up) weights into a new buffer to run one GEMM.
-    Quantized weights keep XLA's default (Triton GEMMs that dequantize in their prologue; the INT4
-    kernel reads its stack in place).
-    autotune_cache_dir: where XLA keeps its per-fusion autotuning results across processes
-    (`runner/compile_cache.py`)."""
-    options = {"xla_gpu_enable_command_buffer": GPU_COMMAND_BUFFER}
-    if autotune_cache_dir:
-        options["xla_gpu_per_fusion_autotune_cache_dir"] = autotune_cache_dir
-    if plain_weights:
-        options |= {"xla_gpu_enable_triton_gemm": "False", "xla_gpu_dot_merger_threshold_mb": "0"}
-    return tuple(sorted(options.items()))
-
-
 def resolve(
     engine_config: EngineConfig,
     model_config: ModelConfig,
@@ -338,8 +305,8 @@ def resolve(
     `cpu_kernels.matmul.path()`) when it can run for this engine (the runner asks: built here, on
     one device), else None.
     plain_weights: whether every layer weight is a float array (none quantized; the runner looks
-    at the params): it picks the GPU's GEMMs (`gpu_compiler_options`); autotune_cache_dir: the
-    GPU's autotuning cache (`runner/compile_cache.autotune_dir`).
+    at the params): it picks the GPU's GEMMs (`gpu_choices.gpu_compiler_options`);
+    autotune_cache_dir: the GPU's autotuning cache (`runner/compile_cache.autotune_dir`).
     device_kind: the GPU's (`jax.Device.device_kind`, e.g. "NVIDIA H200"), whose row of the GPU
     kernel table 'auto' takes on GPU (None: the table's default row)."""
     c, m = engine_config, model_config
@@ -405,7 +372,9 @@ def resolve(
         chunks=chunks or (chunk,),
         num_top=m.vocab_size if top == -1 else min(top, m.vocab_size),
         compiler_options=(
-            gpu_compiler_options(plain_weights, autotune_cache_dir) if backend == "gpu" else ()
+            gpu_choices.gpu_compiler_options(plain_weights, autotune_cache_dir)
+            if backend == "gpu"
+            else ()
         ),
         quant_kernel_rows=kernel_rows,
     )

@@ -366,17 +366,8 @@ def lowering_cases() -> list:
                 sds((tiles,), jnp.int32),
             )
 
-            def tiled(x, packed, scales, mins, layer, rows=rows):
-                return int4_matmul(
-                    x,
-                    packed,
-                    scales,
-                    mins,
-                    group_size=128,
-                    impl="pallas",
-                    layer=layer,
-                    tile_rows=rows,
-                )
+            def tiled(x, p, s, m, i, b=rows):
+                return int4_matmul(x, p, s, m, group_size=128, impl="pallas", layer=i, tile_rows=b)
 
             name = f"int4_matmul/mixtral/experts256_{k}x{n}_g128_tiles{tiles}x{rows}"
             cases.append(KernelCheck(name, tiled, args))

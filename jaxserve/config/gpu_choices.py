@@ -6,6 +6,7 @@
     for_device(device_kind) -> ChipChoices      the two above on the shipped table
     to_toml(choices) -> str                     the file's text (`load` reads it back unchanged)
     attention_misfit(attention, head_dim)       why the attention kernels cannot run a model
+    gpu_compiler_options(plain_weights, ...)    the XLA options of a GPU engine's programs
 
 A row says: on GPU `chip`, operation `op` (over a bucket of rows, for the quantized matmuls) runs
 `candidate`; `measured` says whether a GPU run timed the candidates there and chose this one
@@ -280,6 +281,39 @@ def attention_misfit(attention: str, head_dim: int) -> str | None:
     return None
 
 
+# The command types XLA:GPU may record into CUDA graphs: its defaults, and while loops and
+# conditionals, which inside a graph are decided on the device (outside one, XLA's
+# ConditionalThunk, and a WhileThunk without a known trip count, copy the predicate to the host
+# and wait: a host round trip inside the step). The sampler's conditionals (`runner/sampling.py`)
+# and the layer loop then run within one graph launch.
+GPU_COMMAND_BUFFER = (
+    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION"
+)
+
+
+def gpu_compiler_options(
+    plain_weights: bool, autotune_cache_dir: str | None = None
+) -> tuple[tuple[str, str], ...]:
+    """The XLA options of a GPU engine's programs (`jaxserve.bench.gpu_programs` shows what each
+    does to the compiled program).
+
+    plain_weights (every layer weight a float array, none quantized): GEMMs through cuBLAS, which
+    reads each layer's weight in place from its [L, K, N] stack (XLA's dynamic-slice fusion), where
+    a Triton GEMM under the layer scan gets the layer copied out of the stack first (84-87% of a
+    decode step's weight bytes written and read again: experiments/JOURNAL.md 54); and no dot
+    merging, which concatenates q/k/v (gate/up) weights into a new buffer to run one GEMM.
+    Quantized weights keep XLA's default (Triton GEMMs that dequantize in their prologue; the INT4
+    kernel reads its stack in place).
+    autotune_cache_dir: where XLA keeps its per-fusion autotuning results across processes
+    (`runner/compile_cache.py`)."""
+    options = {"xla_gpu_enable_command_buffer": GPU_COMMAND_BUFFER}
+    if autotune_cache_dir:
+        options["xla_gpu_per_fusion_autotune_cache_dir"] = autotune_cache_dir
+    if plain_weights:
+        options |= {"xla_gpu_enable_triton_gemm": "False", "xla_gpu_dot_merger_threshold_mb": "0"}
+    return tuple(sorted(options.items()))
+
+
 __all__ = [
     "ATTENTION_OPS",
     "CANDIDATES",
@@ -288,10 +322,12 @@ __all__ = [
     "MATMUL_OPS",
     "ChipChoices",
     "Choice",
+    "GPU_COMMAND_BUFFER",
     "attention_misfit",
     "chip_of",
     "for_chip",
     "for_device",
+    "gpu_compiler_options",
     "load",
     "parse",
     "to_toml",

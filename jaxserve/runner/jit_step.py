@@ -11,7 +11,7 @@
 
 Why per call site and not per process: XLA reads XLA_FLAGS once, when its backend starts (before a
 notebook builds its first engine), and the options are a choice of the engine's backend and
-weights (`resolve.gpu_compiler_options`), so each engine compiles its programs with its own. The
+weights (`gpu_choices.gpu_compiler_options`), so each engine compiles its programs with its own. The
 options are part of the persistent compilation cache's key like any compile option.
 """
 

@@ -185,7 +185,7 @@ def test_int4_at_32_slots_reads_in_place_once_the_table_gives_the_kernel_32_rows
 
 
 def test_xla_defaults_copy_each_layer_weight_out_of_its_stack():
-    """Why the engine sets its own XLA options on GPU (`resolve.gpu_compiler_options`): with
+    """Why the engine sets its own XLA options on GPU (`gpu_choices.gpu_compiler_options`): with
     XLA's defaults the same decode step writes (and reads back) almost every layer weight."""
     r = _report("decode", "width=256", options=(), slots=8)
     layer_weights = 32 * 2 * 4096 * (4096 + 2 * 1024 + 4096 + 3 * 14336)  # bytes, 8B bf16
