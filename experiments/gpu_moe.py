@@ -6,11 +6,14 @@ path they replaced and against bf16 experts (issue 54; JOURNAL.md 63a).
 
 `layers/moe.moe_mlp` at Mixtral-8x7B's (D 4096, I 14336, 8 experts, top 2) and Qwen3-30B-A3B's
 (D 2048, I 768, 128 experts, top 8) layer shapes, N tokens in {1, 8, 64} (decode at that many
-slots), INT4 (RTN, g 128) and FP8 experts, each stack [2 layers, E, K, N] read at layer 1 as the
-engine's layer scan reads it (`StackedExperts`):
+slots) and 512 (a prefill step), INT4 (RTN, g 128) and FP8 experts, each stack [2 layers, E, K,
+N] read at layer 1 as the engine's layer scan reads it (`StackedExperts`):
 
     kernel      grouped='kernel': one tiled INT4 / W8A16 kernel launch per weight over every
-                tile, each reading its expert in place (the engine's GPU path since 63a)
+                tile, each reading its expert in place (the engine's GPU path since 63a), where
+                `moe_tiles.kernel_tile` takes it (the row's `tile`), else ragged_dot
+    kernel_any  the same with `moe_tiles.MAX_TILES_PER_EXPERT` lifted while tracing: the kernel
+                path at every N, to set that cutoff (it is a byte count, not yet a timing)
     ragged      grouped='ragged_dot' on the same quantized stacks: the layer's experts
                 dequantized to bf16 inside the step, then XLA's ragged_dot (the path before 63a)
     bf16        grouped='ragged_dot' on bf16 experts of the same shapes (a float model's path)
@@ -25,6 +28,7 @@ are marked skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -36,14 +40,14 @@ import numpy as np
 
 from jaxserve.bench.device_loop import seconds_per_call
 from jaxserve.config.gpu_choices import gpu_compiler_options
-from jaxserve.layers import moe
+from jaxserve.layers import moe, moe_tiles
 from jaxserve.quant import with_matmul_impl
 from jaxserve.quant.int8 import quantize_fp8
 from jaxserve.quant.rtn import quantize_int4_rtn
 
 # name -> (D, I, experts, top k)
 MODELS = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}
-TOKENS = (1, 8, 64)
+TOKENS = (1, 8, 64, 512)
 FORMATS = {"int4": lambda w: quantize_int4_rtn(w, 128), "fp8": quantize_fp8}
 LAYERS = 2
 
@@ -59,6 +63,17 @@ def experts(d: int, i: int, e: int, fmt: str, interpret: bool, seed: int = 0):
         "pallas_interpret" if interpret else "pallas",
     )
     return quantized, [w.dequantize()[1] for w in quantized]
+
+
+@contextlib.contextmanager
+def tiles_unlimited(on: bool):
+    """`moe_tiles.MAX_TILES_PER_EXPERT` lifted (on) while the kernel path is traced."""
+    old = moe_tiles.MAX_TILES_PER_EXPERT
+    moe_tiles.MAX_TILES_PER_EXPERT = 1 << 30 if on else old
+    try:
+        yield
+    finally:
+        moe_tiles.MAX_TILES_PER_EXPERT = old
 
 
 def rel_err(got, want) -> float:
@@ -78,7 +93,7 @@ def main() -> int:
         ap.error("no GPU: run with --smoke (interpret mode, small shapes)")
     models, tokens, iters = MODELS, TOKENS, opts.iters
     if opts.smoke:
-        models, tokens, iters = {"smoke": (128, 128, 4, 2)}, (8,), 2
+        models, tokens, iters = {"smoke": (128, 128, 4, 2)}, (8, 128), 2  # 128: past the cutoff
     deadline = time.monotonic() + opts.budget_s
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,8 +120,10 @@ def main() -> int:
                 want = moe.moe_mlp_reference(
                     x.astype(jnp.float32), logits.astype(jnp.float32), *layer, k, True
                 )
+                row["tile"] = moe_tiles.kernel_tile(stacked, n * k, e)  # None: ragged_dot
                 cands = {  # name -> (op, weights, jit keywords)
                     "kernel": ("kernel", stacked, options[False]),
+                    "kernel_any": ("kernel", stacked, options[False]),
                     "ragged": ("ragged_dot", stacked, options[False]),
                     "bf16": ("ragged_dot", bf16, options[True]),
                 }
@@ -117,10 +134,11 @@ def main() -> int:
                         return moe.moe_mlp(x, logits, *ws, k, True, grouped)
 
                     try:  # a candidate that fails is its own result
-                        got = jax.jit(op, **kw)(x, logits, ws)
+                        with tiles_unlimited(name == "kernel_any"):  # traced inside
+                            got = jax.jit(op, **kw)(x, logits, ws)
+                            t[name] = seconds_per_call(op, (x, logits, ws), iters, **kw)
                         row[f"{name}_rel_err"] = rel_err(got, want)
                         row[f"{name}_ok"] = row[f"{name}_rel_err"] < 3e-2
-                        t[name] = seconds_per_call(op, (x, logits, ws), iters, **kw)
                     except Exception as exc:  # noqa: BLE001
                         row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
                         row[f"{name}_ok"] = False
@@ -128,6 +146,8 @@ def main() -> int:
                 row.update({f"{name}_us": s * 1e6 for name, s in t.items()})
                 if "kernel" in t and "ragged" in t:
                     row["kernel_vs_ragged"] = t["ragged"] / t["kernel"]
+                if "kernel_any" in t and "ragged" in t:
+                    row["kernel_any_vs_ragged"] = t["ragged"] / t["kernel_any"]
                 if "kernel" in t and "bf16" in t:
                     row["kernel_vs_bf16"] = t["bf16"] / t["kernel"]
                 row["ok"] = all(row[f"{name}_ok"] for name in cands)
@@ -137,24 +157,27 @@ def main() -> int:
     lines = [
         f"# MoE layer on {res['device']} (jax {res['jax']}{', smoke' if opts.smoke else ''})",
         "",
-        "| model | experts | N | kernel us | ragged us | bf16 us | kernel x ragged "
-        "| kernel x bf16 | ok |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | experts | N | tile | kernel us | kernel_any us | ragged us | bf16 us "
+        "| kernel x ragged | kernel_any x ragged | kernel x bf16 | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | {r['fmt']} | {r['tokens']} | skipped ||||||")
+            lines.append(f"| {r['model']} | {r['fmt']} | {r['tokens']} | skipped |||||||||")
             continue
         cells = [
             format(r[key], fmt) if r.get(key) is not None else ""
             for key, fmt in (
                 ("kernel_us", ".1f"),
+                ("kernel_any_us", ".1f"),
                 ("ragged_us", ".1f"),
                 ("bf16_us", ".1f"),
                 ("kernel_vs_ragged", ".2f"),
+                ("kernel_any_vs_ragged", ".2f"),
                 ("kernel_vs_bf16", ".2f"),
             )
         ]
+        cells.insert(0, str(r["tile"] or "ragged"))
         ok = "yes" if r["ok"] else "NO"
         lines.append(
             f"| {r['model']} | {r['fmt']} | {r['tokens']} | " + " | ".join(cells) + f" | {ok} |"
