@@ -2,7 +2,8 @@
 no GPU (`jaxserve.bench.gpu_programs`, deviceless XLA:GPU), and read back (`gpu_report`).
 
 What every decode program must show (Llama-3-8B shapes at 1, 8 and 64 slots; bf16, INT4, INT8 and
-FP8 weights; bf16 and FP8 KV), and the prefill chunks, and Llama-3-70B at TP 8:
+FP8 weights; bf16 and FP8 KV), and the prefill chunks, and Llama-3-70B at TP 8, every family's
+bf16 decode, and the quantized mixtures of experts (their float router aside):
 - it compiles without a device (the sampler at 1 and 64 slots did not: CUB's sort asks the device);
 - each layer weight is read in place: 0 bytes of weights written per step (under the layer scan,
   XLA's Triton GEMMs got each layer copied out of its stack first: ~13 GB a step for 8B bf16);
