@@ -196,22 +196,44 @@ def test_every_warmup_program_lowers_for_cuda():
 
 
 # --- mixture-of-experts (issue 26) ---
+# A GPU engine's choices for quantized weights (the experts' 'kernel' path, `layers/moe_tiles.py`)
+GPU_QUANTIZED = resolve(
+    EngineConfig(num_slots=NUM_SLOTS, max_model_len=256, page_size=PAGE_SIZE).for_model(_TINY),
+    _TINY,
+    "gpu",
+    plain_weights=False,
+)
+# The experts' tile rows per step: None where they take XLA's ragged_dot (float experts, and
+# INT4's prefill chunk: 1,024 pairs in 16-row tiles are past 4 tiles an expert)
+MOE_TILES = {
+    None: {DecodeShape: None, PrefillShape: None},
+    "int4-rtn": {DecodeShape: 16, PrefillShape: None},
+    "int8": {DecodeShape: 16, PrefillShape: 64},
+}
+
+
 @pytest.mark.parametrize("quantization", [None, "int4-rtn", "int8"])
 def test_moe_steps_lower_for_cuda(quantization):
-    """Mixtral-8x7B's decode and prefill steps: the experts' grouped matmuls lower as XLA's
-    `chlo.ragged_dot` inside the layer scan (3 per layer body: gate, up, down), beside the Pallas
-    attention (and the INT4 kernel for the dense projections); quantized expert stacks are
-    dequantized into the grouped matmul (`layers/moe.py`)."""
+    """Mixtral-8x7B's decode (8 slots) and prefill (8 x 64 tokens) steps as a GPU engine builds
+    them, beside the Pallas attention (and the INT4 kernel for the dense projections): float
+    experts take XLA's `chlo.ragged_dot` inside the layer scan (3 per layer body: gate, up,
+    down); quantized ones take the tiled INT4 / W8A16 kernel calls over the expert stack where
+    their tiles fit (`MOE_TILES`), else ragged_dot over the layer's dequantized experts."""
     c, params = abstract_model("mixtral-8x7b", quantization)
+    impl = (GPU if quantization is None else GPU_QUANTIZED).model
+    assert impl.moe_matmul == ("ragged_dot" if quantization is None else "kernel")
     cache = abstract_cache(c, "auto")
     state = jax.eval_shape(lambda: slot_state.init_slot_state(NUM_SLOTS, MAX_PAGES, c.vocab_size))
     for shape in [DecodeShape(8, MAX_PAGES, 0), PrefillShape(8, CHUNK, 8, False)]:
-        text = lower_step(shape, c, params, cache, state)
+        text = lower_step(shape, c, params, cache, state, impl)
         assert kernels(text) - {"int4_matmul"} == EXPECTED[type(shape)], shape
-        layer_calls = {s for s in int4_codes_shapes(text) if s[2] != c.vocab_size}
         fused = quantization == "int4-rtn" and isinstance(shape, DecodeShape)  # 8 rows
+        layer_calls = {s for s in int4_codes_shapes(text) if s[2] != c.vocab_size}
         assert bool(layer_calls) == fused, shape
-        assert len(re.findall(r"chlo\.ragged_dot\"", text)) == 3, shape
+        tiles = {int(b) for b in re.findall(r'name = "(?:int4|w8)_matmul_t(\d+)_', text)}
+        want = MOE_TILES[quantization][type(shape)]
+        assert tiles == ({want} if want else set()), shape
+        assert len(re.findall(r"chlo\.ragged_dot\"", text)) == (0 if want else 3), shape
 
 
 # --- end mixture-of-experts ---
