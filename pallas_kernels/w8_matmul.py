@@ -88,13 +88,17 @@ def plan(m: int, k: int, n: int, num_sms: int = NUM_SMS) -> W8MatmulConfig:
     if m > 64:
         return W8MatmulConfig(64, block_n, block_k, 1)
     block_m = max(16, 1 << max(0, m - 1).bit_length())
-    steps = k // block_k
     programs = -(-m // block_m) * -(-n // block_n)
+    return W8MatmulConfig(block_m, block_n, block_k, _splits(k // block_k, programs, num_sms))
+
+
+def _splits(steps: int, programs: int, num_sms: int) -> int:
+    """Split-K over the K blocks (a divisor of their count, at most 32) until the grid has ~2
+    programs per SM."""
     splits = next(
         (d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= 2 * num_sms), steps
     )
-    splits = max(d for d in range(1, min(splits, 32) + 1) if steps % d == 0)
-    return W8MatmulConfig(block_m, block_n, block_k, splits)
+    return max(d for d in range(1, min(splits, 32) + 1) if steps % d == 0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -164,12 +168,8 @@ def tiled_plan(num_tiles: int, tile_rows: int, k: int, n: int, num_sms: int = NU
     base = plan(min(tile_rows, 64), k, n, num_sms)
     if tile_rows > 64:
         return W8MatmulConfig(tile_rows, base.block_n, base.block_k, 1)
-    steps = k // base.block_k
     programs = num_tiles * -(-n // base.block_n)
-    splits = next(
-        (d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= 2 * num_sms), steps
-    )
-    splits = max(d for d in range(1, min(splits, 32) + 1) if steps % d == 0)
+    splits = _splits(k // base.block_k, programs, num_sms)
     return W8MatmulConfig(tile_rows, base.block_n, base.block_k, splits)
 
 

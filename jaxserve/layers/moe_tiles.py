@@ -120,10 +120,12 @@ def _expert_matmul(a: jax.Array, w, e) -> jax.Array:
     return a @ jax.lax.dynamic_index_in_dim(flat, first + e, keepdims=False).astype(a.dtype)
 
 
-def _tile_layout(group_sizes, p: int, b: int):
-    """The pairs in tiles of b rows, each tile one expert's (see the module docstring) ->
-    (pos i32[P]: each sorted pair's row in the padded buffer, the spare row max_tiles * b for
-    rows past the groups; tile_expert i32[max_tiles]; used tiles i32[]; max_tiles)."""
+def _tile_layout(xs, group_sizes, b: int):
+    """The pairs xs [P, D] in tiles of b rows, each tile one expert's (see the module docstring)
+    -> (xs_pad [max_tiles * b + 1, D]; pos i32[P]: each sorted pair's row in it, the spare zero
+    row max_tiles * b for rows past the groups; tile_expert i32[max_tiles]; used tiles i32[];
+    max_tiles)."""
+    p, d = xs.shape
     g = group_sizes.shape[0]
     max_tiles = p // b + min(g, p)
     tiles = (group_sizes + b - 1) // b  # (G,)
@@ -143,7 +145,8 @@ def _tile_layout(group_sizes, p: int, b: int):
         ),
         g - 1,
     )
-    return pos, tile_expert, tile_end[-1], max_tiles
+    xs_pad = jnp.zeros((max_tiles * b + 1, d), xs.dtype).at[pos].set(xs, unique_indices=True)
+    return xs_pad, pos, tile_expert, tile_end[-1], max_tiles
 
 
 def tiled_swiglu(xs, group_sizes, w_gate, w_up, w_down):
@@ -151,9 +154,8 @@ def tiled_swiglu(xs, group_sizes, w_gate, w_up, w_down):
     expert's SwiGLU; rows past sum(group_sizes) are exact zeros (see the module docstring)."""
     p, d = xs.shape
     b = tile_rows(p, group_sizes.shape[0])
-    pos, tile_expert, used_tiles, max_tiles = _tile_layout(group_sizes, p, b)
+    xs_pad, pos, tile_expert, used_tiles, max_tiles = _tile_layout(xs, group_sizes, b)
     pad_rows = max_tiles * b
-    xs_pad = jnp.zeros((pad_rows + 1, d), xs.dtype).at[pos].set(xs, unique_indices=True)
 
     def tile(t, y_pad):  # rows [t*b, (t+1)*b) are all expert tile_expert[t]'s
         e = tile_expert[t]
@@ -169,10 +171,9 @@ def tiled_swiglu(xs, group_sizes, w_gate, w_up, w_down):
 def kernel_swiglu(xs, group_sizes, w_gate, w_up, w_down, b: int):
     """`tiled_swiglu` with every tile of b rows in one kernel launch per weight (the 'kernel'
     path): tile t multiplies by its expert's row of the stack, an unused tile (-1) is skipped."""
-    p, d = xs.shape
-    pos, tile_expert, used_tiles, max_tiles = _tile_layout(group_sizes, p, b)
+    d = xs.shape[1]
+    xs_pad, pos, tile_expert, used_tiles, max_tiles = _tile_layout(xs, group_sizes, b)
     pad_rows = max_tiles * b
-    xs_pad = jnp.zeros((pad_rows + 1, d), xs.dtype).at[pos].set(xs, unique_indices=True)
     used = jnp.arange(max_tiles, dtype=jnp.int32) < used_tiles
 
     def matmul(a, w):  # a [pad_rows, K] -> [pad_rows, N]: one launch over every tile
