@@ -10,7 +10,8 @@
 # with under 20 s left is skipped. By default only env and decode run: decode
 # (experiments/gpu_decode.py, issue 54) times the engine's Llama-3-8B decode step, bf16, INT4 and
 # INT8 at 1-64 slots (INT4 at 64 also with its kernel, 'int4-k64'), under the engine's XLA options
-# against XLA's defaults, profiles one case and saves
+# against the same without the layer loop unrolled into its CUDA graph ('no_unroll') and XLA's
+# defaults, profiles one case and saves
 # the device's GpuTargetConfigProto (decode/target_config.txtpb, for deviceless compiles on the
 # CPU); it takes what the 7 minutes leave. The other steps (SmolLM2-135M shapes) still run when
 # named, e.g. `bash experiments/gpu_checks.sh env kernels int4`, at most a few per run.

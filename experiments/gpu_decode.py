@@ -1,6 +1,7 @@
 """The engine's decode step on one GPU (issue 54, decode at the memory roofline): Llama-3-8B, bf16,
 INT4 and INT8, at 1 / 8 / 64 slots and 1024 / 4096 tokens of context, each timed under the engine's
-XLA options and XLA's defaults, side by side in one process.
+XLA options, the same without the layer loop unrolled into its CUDA graph, and XLA's defaults,
+side by side in one process.
 
     python experiments/gpu_decode.py [--out DIR] [--budget_s 360] [--profile]   # a lent H100/H200
     python experiments/gpu_decode.py --smoke [--profile]    # CPU: tiny preset, interpret mode
@@ -21,14 +22,18 @@ XLA options and XLA's defaults, side by side in one process.
    `steps.decode_forward` then `steps.decode_sample` (greedy, no log-probs), the cache donated to
    the forward and the slot state to the sampler, reassigned after each call. Each timed run
    starts from the same slot state (context `context`), dispatches `--steps` steps and blocks once;
-   median ms per step over `--repeats` runs per variant. The variants, alternated A/B/A/B:
+   median ms per step over `--repeats` runs per variant. The variants, alternated A/B/C/A/B/C:
      engine        `Resolved.compiler_options` (gpu_choices.gpu_compiler_options: CUDA graphs with
-                   while loops and conditionals; for bf16 also cuBLAS GEMMs, no dot merging);
-                   without the autotuning cache folder a runner with a compilation cache adds
-                   (it says where results are kept, not what runs)
+                   while loops and conditionals, the layer loop recorded unrolled; for bf16 also
+                   cuBLAS GEMMs, no dot merging); without the autotuning cache folder a runner
+                   with a compilation cache adds (it says where results are kept, not what runs)
+     no_unroll     the same without `xla_gpu_command_buffer_unroll_loops`: XLA then keeps the
+                   layer loop out of CUDA graphs (its cuBLAS calls read the stacks at the
+                   iteration's offset), each layer one graph launch (JOURNAL.md 64a)
      xla_default   () -- XLA's defaults, what the engine compiled with before those options
-   Before timing, both run `--check_steps` steps from the same state: their greedy tokens are
-   compared (`tokens_match`), and the first step's logits (max |diff| / max |logit|); random
+   Before timing, each runs `--check_steps` steps from the same state: their greedy tokens are
+   compared with the engine's (`tokens_match`), and the first step's logits (the largest
+   max |diff| / max |logit| of a variant against the engine's); random
    weights make near-ties likely, so a mismatch after a small logit difference is rounding (cuBLAS
    vs Triton GEMMs), not a wrong program.
    Roofline: (weight bytes a step reads + KV bytes it reads) / HBM bandwidth, bandwidth from the
@@ -115,7 +120,8 @@ SMOKE = dict(
     profile_steps=2,
 )
 PAGE_SIZE = 16
-VARIANTS = ("engine", "xla_default")
+VARIANTS = ("engine", "no_unroll", "xla_default")
+UNROLL = "xla_gpu_command_buffer_unroll_loops"
 WANT_TOP = np.bool_(False)  # greedy, no log-probs: the runner's flag, sent with every sample call
 # HBM bandwidth by device kind (datasheet, bytes/s); the first match in the kind's name wins
 BANDWIDTH = (
@@ -266,7 +272,8 @@ def run_case(params, c, weights, slots, context, spec, bw) -> tuple[dict, dict]:
     """One case's row (both variants) and what the profile needs to run it again."""
     plain = not any(map(is_quantized, params["layers"].values()))
     r, shape, cache, state0, num_pages = make_case(c, spec, slots, context, plain)
-    options = {"engine": r.compiler_options, "xla_default": ()}
+    no_unroll = tuple((k, v) for k, v in r.compiler_options if k != UNROLL)
+    options = {"engine": r.compiler_options, "no_unroll": no_unroll, "xla_default": ()}
     static = dict(config=c, impl=r.model, shape=shape)
     fns = {v: (steps.decode_forward.jit(o), steps.decode_sample.jit(o)) for v, o in options.items()}
     row = dict(
@@ -291,10 +298,12 @@ def run_case(params, c, weights, slots, context, spec, bw) -> tuple[dict, dict]:
         logits[v] = np.asarray(first, np.float32)
         row[f"{v}_check_s"] = time.perf_counter() - t0  # compile + check_steps steps
         del st
-    a, b = (logits[v] for v in VARIANTS)
-    row["tokens_match"] = bool(np.array_equal(toks["engine"], toks["xla_default"]))
-    row["first_tokens_match"] = bool(np.array_equal(toks["engine"][0], toks["xla_default"][0]))
-    row["logits_max_rel_diff"] = float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-30))
+    a, others = logits["engine"], [v for v in VARIANTS if v != "engine"]
+    row["tokens_match"] = all(np.array_equal(toks["engine"], toks[v]) for v in others)
+    row["first_tokens_match"] = all(np.array_equal(toks["engine"][0], toks[v][0]) for v in others)
+    row["logits_max_rel_diff"] = max(
+        float(np.max(np.abs(a - logits[v])) / max(np.max(np.abs(a)), 1e-30)) for v in others
+    )
 
     # Timing: A/B/A/B, each run from the initial state, N steps dispatched, one block.
     per_step = {v: [] for v in VARIANTS}
@@ -324,6 +333,7 @@ def run_case(params, c, weights, slots, context, spec, bw) -> tuple[dict, dict]:
             achieved_GBps=(w_bytes + kv_bytes) / med / 1e9,
         )
     row["xla_default_over_engine"] = row["xla_default"]["step_ms"] / row["engine"]["step_ms"]
+    row["no_unroll_over_engine"] = row["no_unroll"]["step_ms"] / row["engine"]["step_ms"]
     row["best"] = min(VARIANTS, key=lambda v: row[v]["step_ms"])
     live = dict(cache=cache, state0=state0, options=options, static=static, shape=shape)
     return row, live
@@ -457,23 +467,23 @@ def table(result: dict) -> str:
         f"{result['card']} ({result['device_kind']}), roofline at {result['hbm_bytes_per_s'] / 1e12:.2f} "
         f"TB/s ({result['bandwidth_source']})"
         + (f"; {SMOKE_NOTE}" if result["smoke"] else "")
-        + "\n\n| weights | slots | ctx | width | roofline ms | engine ms | xla_default ms | "
-        "default / engine | engine tok/s | engine of roofline | default of roofline | "
-        "tokens match |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        + "\n\n| weights | slots | ctx | width | roofline ms | engine ms | no_unroll ms | "
+        "xla_default ms | default / engine | engine tok/s | engine of roofline | "
+        "default of roofline | tokens match |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in result["cases"]:
         key = f"| {r['weights']} | {r['slots']} | {r['context']} |"
         if "engine" not in r:
-            lines.append(f"{key} {r.get('skipped') or r.get('error', '')[:120]} |" + " |" * 8)
+            lines.append(f"{key} {r.get('skipped') or r.get('error', '')[:120]} |" + " |" * 9)
             continue
-        e, d = r["engine"], r["xla_default"]
+        e, n, d = r["engine"], r["no_unroll"], r["xla_default"]
         match = (
             "yes" if r["tokens_match"] else f"NO (logits rel diff {r['logits_max_rel_diff']:.1e})"
         )
         lines.append(
             f"{key} {r['width']} | {r['roofline_ms']:.2f} | {e['step_ms']:.2f} | "
-            f"{d['step_ms']:.2f} | {r['xla_default_over_engine']:.2f}x | "
+            f"{n['step_ms']:.2f} | {d['step_ms']:.2f} | {r['xla_default_over_engine']:.2f}x | "
             f"{e['tokens_per_s']:.0f} | {e['roofline_fraction']:.0%} | "
             f"{d['roofline_fraction']:.0%} | {match} |"
         )

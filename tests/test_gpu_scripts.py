@@ -211,18 +211,21 @@ def test_gpu_tp_smoke(tmp_path):
 
 def test_gpu_decode_smoke(tmp_path):
     """experiments/gpu_decode.py: the engine's decode step (decode_forward + decode_sample) of the
-    tiny preset, bf16 and INT4, under the engine's XLA options and XLA's defaults, with the same
-    greedy tokens from both; the profile path reduces the CPU trace to its table; no GPU target
-    config on the CPU, said so."""
+    tiny preset, bf16 and INT4, under the engine's XLA options, the same without the layer loop
+    unrolled into its CUDA graph, and XLA's defaults, with the same greedy tokens from all three;
+    the profile path reduces the CPU trace to its table; no GPU target config on the CPU, said
+    so."""
     out = smoke("gpu_decode.py", tmp_path, "--profile")
     assert out["smoke"] is True and "meaningless" in out["note"]
     assert "skipped" in out["target_config"]
     rows = {r["weights"]: r for r in out["cases"]}
     assert set(rows) == {"bf16", "int4", "int8", "int4-k64"}, out["cases"]
     for w, r in rows.items():
-        for v in ("engine", "xla_default"):
+        for v in ("engine", "no_unroll", "xla_default"):
             assert r[v]["step_ms"] > 0 and len(r[v]["step_ms_runs"]) == out["spec"]["repeats"], w
         assert r["options"]["xla_default"] == {}
+        engine, no_unroll = r["options"]["engine"], r["options"]["no_unroll"]
+        assert engine.pop("xla_gpu_command_buffer_unroll_loops") == "True" and engine == no_unroll
         assert r["tokens_match"] and r["first_tokens_match"], (w, r["logits_max_rel_diff"])
     # the engine's options: CUDA graphs for both, and cuBLAS GEMMs for the float weights only
     assert "xla_gpu_enable_command_buffer" in rows["int4"]["options"]["engine"]

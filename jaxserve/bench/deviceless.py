@@ -18,8 +18,11 @@ plugin's start-up check calls `cuInit`, which fails without a driver). `prepare(
 that jax still runs on the CPU (the CUDA client fails to start and jax falls back, quietly).
 
 The target configs in `gpu_targets/` are XLA's own (`xla/backends/gpu/target_config/specs/`),
-with a `driver_version` (without one XLA assumes 0.0.0 and keeps cuBLAS out of command buffers). A
-GPU run saves the device's own (`experiments/gpu_checks.sh`), which `target(path)` reads.
+with the CUDA stack a GPU engine runs on: a `driver_version` (without one XLA assumes 0.0.0 and
+keeps cuBLAS out of command buffers), and the runtime and toolkit of jax's CUDA plugin, 12.9 (the
+specs say 12.8; XLA records a dynamic-slice fusion, cuBLAS reading a layer of its stack in place,
+into a CUDA graph only when all three are 12.9 or newer: JOURNAL.md 64a). A GPU run saves the
+device's own (`experiments/gpu_checks.sh`), which `target(path)` reads.
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ class GpuTarget:
     memory_bandwidth: float  # bytes/s, the HBM roofline of a memory-bound step
     num_cores: int  # streaming multiprocessors
     memory_bytes: int  # the chip's memory, which the KV pool and slot state must fit in
+    cuda: dict  # the CUDA stack's versions it names: driver, runtime, toolkit (e.g. "12.9.0")
+
+    def describe(self) -> str:
+        c = self.cuda
+        return (
+            f"{self.device_kind} (CUDA driver {c['driver']}, runtime {c['runtime']}, "
+            f"toolkit {c['toolkit']})"
+        )
 
 
 def target(name_or_path: str) -> GpuTarget:
@@ -77,6 +88,11 @@ def target(name_or_path: str) -> GpuTarget:
         memory_bandwidth=field("memory_bandwidth", float),
         num_cores=field("core_count", int),
         memory_bytes=field("device_memory_size", int),
+        cuda={
+            "driver": field("driver_version"),
+            "runtime": field("runtime_version"),
+            "toolkit": field("compile_time_toolkit_version"),
+        },
     )
 
 

@@ -285,7 +285,8 @@ def attention_misfit(attention: str, head_dim: int) -> str | None:
 # conditionals, which inside a graph are decided on the device (outside one, XLA's
 # ConditionalThunk, and a WhileThunk without a known trip count, copy the predicate to the host
 # and wait: a host round trip inside the step). The sampler's conditionals (`runner/sampling.py`)
-# and the layer loop then run within one graph launch.
+# and the layer loop then run within one graph launch. DYNAMIC_SLICE_FUSION: cuBLAS reading a
+# layer of its stack in place (driver, runtime and toolkit 12.9 or newer).
 GPU_COMMAND_BUFFER = (
     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION"
 )
@@ -304,9 +305,17 @@ def gpu_compiler_options(
     merging, which concatenates q/k/v (gate/up) weights into a new buffer to run one GEMM.
     Quantized weights keep XLA's default (Triton GEMMs that dequantize in their prologue; the INT4
     kernel reads its stack in place).
+    Every program: CUDA graphs (`GPU_COMMAND_BUFFER`), with loops of a known trip count (the
+    layer scan) recorded unrolled (`xla_gpu_command_buffer_unroll_loops`). XLA keeps a loop whose
+    body reads its stacks at the iteration's offset (cuBLAS through a dynamic-slice fusion) out of
+    graphs unless it unrolls it: then each layer is a graph launch of its own from the host
+    (Llama-3-8B bf16 decode: 40 host launches a step against 1; JOURNAL.md 64a).
     autotune_cache_dir: where XLA keeps its per-fusion autotuning results across processes
     (`runner/compile_cache.py`)."""
-    options = {"xla_gpu_enable_command_buffer": GPU_COMMAND_BUFFER}
+    options = {
+        "xla_gpu_enable_command_buffer": GPU_COMMAND_BUFFER,
+        "xla_gpu_command_buffer_unroll_loops": "True",
+    }
     if autotune_cache_dir:
         options["xla_gpu_per_fusion_autotune_cache_dir"] = autotune_cache_dir
     if plain_weights:

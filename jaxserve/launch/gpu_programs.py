@@ -88,7 +88,7 @@ def main(argv):
     ][: _LIMIT.value]
     e = engine.engine_config
     print(
-        f"{engine.model_config.name or e.model} on {engine.target.device_kind} "
+        f"{engine.model_config.name or e.model} on {engine.target.describe()} "
         f"(TP {e.tensor_parallel_size} x DP {e.data_parallel_size}), {len(programs)} programs; "
         f"XLA options: {dict(engine.resolved.compiler_options) or 'none'}"
     )

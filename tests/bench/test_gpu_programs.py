@@ -7,7 +7,8 @@ bf16 decode, and the quantized mixtures of experts (their float router aside):
 - it compiles without a device (the sampler at 1 and 64 slots did not: CUB's sort asks the device);
 - each layer weight is read in place: 0 bytes of weights written per step (under the layer scan,
   XLA's Triton GEMMs got each layer copied out of its stack first: ~13 GB a step for 8B bf16);
-- no host round trip inside the step (a conditional or loop the host must wait for);
+- no host round trip inside the step (a conditional or loop the host must wait for), and on one
+  GPU the whole step is one CUDA graph launch (with the CUDA 12.9 stack the targets name);
 - kernels per layer within `LAYER_KERNELS` (what one decoder layer launches, listed there).
 
 The compiles are real (XLA's whole GPU pipeline, ~3-20 s each); each test compiles the programs it
@@ -110,6 +111,7 @@ def test_decode_reads_each_weight_once_in_place(quantization, slots, kv):
     assert r.loops and ("while", 32) in [(n.split(".")[0], c) for n, c in r.loops], r.loops
     assert r.weight_bytes_materialized == 0, r.materialized
     assert r.host_round_trips == {}, r.host_round_trips
+    assert r.host_launches == 1, r.outside_command_buffers  # the whole step one CUDA graph
     bound = LAYER_KERNELS[quantization] + (KV_QUANT_KERNELS if kv != "auto" else 0)
     assert r.per_layer is not None and r.per_layer <= bound, (
         r.per_layer,
@@ -127,6 +129,7 @@ def test_every_family_decodes_each_weight_in_place(model):
     r = _report("decode", "width=256", model=model, slots=8)
     assert r.weight_bytes_materialized == 0, r.materialized
     assert r.host_round_trips == {}, r.host_round_trips
+    assert r.host_launches == 1, r.outside_command_buffers
 
 
 @pytest.mark.parametrize(
@@ -153,6 +156,8 @@ def test_quantized_experts_are_read_in_place(model, quantization, tp):
     router_bytes = c.num_layers * c.hidden_size * c.num_experts * 2  # bf16 [L, D, E]
     assert r.weight_bytes_materialized <= router_bytes, r.materialized
     assert r.host_round_trips == {}, r.host_round_trips
+    if tp == 1:  # XLA keeps its all-reduce kernels out of CUDA graphs
+        assert r.host_launches == 1, r.outside_command_buffers
     tiled = {n: k for n, k in r.kernel_names.items() if "matmul_t16" in n}
     assert sum(tiled.values()) == 3 * c.num_layers, r.kernel_names  # gate, up, down a layer
 
@@ -211,6 +216,7 @@ def test_prefill_chunk_reads_each_weight_in_place(attention):
     r = _report("prefill", "rows=8 chunk=64 width=256", slots=8, attention_impl=attention)
     assert r.weight_bytes_materialized == 0, r.materialized
     assert r.host_round_trips == {}, r.host_round_trips
+    assert r.host_launches == 1, r.outside_command_buffers
     if attention == "mgpu":
         assert r.kernel_names.get("kCustomCall") == 32, r.kernel_names
         assert not any(n.startswith("paged_prefill") for n in r.kernel_names), r.kernel_names
@@ -228,9 +234,10 @@ def test_70b_tensor_parallel_decode():
 def test_every_warmup_program_compiles_deviceless():
     """A GPU engine's whole warm-up set (the tiny preset, 8 slots, 64 positions: 3 page-table
     widths, prefill chunks one at a time): decode forwards and samplers, prefill forwards (with and without prompt
-    log-probs) and samplers, the slot updates. None waits on the host inside a step but the
-    prompt log-prob programs, whose rows skip their [T, V] logits through a conditional per row
-    inside a loop XLA keeps out of the graph (a round trip per row of a scoring request)."""
+    log-probs) and samplers, the slot updates. None waits on the host inside a step, and each
+    forward and sampler is one CUDA graph launch. Before (JOURNAL.md 64a): the layer loop's
+    cuBLAS calls kept each layer a graph of its own, and the prompt log-prob programs, whose
+    rows skip their [T, V] logits through a conditional per row, waited on the host once a row."""
     config = EngineConfig(
         model="tiny",
         num_slots=8,
@@ -246,8 +253,9 @@ def test_every_warmup_program_compiles_deviceless():
     for p in programs:
         r = gpu_programs.inspect(e, p)
         assert r.weight_bytes_materialized == 0, (p.name, r.materialized)
-        if "prompt_logprobs" not in p.name:
-            assert r.host_round_trips == {}, (p.name, r.host_round_trips)
+        assert r.host_round_trips == {}, (p.name, r.host_round_trips)
+        if p.kind in ("decode", "prefill", "sample"):
+            assert r.host_launches == 1, (p.name, r.outside_command_buffers)
 
 
 def sized(model: str, target: str = "h100", **settings):
@@ -327,6 +335,7 @@ def test_mosaic_gpu_kernels_inside_the_engine_step(quantization, target):
     )
     assert r.weight_bytes_materialized == 0, r.materialized
     assert r.host_round_trips == {}, r.host_round_trips
+    assert r.host_launches == 1, r.outside_command_buffers
     assert r.per_layer is not None and r.per_layer <= LAYER_KERNELS[quantization], r.kernel_names
 
 
@@ -343,6 +352,7 @@ def test_lora_decode_reads_the_adapter_stacks_in_place():
     r = _report("decode", "width=256", slots=8, enable_lora=True, max_loras=4, max_lora_rank=16)
     assert r.weight_bytes_materialized == 0, r.materialized
     assert r.host_round_trips == {}, r.host_round_trips
+    assert r.host_launches == 1, r.outside_command_buffers
     assert r.per_layer is not None and r.per_layer <= LAYER_KERNELS[None] + LORA_KERNELS, (
         r.per_layer,
         r.kernel_names,
