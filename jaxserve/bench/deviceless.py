@@ -43,6 +43,15 @@ SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 
 
 @dataclasses.dataclass(frozen=True)
+class CudaStack:
+    """The CUDA versions a target names (e.g. "12.9.0"): what XLA decides some graph captures by."""
+
+    driver: str
+    runtime: str
+    toolkit: str  # what XLA was compiled with
+
+
+@dataclasses.dataclass(frozen=True)
 class GpuTarget:
     """One chip XLA compiles for: its GpuTargetConfigProto text and what the report needs."""
 
@@ -52,13 +61,12 @@ class GpuTarget:
     memory_bandwidth: float  # bytes/s, the HBM roofline of a memory-bound step
     num_cores: int  # streaming multiprocessors
     memory_bytes: int  # the chip's memory, which the KV pool and slot state must fit in
-    cuda: dict  # the CUDA stack's versions it names: driver, runtime, toolkit (e.g. "12.9.0")
+    cuda: CudaStack
 
     def describe(self) -> str:
         c = self.cuda
         return (
-            f"{self.device_kind} (CUDA driver {c['driver']}, runtime {c['runtime']}, "
-            f"toolkit {c['toolkit']})"
+            f"{self.device_kind} (CUDA driver {c.driver}, runtime {c.runtime}, toolkit {c.toolkit})"
         )
 
 
@@ -88,11 +96,11 @@ def target(name_or_path: str) -> GpuTarget:
         memory_bandwidth=field("memory_bandwidth", float),
         num_cores=field("core_count", int),
         memory_bytes=field("device_memory_size", int),
-        cuda={
-            "driver": field("driver_version"),
-            "runtime": field("runtime_version"),
-            "toolkit": field("compile_time_toolkit_version"),
-        },
+        cuda=CudaStack(
+            driver=field("driver_version"),
+            runtime=field("runtime_version"),
+            toolkit=field("compile_time_toolkit_version"),
+        ),
     )
 
 

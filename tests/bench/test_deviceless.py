@@ -20,10 +20,10 @@ def test_a_shipped_target_names_the_cuda_stack_the_engine_installs(name):
 
     t = deviceless.target(name)
     built = _versions.cuda_runtime_build_version()  # e.g. 12090: the plugin's CUDA
-    assert _version(t.cuda["toolkit"])[:2] == (built // 1000, built % 1000 // 10), t.cuda
+    assert _version(t.cuda.toolkit)[:2] == (built // 1000, built % 1000 // 10), t.cuda
     installed = importlib.metadata.version("nvidia-cuda-runtime-cu12")  # what pip resolved
-    assert _version(installed)[:2] >= _version(t.cuda["runtime"])[:2], (installed, t.cuda)
-    assert _version(t.cuda["driver"]) >= _version(t.cuda["runtime"]), t.cuda
+    assert _version(installed)[:2] >= _version(t.cuda.runtime)[:2], (installed, t.cuda)
+    assert _version(t.cuda.driver) >= _version(t.cuda.runtime), t.cuda
     assert t.describe().startswith(t.device_kind) and "toolkit 12.9" in t.describe()
 
 
