@@ -258,6 +258,24 @@ def test_every_warmup_program_compiles_deviceless():
             assert r.host_launches == 1, (p.name, r.outside_command_buffers)
 
 
+@pytest.mark.parametrize(
+    "kind,settings",
+    [("decode", {"decode_steps": 4}), ("speculative", {"num_speculative_tokens": 3})],
+)
+def test_multi_step_and_speculative_steps_are_one_graph_launch(kind, settings):
+    """The step programs beside the warm-up set's: `decode_steps=4` (four decode steps in one
+    program, a loop over the layer loop) and prompt-lookup speculation (drafts, one verifying
+    forward, acceptance): each compiles for an H100, waits on the host nowhere, and is one CUDA
+    graph launch."""
+    config = EngineConfig(model="tiny", num_slots=8, max_model_len=64, dtype="bfloat16", **settings)
+    e = gpu_programs.abstract_engine(config, "h100")
+    program = next(p for p in gpu_programs.warmup_programs(e, (kind,)) if "width=4" in p.name)
+    r = gpu_programs.inspect(e, program)
+    assert r.weight_bytes_materialized == 0, r.materialized
+    assert r.host_round_trips == {}, r.host_round_trips
+    assert r.host_launches == 1, (program.name, r.outside_command_buffers)
+
+
 def sized(model: str, target: str = "h100", **settings):
     """The inspector's bf16 engine of `model` with these pool settings (nothing compiled)."""
     return gpu_programs.abstract_engine(
