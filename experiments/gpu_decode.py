@@ -11,7 +11,10 @@ side by side in one process.
    later CPU session compiles for exactly this device with (`jaxserve.bench.deviceless.target`).
    None on the CPU (--smoke): skipped, and said so.
 2. Cases (`cases`), in order of context, then slots, then weights: random Llama-3-8B weights
-   (`llama.init_params`, bf16; INT4 = `quantize_params(..., "int4-rtn")` with the Pallas kernel
+   (`llama.init_params`, bf16 in the engine's GPU layout, q/k/v and gate/up each one stack
+   (`resolve.weight_layout` 'fused', JOURNAL.md 64b), and 'bf16-sep' the same weights as
+   separate stacks (the layout before 64b), at the first context only, freed after its last case;
+   INT4 = `quantize_params(..., "int4-rtn")` with the Pallas kernel
    up to 16 rows and XLA's unpack + dot above, as the shipped GPU kernel table has it, and
    'int4-k64' the same weights with the kernel at every decode size, above 16 slots only;
    INT8 = per-channel, with the W8A16 kernel `pallas_kernels/w8_matmul.py`, never run on a GPU
@@ -84,6 +87,7 @@ from jaxserve.bench import deviceless  # noqa: E402
 from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
 from jaxserve.layers import kv_cache  # noqa: E402
 from jaxserve.layers.embedding import is_quantized  # noqa: E402
+from jaxserve.layers.linear import fuse_projections  # noqa: E402
 from jaxserve.models import llama  # noqa: E402
 from jaxserve.quant import quantize_params, with_matmul_impl  # noqa: E402
 from jaxserve.resolve import resolve  # noqa: E402
@@ -91,7 +95,7 @@ from jaxserve.runner import memory, slot_state, steps  # noqa: E402
 
 FULL = dict(
     model="llama3-8b",
-    weights=("bf16", "int4", "int8", "int4-k64"),
+    weights=("bf16", "bf16-sep", "int4", "int8", "int4-k64"),
     slots=(1, 8, 64),
     contexts=(1024, 4096),
     max_model_len=8192,
@@ -106,7 +110,7 @@ FULL = dict(
 )
 SMOKE = dict(
     model="tiny",
-    weights=("bf16", "int4", "int8", "int4-k64"),
+    weights=("bf16", "bf16-sep", "int4", "int8", "int4-k64"),
     slots=(2,),
     contexts=(40,),
     max_model_len=512,
@@ -496,7 +500,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny preset, interpret mode, CPU")
     parser.add_argument("--out", default=os.environ.get("OUT") or "experiments/out/gpu_decode")
     parser.add_argument("--budget_s", type=float, default=360.0, help="stop starting cases after")
-    parser.add_argument("--weights", default=None, help="comma-separated: bf16,int4,int8,int4-k64")
+    parser.add_argument(
+        "--weights", default=None, help="comma-separated: bf16,bf16-sep,int4,int8,int4-k64"
+    )
     parser.add_argument("--slots", default=None, help="comma-separated decode slot counts")
     parser.add_argument("--contexts", default=None, help="comma-separated context lengths")
     parser.add_argument("--steps", type=int, default=None, help="decode steps per timed run")
@@ -565,13 +571,20 @@ def main() -> None:
             jax.block_until_ready(params[w])
     if "int4-k64" in spec["weights"]:  # the same arrays, the kernel's row limit raised
         params["int4-k64"] = with_matmul_impl(params["int4"], spec["int4_impl"], KERNEL_ALL_ROWS)
-    if "bf16" not in spec["weights"]:
+    if "bf16-sep" in spec["weights"]:  # the separate stacks, as loaded (the layout before 64b)
+        params["bf16-sep"] = params["bf16"]
+    if "bf16" in spec["weights"]:  # the engine's GPU layout (resolve.weight_layout 'fused')
+        layers = fuse_projections(params["bf16"]["layers"], c.num_layers)
+        params["bf16"] = {**params["bf16"], "layers": layers}
+        jax.block_until_ready(params["bf16"])
+    else:
         del params["bf16"]
     result["params_s"] = time.perf_counter() - t0
     print(f"params ({', '.join(params)}) ready in {result['params_s']:.1f} s")
 
     cases = [(w, s, x) for x in spec["contexts"] for s in spec["slots"] for w in spec["weights"]]
     cases = [(w, s, x) for w, s, x in cases if w != "int4-k64" or s > 16 or opts.smoke]
+    cases = [(w, s, x) for w, s, x in cases if w != "bf16-sep" or x == spec["contexts"][0]]
     reserve = spec["profile_reserve_s"] if opts.profile else 0.0
     if opts.profile and tuple(opts.profile_case.split(":")) not in {
         (w, str(s), str(x)) for w, s, x in cases
@@ -602,6 +615,8 @@ def main() -> None:
             reserve = 0.0
             write()
         del live
+        if w == "bf16-sep" and all(w2 != w for w2, _, _ in cases[i + 1 :]):
+            del params[w]  # its 16 GB: the 4k-context pools of 64 slots need them on an H100
     if opts.profile and "profile" not in result:
         result["profile"] = dict(skipped=f"case {opts.profile_case} did not run (budget)")
     write()

@@ -23,7 +23,9 @@ get their shape buckets from here. The choices:
                    which it runs, per op (today 'pallas', the Triton W4A16 kernel up to 16 rows
                    and W8A16 up to 64, on every chip); 'xla' elsewhere (`quant/impls.py`)
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
-                   1.17-1.42x faster on decode-sized batches; JOURNAL.md section 21), else 'in_out'
+                   1.17-1.42x faster on decode-sized batches; JOURNAL.md section 21); 'fused' on
+                   GPU for float weights on one model shard (q/k/v and gate/up each one stack:
+                   4 GEMMs a layer instead of 7; JOURNAL.md 64b); else 'in_out'
     moe matmul     'tiled' on CPU (a loop over row tiles of the chosen experts: XLA's CPU
                    `ragged_dot` does E times the work; JOURNAL.md section 33); on GPU 'kernel'
                    for quantized experts with a kernel impl (the same tiles in one launch of the
@@ -106,6 +108,20 @@ class PrefillShape:
     num_top: int = MAX_LOGPROBS  # top log-probs per token (the engine's max_logprobs)
 
 
+def weight_layout(backend: str, plain_weights: bool, tensor_parallel_size: int) -> str:
+    """How the runner stores the layer weights (`runner/device_state.kernel_layout`). CPU: 'out_in'
+    (PyTorch's [out, in]: XLA's CPU GEMM and the C++ matmul read it faster). GPU, float weights,
+    one model shard: 'fused', q/k/v and gate/up each concatenated into one stack, so a layer runs
+    4 GEMMs instead of 7 (Llama-3-8B decode: 20 kernels a layer against 23; JOURNAL.md 64b).
+    Else 'in_out', as loaded (quantized weights have kernels of their own; a column-split fused
+    stack would need each shard's q/k/v side by side)."""
+    if backend == "cpu":
+        return "out_in"
+    if backend == "gpu" and plain_weights and tensor_parallel_size == 1:
+        return "fused"
+    return "in_out"
+
+
 def pow2_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
     """start, 2 * start, 4 * start, ... below `limit`, then `limit` itself."""
     out, b = [], start
@@ -163,7 +179,7 @@ class Resolved:
     backend: str
     model: ModelImpl
     quant_matmul: str  # the quantized weights' matmul impl (`quant/impls.py`)
-    weight_layout: str  # 'in_out' | 'out_in'
+    weight_layout: str  # 'in_out' | 'out_in' (CPU) | 'fused' (GPU: `weight_layout`)
     slot_buckets: tuple[int, ...]  # decode row buckets, increasing, the last = num_slots
     widths: tuple[int, ...]  # page-table width buckets, the last = max_pages_per_seq
     prefill_rows: tuple[int, ...]  # prefill row buckets, the last = the step's chunk budget
@@ -361,7 +377,7 @@ def resolve(
             cpu_matmul=matmul == "cpu_kernel",
         ),
         quant_matmul=quant_matmul,
-        weight_layout="out_in" if cpu else "in_out",
+        weight_layout=weight_layout(backend, plain_weights, c.parallel.tensor_parallel_size),
         slot_buckets=slot_buckets,
         widths=pow2_buckets(max_pages),
         prefill_rows=pow2_buckets(sched.max_prefill_rows),

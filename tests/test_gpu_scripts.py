@@ -211,15 +211,16 @@ def test_gpu_tp_smoke(tmp_path):
 
 def test_gpu_decode_smoke(tmp_path):
     """experiments/gpu_decode.py: the engine's decode step (decode_forward + decode_sample) of the
-    tiny preset, bf16 and INT4, under the engine's XLA options, the same without the layer loop
-    unrolled into its CUDA graph, and XLA's defaults, with the same greedy tokens from all three;
-    the profile path reduces the CPU trace to its table; no GPU target config on the CPU, said
-    so."""
+    tiny preset, bf16 (fused q/k/v and gate/up stacks, and separate), INT4 and INT8, under the
+    engine's XLA options, the same without the layer loop unrolled into its CUDA graph, and XLA's
+    defaults, with the same greedy tokens from all three; the profile path reduces the CPU trace
+    to its table; no GPU target config on the CPU, said so."""
     out = smoke("gpu_decode.py", tmp_path, "--profile")
     assert out["smoke"] is True and "meaningless" in out["note"]
     assert "skipped" in out["target_config"]
     rows = {r["weights"]: r for r in out["cases"]}
-    assert set(rows) == {"bf16", "int4", "int8", "int4-k64"}, out["cases"]
+    assert set(rows) == {"bf16", "bf16-sep", "int4", "int8", "int4-k64"}, out["cases"]
+    assert rows["bf16"]["weight_bytes"] == rows["bf16-sep"]["weight_bytes"]  # one layout each
     for w, r in rows.items():
         for v in ("engine", "no_unroll", "xla_default"):
             assert r[v]["step_ms"] > 0 and len(r[v]["step_ms_runs"]) == out["spec"]["repeats"], w

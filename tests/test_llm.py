@@ -347,6 +347,26 @@ def test_cpu_attention_paths_give_the_reference_tokens(llm):
     assert tokens(ragged.generate(ps, sp, use_tqdm=False)) == want
 
 
+def test_fused_projections_give_the_same_tokens(llm, monkeypatch):
+    """The GPU's weight layout (`resolve.weight_layout` 'fused': q/k/v and gate/up each one GEMM
+    over concatenated stacks), forced on the CPU: the same greedy tokens and log-probs as the
+    separate weights, with and without a chunked prompt."""
+    from jaxserve import resolve
+
+    monkeypatch.setattr(resolve, "weight_layout", lambda *a: "fused")
+    fused = make_llm(num_slots=4)
+    layers = fused.engine.runner.params["layers"]
+    assert "wq+wk+wv" in layers and "w_gate+w_up" in layers and "wq" not in layers
+    ps = ids([[5, 6, 7, 8], list(range(3, 40))])
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    want, got = llm.generate(ps, sp, use_tqdm=False), fused.generate(ps, sp, use_tqdm=False)
+    assert tokens(got) == tokens(want)
+    for a, b in zip(want, got):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 1e-4
+
+
 def test_pallas_interpret_attention_gives_reference_tokens(llm):
     """EngineConfig.attention_impl reaches the kernels: Pallas (interpret mode on CPU) decodes the
     same greedy tokens as the jnp reference."""

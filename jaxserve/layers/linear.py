@@ -95,6 +95,95 @@ class TransposedWeight:
         return matmul(x, t.astype(x.dtype), transposed=True, out_dtype=out_dtype, min_rows=min_rows)
 
 
+@jax.tree_util.register_pytree_node_class
+class FusedWeight:
+    """Plain weights that share an input (q, k and v; gate and up) as one array `w` of logical
+    shape [..., in, sum(outs)]: one GEMM computes them all (`fuse_projections`).
+
+    outs (static): each weight's output width, in order; `split` cuts the GEMM's output back
+    into them. Slicing a stack (`lax.scan`) slices `w` on its leading axes.
+    """
+
+    def __init__(self, w: jax.Array, outs: tuple[int, ...]):
+        self.w = w
+        self.outs = tuple(outs)
+
+    def tree_flatten(self):
+        return (self.w,), self.outs
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, aux)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    def split(self, y: jax.Array) -> tuple[jax.Array, ...]:
+        """y[..., sum(outs)] (x @ w) -> each weight's product y[..., out]."""
+        starts = [sum(self.outs[:i]) for i in range(len(self.outs))]
+        return tuple(y[..., s : s + n] for s, n in zip(starts, self.outs))
+
+
+# The weights of a layer that share an input, in the order `projs` asks for them
+# (`models/llama.decoder_layer`, `models/mlp.dense_mlp`).
+FUSED_GROUPS = (("wq", "wk", "wv"), ("w_gate", "w_up"))
+
+
+def fused_name(names) -> str:
+    """The layer-weights key of a fused group: "wq+wk+wv"."""
+    return "+".join(names)
+
+
+def _fusable(layers: dict, names, num_layers: int) -> list | None:
+    """The group's weights if all are plain stacks of every layer ([num_layers, in, out] arrays
+    or their shapes, one `in`, one dtype), else None."""
+    ws = [layers.get(n) for n in names]
+    if not all(isinstance(w, jax.Array | jax.ShapeDtypeStruct) and len(w.shape) == 3 for w in ws):
+        return None
+    if len({(w.shape[0], w.shape[1], w.dtype) for w in ws}) != 1 or ws[0].shape[0] != num_layers:
+        return None
+    return ws
+
+
+def fusion_bytes(layers: dict, num_layers: int) -> int:
+    """Bytes of the largest stack `fuse_projections` writes while its group's stacks still
+    live: what the layout needs beyond the weights themselves (0 if nothing would be fused)."""
+    sizes = [
+        sum(math.prod(w.shape) * jnp.dtype(w.dtype).itemsize for w in ws)
+        for names in FUSED_GROUPS
+        if (ws := _fusable(layers, names, num_layers))
+    ]
+    return max(sizes, default=0)
+
+
+def fuse_projections(layers: dict, num_layers: int) -> dict:
+    """The model's layer weights with each group of `FUSED_GROUPS` whose weights are all plain
+    stacks of every layer ([num_layers, in, out] arrays or their shapes, one `in`, one dtype)
+    replaced by one
+    `FusedWeight` under `fused_name(group)` (a new, concatenated buffer; the separate stacks are
+    dropped). Other weights (quantized, biases, a mixed model's dense stacks of some layers
+    only) stay as they are."""
+    out = dict(layers)
+    for names in FUSED_GROUPS:
+        ws = _fusable(out, names, num_layers)
+        if ws is None:
+            continue
+        for n in names:
+            del out[n]
+        outs = tuple(w.shape[-1] for w in ws)
+        if isinstance(ws[0], jax.ShapeDtypeStruct):  # abstract params (the lowering tests)
+            fused = jax.ShapeDtypeStruct((*ws[0].shape[:-1], sum(outs)), ws[0].dtype)
+        else:
+            fused = jnp.concatenate(ws, axis=-1)
+        out[fused_name(names)] = FusedWeight(fused, outs)
+    return out
+
+
 def cpu_layout(layers: dict, kernel: bool = False) -> dict:
     """The model's layer weights with every plain stacked linear weight ([L, in, out] array) as a
     `TransposedWeight` (bf16 ones with `kernel`: multiplied by the C++ CPU matmul);

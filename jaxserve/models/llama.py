@@ -65,7 +65,7 @@ from jaxserve.layers import kv_cache as kvc
 from jaxserve.layers import lora
 from jaxserve.layers.attention import AttentionMetadata, attention
 from jaxserve.layers.embedding import embed, is_quantized
-from jaxserve.layers.linear import TransposedWeight, linear, linears
+from jaxserve.layers.linear import TransposedWeight, fused_name, linear, linears
 from jaxserve.layers.moe_tiles import StackedExperts
 from jaxserve.layers.norm import rms_norm
 from jaxserve.layers.rope import apply_rope
@@ -128,6 +128,10 @@ def forward(
             return adapted(a, name, y)
 
         def projs(a, names):  # (a @ layer li's weight `name` for each name), stacks together
+            fused = lp.get(fused_name(names))
+            if fused is not None:  # one GEMM over the group's concatenated weights
+                ys = fused.split(linear(a, fused.w, min_rows=impl.min_matmul_rows))
+                return tuple(adapted(a, n, y) for n, y in zip(names, ys))
             if all(n in whole and n not in row for n in names):
                 ws = [whole[n] for n in names]
                 ys = linears(a, ws, layer=li, min_rows=impl.min_matmul_rows)

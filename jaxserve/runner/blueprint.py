@@ -16,7 +16,9 @@ mesh of its parallel sizes: `device_state.check_built`), then decides, in order:
                    its wk / wv columns are `kv_columns` (`partition.kv_columns`)
     choices        `resolve` on `backend` for one data shard (`resolve.data_shard_config`), with
                    what this process offers: the C++ CPU kernels (`cpu_backend`), the GPU's
-                   autotuning cache (`compile_cache.autotune_dir`), the chip's kernel table row
+                   autotuning cache (`compile_cache.autotune_dir`), the chip's kernel table row;
+                   on GPU the fused q/k/v and gate/up stacks only where the largest fits beside
+                   the weights (`fused_if_it_fits`)
     the pool       the pages the config asks for (`memory.requested_pages`, of the pool's own
                    KV heads, replicas included), lowered where the Pallas kernels need it, and
                    one device's share checked against its memory (`memory.pool_pages`)
@@ -25,15 +27,20 @@ mesh of its parallel sizes: `device_state.check_built`), then decides, in order:
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 
 import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.layers import linear
 from jaxserve.layers.embedding import is_quantized
 from jaxserve.parallel import partition
 from jaxserve.resolve import Resolved, data_shard_config, resolve
 from jaxserve.runner import compile_cache, cpu_backend, device_state, memory
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,6 +100,8 @@ def blueprint(
         else None,
         device_kind=device_kind if gpu else None,
     )
+    if resolved.weight_layout == "fused":  # the layout writes a fused stack beside the weights
+        resolved = fused_if_it_fits(resolved, params, config, memory_bytes)
     if num_pages is None:  # the pool's own KV heads: kv_cache_memory is what it allocates
         num_pages = memory.requested_pages(e, config)
     num_pages = memory.pool_pages(
@@ -111,3 +120,23 @@ def blueprint(
         num_pages=num_pages,
         mesh=mesh,
     )
+
+
+def fused_if_it_fits(resolved: Resolved, params, model_config: ModelConfig, memory_bytes=None):
+    """`resolved`, or with the weights as loaded ('in_out') where fusing them would not fit: the
+    GPU layout concatenates q/k/v and gate/up (`linear.fuse_projections`) while the separate
+    stacks still live, so one device holds the weights and the largest fused stack at once
+    (Llama-3-8B bf16: 16 + 7.5 GB; Gemma-2-27B would not fit an H100's 80 GB)."""
+    have = memory.device_memory_bytes() if memory_bytes is None else memory_bytes
+    weights = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))
+    extra = linear.fusion_bytes(params["layers"], model_config.num_layers)
+    if weights + extra <= have:
+        return resolved
+    logger.info(
+        "weights kept as loaded: fusing q/k/v and gate/up needs %.1f GiB beside %.1f GiB of "
+        "weights, more than the device's %.1f GiB",
+        extra / 2**30,
+        weights / 2**30,
+        have / 2**30,
+    )
+    return dataclasses.replace(resolved, weight_layout="in_out")

@@ -6,7 +6,8 @@ program inspector (`bench/gpu_programs.py`) builds the same pool and slot state 
         config filled for the model, the mesh of its parallel sizes (`build_engine` makes both)
     kernel_layout(params, blueprint) -> params
         the KV heads' columns copied up to T, the quantized weights' matmul impl, the CPU
-        kernels' [out, in] layout (a pure transform: the inspector runs it abstractly)
+        kernels' [out, in] layout or the GPU's fused q/k/v and gate/up stacks (a pure transform:
+        the inspector runs it abstractly)
     layout_params(params, blueprint) -> params
         kernel_layout, then each device's shards
     state_fns(blueprint) -> (init_cache, init_state)
@@ -56,11 +57,16 @@ def check_built(engine_config: EngineConfig, mesh) -> None:
 
 def kernel_layout(params, blueprint):
     """`params` as the blueprint's kernels read them (`runner.blueprint.Blueprint`): the KV heads'
-    columns copied up to T, the quantized weights' matmul impl, the C++ CPU kernels' [out, in]
-    layout. A pure transform of the arrays (the GPU inspector runs it under `jax.eval_shape`)."""
+    columns copied up to T, the quantized weights' matmul impl, then the weight layout
+    (`Resolved.weight_layout`): the C++ CPU kernels' [out, in], or on GPU each group of plain
+    weights sharing an input as one stack (`linear.fuse_projections`). A pure transform of the
+    arrays (the GPU inspector runs it under `jax.eval_shape`)."""
     r = blueprint.resolved
     params = partition.take_kv_columns(params, blueprint.kv_columns)
     params = with_matmul_impl(params, r.quant_matmul, r.quant_kernel_rows)
+    if r.weight_layout == "fused":  # GPU: q/k/v and gate/up each one GEMM
+        layers = linear.fuse_projections(params["layers"], blueprint.model_config.num_layers)
+        params = {**params, "layers": layers}
     if r.weight_layout == "out_in":
         kernel = r.model.cpu_matmul
         params = {**params, "layers": linear.cpu_layout(params["layers"], kernel)}

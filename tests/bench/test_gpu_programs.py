@@ -32,15 +32,18 @@ from jaxserve.config.model import PRESETS  # noqa: E402
 
 # Kernels one decoder layer launches per decode step, at most (Llama-3-8B, one GPU):
 #   2 RMSNorms, 2 residual adds, the SiLU gate x up product            5
-#   7 GEMMs (q, k, v, o, gate, up, down: cuBLAS, the INT4 or the W8A16 kernel)        7
+#   7 GEMMs (q, k, v, o, gate, up, down: the INT4 or the W8A16 kernel); float weights on one
+#     model shard 4 (q/k/v and gate/up each one cuBLAS GEMM over a fused stack,
+#     `resolve.weight_layout`)                                                      4-7
 #   RoPE and the K/V write into the pool (2 scatters) and their index math         3-4
 #   paged attention: its kernel, and the split-K combine (max, exp-sum, scale)     4-5
 #   small index fusions XLA keeps apart (page of the new token, slot mapping)      2-3
-# 25 for float weights; a quantized weight's kernel adds its split-K sum or scale epilogue (+1
-# per GEMM in the worst case); an INT8 / FP8 KV cache adds quantizing the new K and V (their
-# per-head amax and scale, `KV_QUANT_KERNELS`). Fewer would take fused q/k/v and gate/up weights and the attention
-# combine inside its kernel (the kernels issue); the bound catches a regression, not the ideal.
-LAYER_KERNELS = {None: 25, "int4-rtn": 32, "int8": 30, "fp8": 30}
+# 22 for float weights (25 before the fused stacks: 64b); a quantized weight's kernel adds its
+# split-K sum or scale epilogue (+1 per GEMM in the worst case); an INT8 / FP8 KV cache adds
+# quantizing the new K and V (their per-head amax and scale, `KV_QUANT_KERNELS`). Fewer would
+# take the attention combine inside its kernel (the kernels issue); the bound catches a
+# regression, not the ideal.
+LAYER_KERNELS = {None: 22, "int4-rtn": 32, "int8": 30, "fp8": 30}
 KV_QUANT_KERNELS = 4
 
 

@@ -120,3 +120,34 @@ def test_linears_run_kernel_weights_as_one_call_and_others_one_by_one():
     plain = [transposed_weight(w) for w in stacks]  # XLA's dot: one by one
     for y, w in zip(linears(x, plain, layer=0), plain):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(linear(x, w, layer=0)))
+
+
+def test_fused_projections_compute_each_weights_product():
+    """`fuse_projections` (the GPU's layout): q/k/v and gate/up stacks of every layer become one
+    `FusedWeight` each, whose one product splits into each weight's; weights of other shapes
+    (a quantized or partial stack, a bias, wo) are left as they were."""
+    from jaxserve.layers.linear import FusedWeight, fuse_projections, fused_name
+
+    ks = jax.random.split(jax.random.key(3), 8)
+    layers = {
+        "wq": jax.random.normal(ks[0], (3, 16, 32)),
+        "wk": jax.random.normal(ks[1], (3, 16, 8)),
+        "wv": jax.random.normal(ks[2], (3, 16, 8)),
+        "wo": jax.random.normal(ks[3], (3, 32, 16)),
+        "w_gate": jax.random.normal(ks[4], (2, 16, 24)),  # a mixed model's dense layers only
+        "w_up": jax.random.normal(ks[5], (2, 16, 24)),
+        "bq": jax.random.normal(ks[6], (3, 32)),
+    }
+    out = fuse_projections(layers, num_layers=3)
+    assert sorted(out) == ["bq", "w_gate", "w_up", "wo", "wq+wk+wv"]
+    fused = out[fused_name(("wq", "wk", "wv"))]
+    assert (
+        isinstance(fused, FusedWeight) and fused.outs == (32, 8, 8) and fused.shape == (3, 16, 48)
+    )
+    x = jax.random.normal(ks[7], (5, 16))
+    layer = jax.tree.map(lambda a: a[1], fused)  # what the layer scan hands a layer
+    for name, y in zip(("wq", "wk", "wv"), layer.split(linear(x, layer.w))):
+        np.testing.assert_allclose(
+            np.asarray(y), np.asarray(x @ layers[name][1]), rtol=1e-5, atol=1e-5
+        )
+    assert fuse_projections({"wq": layers["wq"]}, 3) == {"wq": layers["wq"]}  # no k, v: unchanged

@@ -10,7 +10,7 @@ from model_testing import forward_logits
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.core import CompileCounter
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.layers.linear import TransposedWeight
+from jaxserve.layers.linear import FusedWeight, TransposedWeight
 from jaxserve.loading.dummy import dummy_params
 from jaxserve.resolve import AUTO_CPU_MATMUL
 from jaxserve.runner import input_batch, steps
@@ -232,12 +232,18 @@ def test_multistep_decode_equals_single_step():
 def test_runner_stores_plain_layer_weights_transposed_on_cpu():
     """On CPU the runner keeps each plain [L, in, out] linear weight as [L, out, in]
     (`linear.TransposedWeight`, JOURNAL.md section 21); the model computes the same logits with it.
-    A GPU engine (resolved for "gpu", built here without running) keeps them as loaded."""
+    A GPU engine (resolved for "gpu", built here without running) keeps them [L, in, out], with
+    q/k/v and gate/up each concatenated into one stack (`linear.FusedWeight`)."""
     cfg = ModelConfig.preset("tiny")
     params = dummy_params(cfg, "float32")
     ec = EngineConfig(num_slots=4, max_model_len=64, page_size=32, dtype="float32").for_model(cfg)
     gpu = ModelRunner(params, blueprint(params, cfg, ec, 8, backend="gpu"))
-    assert all(isinstance(w, jax.Array) for w in gpu.params["layers"].values())
+    on_gpu = gpu.params["layers"]
+    assert sorted(n for n, w in on_gpu.items() if isinstance(w, FusedWeight)) == [
+        "w_gate+w_up",
+        "wq+wk+wv",
+    ]
+    assert all(isinstance(w, jax.Array) for w in on_gpu.values() if not isinstance(w, FusedWeight))
     runner = ModelRunner(params, blueprint(params, cfg, ec, 8, backend="cpu"))
     layers = runner.params["layers"]
     for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
