@@ -3,7 +3,9 @@
 A weight is either a plain array `[in, out]` (x @ w) or a weight pytree that knows how to multiply
 itself (`w.matmul(x)`): a quantized weight from `jaxserve.quant`, or a `TransposedWeight` (a plain
 weight stored `[out, in]`, what the runner uses on CPU). Layers never look inside such a weight:
-a packed layout is defined once, in `jaxserve/quant/`.
+a packed layout is defined once, in `jaxserve/quant/`. A `FusedWeight` (the runner's GPU layout)
+holds plain weights that share an input as one array: the model multiplies its `w` once and
+`split`s the product.
 """
 
 import math
@@ -164,10 +166,9 @@ def fusion_bytes(layers: dict, num_layers: int) -> int:
 def fuse_projections(layers: dict, num_layers: int) -> dict:
     """The model's layer weights with each group of `FUSED_GROUPS` whose weights are all plain
     stacks of every layer ([num_layers, in, out] arrays or their shapes, one `in`, one dtype)
-    replaced by one
-    `FusedWeight` under `fused_name(group)` (a new, concatenated buffer; the separate stacks are
-    dropped). Other weights (quantized, biases, a mixed model's dense stacks of some layers
-    only) stay as they are."""
+    replaced by one `FusedWeight` under `fused_name(group)` (a new, concatenated buffer; the
+    separate stacks are dropped). Other weights (quantized, biases, a mixed model's dense stacks
+    of some layers only) stay as they are."""
     out = dict(layers)
     for names in FUSED_GROUPS:
         ws = _fusable(out, names, num_layers)
