@@ -12,7 +12,7 @@ side by side in one process.
    None on the CPU (--smoke): skipped, and said so.
 2. Cases (`cases`), in order of context, then slots, then weights: random Llama-3-8B weights
    (`llama.init_params`, bf16 in the engine's GPU layout, q/k/v and gate/up each one stack
-   (`resolve.weight_layout` 'fused', JOURNAL.md 64b), and 'bf16-sep' the same weights as
+   (`resolve.weight_layout` 'fused', JOURNAL.md 64b; INT8 too), and 'bf16-sep' the same weights as
    separate stacks (the layout before 64b), at the first context only, freed after its last case;
    INT4 = `quantize_params(..., "int4-rtn")` with the Pallas kernel
    up to 16 rows and XLA's unpack + dot above, as the shipped GPU kernel table has it, and
@@ -573,12 +573,12 @@ def main() -> None:
         params["int4-k64"] = with_matmul_impl(params["int4"], spec["int4_impl"], KERNEL_ALL_ROWS)
     if "bf16-sep" in spec["weights"]:  # the separate stacks, as loaded (the layout before 64b)
         params["bf16-sep"] = params["bf16"]
-    if "bf16" in spec["weights"]:  # the engine's GPU layout (resolve.weight_layout 'fused')
-        layers = fuse_projections(params["bf16"]["layers"], c.num_layers)
-        params["bf16"] = {**params["bf16"], "layers": layers}
-        jax.block_until_ready(params["bf16"])
-    else:
+    if "bf16" not in spec["weights"]:
         del params["bf16"]
+    for w in ("bf16", "int8"):  # the engine's GPU layout (resolve.weight_layout 'fused')
+        if w in params:
+            params[w] = {**params[w], "layers": fuse_projections(params[w]["layers"], c.num_layers)}
+            jax.block_until_ready(params[w])
     result["params_s"] = time.perf_counter() - t0
     print(f"params ({', '.join(params)}) ready in {result['params_s']:.1f} s")
 

@@ -24,7 +24,7 @@ get their shape buckets from here. The choices:
                    and W8A16 up to 64, on every chip); 'xla' elsewhere (`quant/impls.py`)
     weight layout  'out_in' on CPU: plain layer weights stored [L, out, in] (XLA's CPU GEMM is
                    1.17-1.42x faster on decode-sized batches; JOURNAL.md section 21); 'fused' on
-                   GPU for float weights on one model shard (q/k/v and gate/up each one stack:
+                   GPU on one model shard (q/k/v and gate/up each one stack, plain or 8-bit:
                    4 GEMMs a layer instead of 7; JOURNAL.md 64b); else 'in_out'
     moe matmul     'tiled' on CPU (a loop over row tiles of the chosen experts: XLA's CPU
                    `ragged_dot` does E times the work; JOURNAL.md section 33); on GPU 'kernel'
@@ -108,18 +108,17 @@ class PrefillShape:
     num_top: int = MAX_LOGPROBS  # top log-probs per token (the engine's max_logprobs)
 
 
-def weight_layout(backend: str, plain_weights: bool, tensor_parallel_size: int) -> str:
+def weight_layout(backend: str, tensor_parallel_size: int) -> str:
     """How the runner stores the layer weights (`runner/device_state.kernel_layout`). CPU: 'out_in'
-    (PyTorch's [out, in]: XLA's CPU GEMM and the C++ matmul read it faster). GPU, float weights,
-    one model shard: 'fused', q/k/v and gate/up each concatenated into one stack, so a layer runs
-    4 GEMMs instead of 7 (Llama-3-8B decode: 20 kernels a layer against 23; JOURNAL.md 64b).
-    Else 'in_out', as loaded (quantized weights have kernels of their own; a column-split fused
-    stack would need each shard's q/k/v side by side)."""
+    (PyTorch's [out, in]: XLA's CPU GEMM and the C++ matmul read it faster). GPU, one model shard:
+    'fused', q/k/v and gate/up each concatenated into one stack where they are plain or 8-bit
+    per-channel (`linear.fuse_projections`), so a layer runs 4 GEMMs or W8A16 launches instead
+    of 7 (Llama-3-8B decode: 20 kernels a layer against 23 in bf16, 23 against 26 in INT8;
+    JOURNAL.md 64b). Else 'in_out', as loaded (a column-split fused stack would need each
+    shard's q/k/v side by side)."""
     if backend == "cpu":
         return "out_in"
-    if backend == "gpu" and plain_weights and tensor_parallel_size == 1:
-        return "fused"
-    return "in_out"
+    return "fused" if backend == "gpu" and tensor_parallel_size == 1 else "in_out"
 
 
 def pow2_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -377,7 +376,7 @@ def resolve(
             cpu_matmul=matmul == "cpu_kernel",
         ),
         quant_matmul=quant_matmul,
-        weight_layout=weight_layout(backend, plain_weights, c.parallel.tensor_parallel_size),
+        weight_layout=weight_layout(backend, c.parallel.tensor_parallel_size),
         slot_buckets=slot_buckets,
         widths=pow2_buckets(max_pages),
         prefill_rows=pow2_buckets(sched.max_prefill_rows),

@@ -347,19 +347,21 @@ def test_cpu_attention_paths_give_the_reference_tokens(llm):
     assert tokens(ragged.generate(ps, sp, use_tqdm=False)) == want
 
 
-def test_fused_projections_give_the_same_tokens(llm, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_fused_projections_give_the_same_tokens(llm, monkeypatch, quantization):
     """The GPU's weight layout (`resolve.weight_layout` 'fused': q/k/v and gate/up each one GEMM
-    over concatenated stacks), forced on the CPU: the same greedy tokens and log-probs as the
-    separate weights, with and without a chunked prompt."""
+    over concatenated stacks, float or INT8 per-channel), forced on the CPU: the same greedy
+    tokens and log-probs as the separate weights, with and without a chunked prompt."""
     from jaxserve import resolve
 
+    separate = llm if quantization is None else make_llm(num_slots=4, quantization=quantization)
     monkeypatch.setattr(resolve, "weight_layout", lambda *a: "fused")
-    fused = make_llm(num_slots=4)
+    fused = make_llm(num_slots=4, quantization=quantization)
     layers = fused.engine.runner.params["layers"]
     assert "wq+wk+wv" in layers and "w_gate+w_up" in layers and "wq" not in layers
     ps = ids([[5, 6, 7, 8], list(range(3, 40))])
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    want, got = llm.generate(ps, sp, use_tqdm=False), fused.generate(ps, sp, use_tqdm=False)
+    want, got = separate.generate(ps, sp, use_tqdm=False), fused.generate(ps, sp, use_tqdm=False)
     assert tokens(got) == tokens(want)
     for a, b in zip(want, got):
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

@@ -44,12 +44,9 @@ def test_backend_choices():
     assert (cpu.model.attention, gpu.model.attention) == ("ragged", "pallas")
     assert (cpu.quant_matmul, gpu.quant_matmul) == ("xla", "pallas")
     assert (cpu.weight_layout, gpu.weight_layout) == ("out_in", "fused")
-    # fused q/k/v and gate/up stacks on GPU only for float weights on one model shard
+    # fused q/k/v and gate/up stacks on GPU only on one model shard
     config = EngineConfig(tensor_parallel_size=2).for_model(TINY)
     assert resolve(config, TINY, "gpu").weight_layout == "in_out"
-    assert resolve(
-        EngineConfig().for_model(TINY), TINY, "gpu", plain_weights=False
-    ).weight_layout == ("in_out")
     assert (cpu.model.min_matmul_rows, gpu.model.min_matmul_rows) == (4, 2)
     assert (cpu.model.moe_matmul, gpu.model.moe_matmul) == ("tiled", "ragged_dot")
     # an explicit attention implementation wins on any backend

@@ -4,8 +4,8 @@ A weight is either a plain array `[in, out]` (x @ w) or a weight pytree that kno
 itself (`w.matmul(x)`): a quantized weight from `jaxserve.quant`, or a `TransposedWeight` (a plain
 weight stored `[out, in]`, what the runner uses on CPU). Layers never look inside such a weight:
 a packed layout is defined once, in `jaxserve/quant/`. A `FusedWeight` (the runner's GPU layout)
-holds plain weights that share an input as one array: the model multiplies its `w` once and
-`split`s the product.
+holds weights that share an input as one (plain, or 8-bit per-channel): the model multiplies its
+`w` once and `split`s the product.
 """
 
 import math
@@ -99,8 +99,9 @@ class TransposedWeight:
 
 @jax.tree_util.register_pytree_node_class
 class FusedWeight:
-    """Plain weights that share an input (q, k and v; gate and up) as one array `w` of logical
-    shape [..., in, sum(outs)]: one GEMM computes them all (`fuse_projections`).
+    """Weights that share an input (q, k and v; gate and up) as one weight `w` of logical shape
+    [..., in, sum(outs)] (a plain array, or an 8-bit per-channel weight): one GEMM or one W8A16
+    kernel launch computes them all (`fuse_projections`).
 
     outs (static): each weight's output width, in order; `split` cuts the GEMM's output back
     into them. Slicing a stack (`lax.scan`) slices `w` on its leading axes.
@@ -116,6 +117,10 @@ class FusedWeight:
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(*children, aux)
+
+    @property
+    def reads_layer_in_place(self) -> bool:  # a kernel reading the stack's layer itself
+        return getattr(self.w, "reads_layer_in_place", False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -142,21 +147,33 @@ def fused_name(names) -> str:
 
 
 def _fusable(layers: dict, names, num_layers: int) -> list | None:
-    """The group's weights if all are plain stacks of every layer ([num_layers, in, out] arrays
-    or their shapes, one `in`, one dtype), else None."""
+    """The group's weights if all are stacks of every layer, of one input width and one kind:
+    plain [num_layers, in, out] arrays (or their shapes) of one dtype, or 8-bit per-channel
+    weights (`quant/int8.py`, `concat_out`) of one type and impl; else None (INT4, biases, a
+    mixed model's dense stacks of some layers only)."""
     ws = [layers.get(n) for n in names]
-    if not all(isinstance(w, jax.Array | jax.ShapeDtypeStruct) and len(w.shape) == 3 for w in ws):
+    if any(w is None or len(w.shape) != 3 for w in ws) or ws[0].shape[0] != num_layers:
         return None
-    if len({(w.shape[0], w.shape[1], w.dtype) for w in ws}) != 1 or ws[0].shape[0] != num_layers:
+    if len({(w.shape[:2], type(w), w.dtype if _is_array(w) else None) for w in ws}) != 1:
         return None
-    return ws
+    if _is_array(ws[0]) or getattr(ws[0], "per_channel", False):
+        return ws
+    return None
+
+
+def _is_array(w) -> bool:
+    return isinstance(w, jax.Array | jax.ShapeDtypeStruct)
+
+
+def _bytes(w) -> int:
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(w))
 
 
 def fusion_bytes(layers: dict, num_layers: int) -> int:
     """Bytes of the largest stack `fuse_projections` writes while its group's stacks still
     live: what the layout needs beyond the weights themselves (0 if nothing would be fused)."""
     sizes = [
-        sum(math.prod(w.shape) * jnp.dtype(w.dtype).itemsize for w in ws)
+        sum(_bytes(w) for w in ws)
         for names in FUSED_GROUPS
         if (ws := _fusable(layers, names, num_layers))
     ]
@@ -164,11 +181,10 @@ def fusion_bytes(layers: dict, num_layers: int) -> int:
 
 
 def fuse_projections(layers: dict, num_layers: int) -> dict:
-    """The model's layer weights with each group of `FUSED_GROUPS` whose weights are all plain
-    stacks of every layer ([num_layers, in, out] arrays or their shapes, one `in`, one dtype)
-    replaced by one `FusedWeight` under `fused_name(group)` (a new, concatenated buffer; the
-    separate stacks are dropped). Other weights (quantized, biases, a mixed model's dense stacks
-    of some layers only) stay as they are."""
+    """The model's layer weights with each group of `FUSED_GROUPS` whose weights `_fusable`
+    takes (plain stacks, or 8-bit per-channel ones) replaced by one `FusedWeight` under
+    `fused_name(group)` (a new, concatenated buffer; the separate stacks are dropped). Other
+    weights stay as they are."""
     out = dict(layers)
     for names in FUSED_GROUPS:
         ws = _fusable(out, names, num_layers)
@@ -179,8 +195,10 @@ def fuse_projections(layers: dict, num_layers: int) -> dict:
         outs = tuple(w.shape[-1] for w in ws)
         if isinstance(ws[0], jax.ShapeDtypeStruct):  # abstract params (the lowering tests)
             fused = jax.ShapeDtypeStruct((*ws[0].shape[:-1], sum(outs)), ws[0].dtype)
-        else:
+        elif isinstance(ws[0], jax.Array):
             fused = jnp.concatenate(ws, axis=-1)
+        else:
+            fused = ws[0].concat_out(ws[1:])
         out[fused_name(names)] = FusedWeight(fused, outs)
     return out
 

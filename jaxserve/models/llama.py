@@ -132,6 +132,10 @@ def forward(
             if fused is not None:  # one GEMM over the group's concatenated weights
                 ys = fused.split(linear(a, fused.w, min_rows=impl.min_matmul_rows))
                 return tuple(adapted(a, n, y) for n, y in zip(names, ys))
+            fused = whole.get(fused_name(names))
+            if fused is not None:
+                ys = fused.split(linear(a, fused.w, layer=li, min_rows=impl.min_matmul_rows))
+                return tuple(adapted(a, n, y) for n, y in zip(names, ys))
             if all(n in whole and n not in row for n in names):
                 ws = [whole[n] for n in names]
                 ys = linears(a, ws, layer=li, min_rows=impl.min_matmul_rows)

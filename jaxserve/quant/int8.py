@@ -148,6 +148,18 @@ class _ScaledWeight:
         `kernel_rows`): the mixture of experts' 'kernel' path (`layers/moe.py`)."""
         return self.reads_layer_in_place and tile_rows <= self.kernel_rows
 
+    def concat_out(self, others) -> _ScaledWeight:
+        """This weight and `others` (the same kind, group size and K) as one [..., K, sum(N)]
+        weight: q and scales side by side on the output axis (the GPU's fused q/k/v and gate/up
+        stacks, `layers/linear.fuse_projections`)."""
+        ws = [self, *others]
+        if len({(type(w), w.group_size, w.q.shape[:-1], w.impl, w.parallel) for w in ws}) != 1:
+            raise ValueError("concat_out needs weights of one kind, group size, K and impl")
+        return self.replace(
+            q=jnp.concatenate([w.q for w in ws], axis=-1),
+            scales=jnp.concatenate([w.scales for w in ws], axis=-1),
+        )
+
     def dequantize(self) -> jax.Array:
         """-> f32[..., K, N]."""
         self.check()
