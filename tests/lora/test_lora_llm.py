@@ -130,3 +130,21 @@ def test_speculative_decoding_with_adapters_gives_the_plain_tokens(llm, adapters
     got = spec.generate(ps, sp, use_tqdm=False, lora_request=choice)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert spec.stats()["num_spec_accepted_tokens"] > 0  # the drafts were verified, some kept
+
+
+def test_fused_projections_carry_each_adapter(llm, adapters, monkeypatch):
+    """The GPU's weight layout (`resolve.weight_layout` 'fused': q/k/v and gate/up each one GEMM
+    over a concatenated stack), forced on the CPU: each part of a fused product still gets its own
+    adapter's delta, whether the adapter covers every module ('all') or some of a group
+    ('attn': q and v, not k)."""
+    from jaxserve import resolve
+
+    monkeypatch.setattr(resolve, "weight_layout", lambda *a: "fused")
+    fused = LLM(str(BASE), enable_lora=True, max_loras=2, max_lora_rank=8, **KW)
+    assert "wq+wk+wv" in fused.engine.runner.params["layers"]
+    ps = prompts(4, seed=2)
+    for req in (adapters["all"], adapters["attn"]):
+        same(
+            fused.generate(ps, GREEDY, use_tqdm=False, lora_request=req),
+            llm.generate(ps, GREEDY, use_tqdm=False, lora_request=req),
+        )
