@@ -128,13 +128,10 @@ def forward(
             return adapted(a, name, y)
 
         def projs(a, names):  # (a @ layer li's weight `name` for each name), stacks together
-            fused = lp.get(fused_name(names))
-            if fused is not None:  # one GEMM over the group's concatenated weights
-                ys = fused.split(linear(a, fused.w, min_rows=impl.min_matmul_rows))
-                return tuple(adapted(a, n, y) for n, y in zip(names, ys))
-            fused = whole.get(fused_name(names))
-            if fused is not None:
-                ys = fused.split(linear(a, fused.w, layer=li, min_rows=impl.min_matmul_rows))
+            key = fused_name(names)
+            if key in lp or key in whole:  # one GEMM / W8A16 launch over the concatenated group
+                fused, layer = (whole[key], li) if key in whole else (lp[key], None)
+                ys = fused.split(linear(a, fused.w, layer=layer, min_rows=impl.min_matmul_rows))
                 return tuple(adapted(a, n, y) for n, y in zip(names, ys))
             if all(n in whole and n not in row for n in names):
                 ws = [whole[n] for n in names]
